@@ -1,0 +1,60 @@
+"""Differentiable Gradient Estimator for the weight quantizer (arXiv 2501.17116, section 3.2).
+
+Straight-through estimation treats the rounding step as the identity. DGE instead
+back-propagates through a smooth stand-in for the step function. In one quantization
+interval of width ``delta`` with ``u`` the offset from the interval's left grid point:
+
+    f(u)  = delta/2 * (1 + sign(2u/delta - 1) * |2u/delta - 1|^(1/k))
+    f'(u) = (1/k) * |2u/delta - 1|^(1/k - 1),  clamped to at most ``clamp``
+
+so f' is 1/k at grid points and peaks (clamped) at interval mid-points. Over one
+interval the unclamped f' integrates to exactly delta, so DGE does not change the
+gradient's expected size. On the E2M1 grid (in the scaled domain) delta is 0.5 for
+|x| < 2, 1 for 2 <= |x| < 4 and 2 for 4 <= |x| <= 6; outside [-6, 6] f' = 0.
+
+The weight gradient becomes ``dW = (dY^T A_q) * f'(W * s_w)`` element-wise: the
+per-channel scale cancels (paper, appendix C.2).
+"""
+from __future__ import annotations
+
+import torch
+
+from .formats import E2M1_MAX
+
+__all__ = ["dge_derivative", "dge_smooth"]
+
+
+def _interval(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left grid point and width of the E2M1 interval holding each magnitude ``a``."""
+    delta = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    left = torch.floor(a / delta) * delta
+    return left, delta
+
+
+def dge_derivative(x_scaled: torch.Tensor, k: float = 5.0, clamp: float = 3.0) -> torch.Tensor:
+    """DGE derivative ``f'`` at the scaled weights ``x_scaled = W * s_w`` (fp32 out).
+
+    Symmetric in the sign of x (f is odd, so f' is even). Values outside [-6, 6]
+    get 0; ``clamp`` bounds the spikes at interval mid-points.
+    """
+    if k <= 1.0:
+        raise ValueError(f"dge_derivative: k must be > 1 (the paper uses 5), got {k}")
+    if clamp <= 0:
+        raise ValueError(f"dge_derivative: clamp must be positive, got {clamp}")
+    a = x_scaled.float().abs()
+    left, delta = _interval(a)
+    t = (2.0 * (a - left) / delta - 1.0).abs()
+    # t == 0 (a mid-point) gives inf ** negative = inf, which the clamp caps.
+    deriv = (1.0 / k) * t.pow(1.0 / k - 1.0)
+    deriv = deriv.clamp(max=clamp)
+    return torch.where(a <= E2M1_MAX, deriv, torch.zeros_like(deriv))
+
+
+def dge_smooth(x_scaled: torch.Tensor, k: float = 5.0) -> torch.Tensor:
+    """The smooth quantizer ``f`` itself (for tests and plots), on the same grid."""
+    xf = x_scaled.float()
+    a = xf.abs().clamp(max=E2M1_MAX)
+    left, delta = _interval(a)
+    s = 2.0 * (a - left) / delta - 1.0
+    out = left + delta / 2 * (1.0 + torch.sign(s) * s.abs().pow(1.0 / k))
+    return torch.copysign(out, xf)

@@ -1,0 +1,153 @@
+"""The FP4 E2M1 number format and its FP8 companions (arXiv 2501.17116, section 3.1).
+
+E2M1 has 1 sign bit, 2 exponent bits and 1 mantissa bit. Its eight magnitudes are
+0, 0.5, 1, 1.5, 2, 3, 4, 6; there is no inf and no NaN. A 4-bit *code* is
+``sign << 3 | index`` where ``index`` points into ``E2M1_VALUES``; two codes are
+packed per byte (element ``2j`` in the low nibble, ``2j + 1`` in the high nibble).
+
+Rounding is round-to-nearest with ties to the *even mantissa* (the OCP-MX / IEEE
+rule, also TransformerEngine's reference): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4. The authors' released CUDA table rounds
+ties up instead (2.5 -> 3, 5 -> 6); we follow the OCP rule on purpose. Magnitudes
+beyond 6 saturate to 6; NaN stays NaN in ``round_to_e2m1``.
+
+Every E2M1 value is exact in FP8 E4M3, bf16 and fp16, which is how the GeMMs run
+on hardware without FP4 tensor cores.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "F8E4M3_MAX",
+    "F8E5M2_MAX",
+    "round_to_e2m1",
+    "encode_e2m1",
+    "decode_e2m1",
+    "pack_fp4",
+    "unpack_fp4",
+    "cast_to_fp8",
+]
+
+E2M1_MAX = 6.0  # largest E2M1 magnitude
+F8E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+F8E5M2_MAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
+
+#: The eight non-negative E2M1 magnitudes, indexed by the 3 low bits of a code.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# Decision thresholds between neighbouring magnitudes. Where the upper neighbour has
+# an even index (mantissa bit 0) a tie rounds *up* to it (>=); otherwise down (>).
+_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+_LUT_CACHE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Signed value of each of the 16 codes (code 8 is -0.0)."""
+    key = (device, dtype)
+    if key not in _LUT_CACHE:
+        mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        _LUT_CACHE[key] = torch.cat([mags, -mags]).to(device=device, dtype=dtype)
+    return _LUT_CACHE[key]
+
+
+def _magnitude_index(a: torch.Tensor) -> torch.Tensor:
+    """Index (0..7) of the nearest E2M1 magnitude for ``a = |x|`` (fp32), ties to even."""
+    # Arithmetic rounding on the three binades, each exact in fp32:
+    #   [0, 2): step 0.5 -> round(2a)   gives indices 0..4
+    #   [2, 4): step 1   -> round(a)    gives values 2..4 -> indices 4..6
+    #   [4, 6]: step 2   -> round(a/2)  gives values 2..3 -> indices 6..7
+    # torch.round rounds half to even, and in every binade "even multiple of the
+    # step" is exactly "even mantissa", so ties go where the OCP rule says.
+    a = a.clamp(max=E2M1_MAX)
+    lo = torch.round(a * 2.0)  # valid where a < 2 (may round to 4 == value 2.0)
+    mid = torch.round(a) + 2.0  # value v in {2,3,4} -> index v + 2
+    hi = torch.round(a * 0.5) + 4.0  # value 2v in {4,6} -> index v + 4
+    idx = torch.where(a < 2.0, lo, torch.where(a < 4.0, mid, hi))
+    return idx.to(torch.uint8)
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` to the nearest E2M1 value (ties to even mantissa), saturating at +/-6.
+
+    Returns a tensor of ``x``'s dtype whose values all lie on the E2M1 grid. NaN
+    propagates; +/-inf saturate to +/-6 (callers that must reject inf check first).
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"round_to_e2m1 expects a floating-point tensor, got {x.dtype}")
+    xf = x.float()
+    idx = _magnitude_index(xf.abs())
+    mag = _lut(x.device, torch.float32)[idx.long()]
+    out = torch.copysign(mag, xf)
+    out = torch.where(torch.isnan(xf), xf, out)
+    return out.to(x.dtype)
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Encode ``x`` (already scaled into E2M1 range) as 4-bit codes in a uint8 tensor.
+
+    Negative zero and negative values that round to zero keep the sign bit (code 8),
+    mirroring IEEE behaviour. NaN has no E2M1 encoding: it raises ``ValueError``.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"encode_e2m1 expects a floating-point tensor, got {x.dtype}")
+    xf = x.float()
+    if torch.isnan(xf).any():
+        raise ValueError("encode_e2m1: input contains NaN, which E2M1 cannot represent; check the input for NaN first")
+    idx = _magnitude_index(xf.abs())
+    sign = torch.signbit(xf).to(torch.uint8) << 3
+    return idx | sign
+
+
+def decode_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode uint8 4-bit codes (one per element, values 0..15) to ``dtype``."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"decode_e2m1 expects uint8 codes, got {codes.dtype}")
+    return _lut(codes.device, dtype)[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes two per byte along the last dimension.
+
+    Element ``2j`` goes to the low nibble of byte ``j``, element ``2j+1`` to the high
+    nibble. An odd last dimension is padded with a zero code, so ``unpack_fp4``
+    needs the original length back.
+    """
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"pack_fp4 expects uint8 codes, got {codes.dtype}")
+    k = codes.shape[-1]
+    if k % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    return (pairs[..., 0] & 0xF) | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """Inverse of ``pack_fp4``: uint8 bytes -> one code per element, last dim ``k``."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_fp4 expects uint8 bytes, got {packed.dtype}")
+    full = 2 * packed.shape[-1]
+    if k is None:
+        k = full
+    if not (full - 1 <= k <= full):
+        raise ValueError(f"unpack_fp4: {packed.shape[-1]} bytes hold {full - 1} or {full} codes, not k={k}")
+    out = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], full)
+    return out[..., :k] if k != full else out
+
+
+def cast_to_fp8(x: torch.Tensor, fmt: str = "e5m2") -> torch.Tensor:
+    """Saturating round-to-nearest-even cast to FP8 (``e4m3`` or ``e5m2``).
+
+    torch's plain ``.to(float8)`` overflows to inf/NaN past the max; we clamp first
+    so an amax-scaled tensor never produces inf. NaN stays NaN.
+    """
+    if fmt == "e4m3":
+        dtype, fmax = torch.float8_e4m3fn, F8E4M3_MAX
+    elif fmt == "e5m2":
+        dtype, fmax = torch.float8_e5m2, F8E5M2_MAX
+    else:
+        raise ValueError(f"unknown FP8 format {fmt!r}; choose 'e4m3' or 'e5m2'")
+    return x.clamp(-fmax, fmax).to(dtype)

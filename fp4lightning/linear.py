@@ -1,0 +1,197 @@
+"""``FP4Linear``: a drop-in ``nn.Linear`` whose three GeMMs run on FP4 operands (section 3).
+
+Forward (per layer, ``Y = A W^T``, A flattened to tokens x K):
+
+1. OCC (section 3.3): clamp A to its signed ``1-alpha`` / ``alpha`` quantiles; keep the
+   sparse residual ``R = A - A_c``.
+2. Quantize ``A_c`` per token and ``W`` per output channel to E2M1 (absmax scales).
+3. ``Y = diag(1/s_a) (A_q W_q^T) diag(1/s_w) + R Wdq^T + b`` - the FP4 GeMM plus the
+   compensation product in high precision (``Wdq = W_q / s_w``).
+
+Backward (dY in FP8 E5M2 by default, see ``fp4lightning.ops``):
+
+* ``dA = dY Wdq``   (straight-through for the activation quantizer and the clamp:
+  clamp + compensation is the identity on A);
+* ``dW = (dY^T (A_qdq + R)) * f'(W s_w)`` with ``f'`` the DGE derivative (section 3.2),
+  or plain STE when DGE is off.
+
+What is saved for backward is the *quantized* activation - packed FP4 codes (half a
+byte per element), its per-token scales and the sparse residual in CSR form - never
+the high-precision input. The packed weight codes are saved too (half a byte per
+weight element, against the bf16 copy of W autocast saves for ``nn.Linear``). The
+high-precision weight stays the ``nn.Parameter``, so optimizers and checkpoints see
+an ordinary Linear.
+
+Dtypes follow ``nn.Linear`` under autocast: with autocast on, the output has the
+autocast dtype; otherwise the input's dtype. Non-finite input rows produce NaN
+output rows (NaN in, NaN out) so that loss scaling can see them.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from . import ops
+from .config import FP4Config
+from .dge import dge_derivative
+from .occ import occ_bounds, occ_clamp
+
+__all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape"]
+
+#: Feature sizes must be multiples of this: two FP4 codes share a byte, and the GPU
+#: GeMMs (TMA / FP8 tensor cores) want 16-element aligned rows.
+FEATURE_ALIGN = 16
+
+
+def check_fp4_shape(in_features: int, out_features: int) -> str | None:
+    """Why an (in, out) Linear cannot be FP4, or None if it can."""
+    bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features)) if v % FEATURE_ALIGN]
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {FEATURE_ALIGN}"
+    return None
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+class _FP4LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: FP4Config):
+        out_dtype = _out_dtype(x)
+        k = weight.shape[1]
+        x2d = x.reshape(-1, k)
+        with torch.autocast(x.device.type, enabled=False):
+            # --- OCC: clamp the activation, keep the residual
+            resid = None
+            if cfg.occ:
+                bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
+                xc, r = occ_clamp(x2d, bounds)
+                if cfg.occ_compensation:
+                    resid = _sparse_residual(r)
+            else:
+                xc = x2d
+            # --- quantize both operands
+            a_codes, a_scale, a_vals = ops.quantize_fp4(xc, cfg.scale_mode, cfg.act_granularity == "per_tensor")
+            w_codes, w_scale, _ = ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor")
+            # --- the FP4 GeMM, then the compensation in high precision
+            y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32 if resid is not None else out_dtype,
+                             bias=bias, a_values=a_vals)
+            if resid is not None:
+                w_dq = _dequant_weight(w_codes, w_scale, k, torch.float32)
+                y = y + torch.sparse.mm(resid, w_dq.t()).float()
+                y = y.to(out_dtype)
+        ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, resid)
+        ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        a_codes, a_scale, w_codes, w_scale, weight, resid = ctx.saved_tensors
+        cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
+        n = weight.shape[0]
+        dy2d = dy.reshape(-1, n)
+        dyf = dy2d.float()
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                # dA = dY diag(1/s_w) W_q : fold the reduction-dim scale into dY first
+                g1, s_g1 = ops.quantize_fp8(dyf / w_scale[None, :], dim=1, fmt=cfg.grad_format)
+                grad_x = ops.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
+            if ctx.needs_input_grad[1]:
+                g2, s_g2 = ops.quantize_fp8(dyf / a_scale[:, None], dim=0, fmt=cfg.grad_format)
+                if resid is None:
+                    grad_w = ops.fp4_wgrad(
+                        g2, s_g2, a_codes, k, torch.float32,
+                        dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
+                        dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp,
+                    )
+                else:
+                    # DGE multiplies the whole dL/dW_q, compensation term included
+                    grad_w = ops.fp4_wgrad(g2, s_g2, a_codes, k, torch.float32)
+                    grad_w = grad_w + torch.sparse.mm(resid.t(), dyf).t()
+                    if cfg.dge:
+                        grad_w = grad_w * dge_derivative(weight.float() * w_scale[:, None], cfg.dge_k, cfg.dge_clamp)
+                grad_w = grad_w.to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = dyf.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def _sparse_residual(r: torch.Tensor) -> torch.Tensor:
+    """Dense residual -> fp32 CSR with int32 indices (~8 bytes per non-zero).
+
+    fp32 because the compensation product is meant to be high precision (and CPU
+    sparse kernels take no bf16); int32 indices halve torch's default int64 cost.
+    """
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": known, not actionable
+        warnings.simplefilter("ignore", UserWarning)
+        csr = r.float().to_sparse_csr()
+    return torch.sparse_csr_tensor(csr.crow_indices().int(), csr.col_indices().int(), csr.values(), csr.shape,
+                                   check_invariants=False)
+
+
+def _dequant_weight(w_codes: torch.Tensor, w_scale: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    vals = ops.decode_e2m1(ops.unpack_fp4(w_codes, k), torch.float32)
+    return (vals / w_scale[:, None]).to(dtype)
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               config: FP4Config | None = None) -> torch.Tensor:
+    """Functional form of ``FP4Linear`` (``F.linear`` with FP4 GeMMs)."""
+    cfg = config or FP4Config()
+    if not x.is_floating_point():
+        raise TypeError(f"fp4_linear: input must be floating point, got {x.dtype}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"fp4_linear: input has {x.shape[-1]} features in its last dimension (shape {tuple(x.shape)}) "
+            f"but the weight expects {weight.shape[1]}"
+        )
+    if x.numel() == 0:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _FP4LinearFn.apply(x, weight, bias, cfg)
+
+
+class FP4Linear(nn.Linear):
+    """``nn.Linear`` with FP4 forward and backward GeMMs (arXiv 2501.17116).
+
+    Parameters and state-dict keys are those of ``nn.Linear`` (``weight``, ``bias``),
+    kept in high precision. ``config`` holds the FP4 recipe (default: the paper's).
+    Both feature sizes must be multiples of 16.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 config: FP4Config | None = None):
+        why = check_fp4_shape(in_features, out_features)
+        if why:
+            raise ValueError(f"FP4Linear({in_features}, {out_features}): {why}; keep this layer as nn.Linear "
+                             "(convert_to_fp4 skips such layers with a warning)")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config or FP4Config()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: FP4Config | None = None) -> "FP4Linear":
+        """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_linear(x, self.weight, self.bias, self.config)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        parts = [super().extra_repr(), f"w={c.weight_granularity}", f"a={c.act_granularity}"]
+        parts.append(f"dge(k={c.dge_k})" if c.dge else "ste")
+        if c.occ:
+            parts.append(f"occ(alpha={c.occ_alpha}{'' if c.occ_compensation else ', no comp'})")
+        parts.append(f"dY={c.grad_format}")
+        return ", ".join(parts)

@@ -1,0 +1,162 @@
+"""Absmax scaling into FP4 with a chosen granularity (arXiv 2501.17116, section 3.1).
+
+``scale = 6 / amax`` over each scaling group, ``q = round_e2m1(x * scale)``, and the
+dequantized value is ``q / scale``. Granularity follows the GeMM ``Y = A W^T`` so the
+scales factor out of the product and can be applied in the epilogue:
+
+* ``per_token``   - one scale per row of a (tokens x features) activation;
+* ``per_channel`` - one scale per output channel, i.e. per row of W (out x in);
+* ``per_tensor``  - one scale for everything (an ablation; worse for activations).
+
+Both per-token and per-channel are "one scale per row of a row-major 2-D tensor", so
+a single row-wise quantizer serves both. Scales are always returned one per row
+(per-tensor repeats the same value) which keeps every GeMM's epilogue identical.
+
+``scale_mode="pow2"`` rounds the scale down to a power of two (the released code's
+choice); ``"float"`` (the default, the paper's research code) keeps it exact.
+The scale arithmetic is pinned to fp32 so that the PyTorch reference and the Triton
+kernel produce bit-identical codes and scales.
+
+Non-finite input: a row containing NaN or +/-inf gets a NaN scale, so every element
+of that row dequantizes to NaN (NaN in, NaN out). The 4-bit codes of such a row are
+meaningless. Dynamic loss scaling relies on this to see overflow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .formats import E2M1_MAX, _magnitude_index, decode_e2m1, pack_fp4, unpack_fp4
+
+__all__ = [
+    "Granularity",
+    "ScaleMode",
+    "QuantizedFP4",
+    "AMAX_EPS",
+    "compute_scale",
+    "quantize",
+    "quantize_rows",
+    "dequantize",
+    "fake_quantize",
+]
+
+Granularity = Literal["per_token", "per_channel", "per_tensor"]
+ScaleMode = Literal["float", "pow2"]
+GRANULARITIES = ("per_token", "per_channel", "per_tensor")
+SCALE_MODES = ("float", "pow2")
+
+AMAX_EPS = 1e-12  # amax floor: an all-zero row gets a finite scale and codes of 0
+
+
+@dataclass
+class QuantizedFP4:
+    """FP4 codes plus their fp32 per-row scales.
+
+    ``codes`` is uint8, either one code per element (shape ``(M, K)``) or packed two
+    per byte (shape ``(M, ceil(K/2))``); ``scale`` is fp32 of shape ``(M,)``;
+    ``shape`` is the original shape (leading dims are flattened into M).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    packed: bool
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    def unpacked_codes(self) -> torch.Tensor:
+        return unpack_fp4(self.codes, self.k) if self.packed else self.codes
+
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
+
+
+def compute_scale(amax: torch.Tensor, scale_mode: ScaleMode = "float") -> torch.Tensor:
+    """fp32 scale ``6 / amax`` (or its power-of-two floor) with NaN for non-finite amax."""
+    amax = amax.float()
+    scale = E2M1_MAX / amax.clamp(min=AMAX_EPS)
+    if scale_mode == "pow2":
+        # Exact 2^floor(log2(scale)): keep the fp32 exponent bits, zero the mantissa.
+        # (log2 can round up just below a power of two; bit masking cannot.)
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    elif scale_mode != "float":
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose one of {SCALE_MODES}")
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def quantize_rows(
+    x2d: torch.Tensor,
+    scale_mode: ScaleMode = "float",
+    per_tensor: bool = False,
+    packed: bool = True,
+    return_values: bool = False,
+):
+    """Row-wise FP4 quantization of a 2-D tensor: the reference for the Triton kernel.
+
+    Returns ``(codes, scale)`` or, with ``return_values=True``, ``(codes, scale, q)``
+    where ``q`` (fp32, on the E2M1 grid) saves callers from decoding the codes again.
+    """
+    if x2d.dim() != 2:
+        raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x2d.shape)}")
+    xf = x2d.float()
+    amax = xf.abs().amax(dim=1)
+    if per_tensor:
+        amax = amax.amax().expand(xf.shape[0]).contiguous()
+    scale = compute_scale(amax, scale_mode)
+    y = xf * scale[:, None]
+    # NaN rows (scale NaN) give NaN y; zero them so the code arithmetic stays defined.
+    y = torch.nan_to_num(y, nan=0.0)
+    idx = _magnitude_index(y.abs())
+    codes = idx | (torch.signbit(y).to(torch.uint8) << 3)
+    if packed:
+        codes = pack_fp4(codes)
+    if return_values:
+        q = torch.copysign(decode_e2m1(idx, torch.float32), y)
+        return codes, scale, q
+    return codes, scale
+
+
+def _as_rows(x: torch.Tensor, granularity: Granularity) -> tuple[torch.Tensor, bool]:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; choose one of {GRANULARITIES}")
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-d tensor; give it at least one dimension")
+    return x.reshape(-1, x.shape[-1]), granularity == "per_tensor"
+
+
+def quantize(
+    x: torch.Tensor,
+    granularity: Granularity = "per_token",
+    scale_mode: ScaleMode = "float",
+    packed: bool = True,
+) -> QuantizedFP4:
+    """Quantize ``x`` to FP4 with absmax scaling along its last dimension.
+
+    ``per_token`` and ``per_channel`` both give one scale per row of ``x`` viewed as
+    ``(-1, x.shape[-1])``: pass activations as (tokens, features) and weights as
+    (out, in). ``per_tensor`` uses one scale for all elements.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    rows, per_tensor = _as_rows(x, granularity)
+    codes, scale = quantize_rows(rows, scale_mode, per_tensor=per_tensor, packed=packed)
+    return QuantizedFP4(codes, scale, x.shape, packed)
+
+
+def dequantize(q: QuantizedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``decode(codes) / scale`` in fp32, cast to ``dtype``, with the original shape."""
+    vals = decode_e2m1(q.unpacked_codes(), torch.float32)
+    return (vals / q.scale[:, None]).to(dtype).reshape(q.shape)
+
+
+def fake_quantize(
+    x: torch.Tensor, granularity: Granularity = "per_token", scale_mode: ScaleMode = "float"
+) -> torch.Tensor:
+    """Quantize and dequantize in one go (no gradient logic), keeping ``x``'s dtype."""
+    rows, per_tensor = _as_rows(x, granularity)
+    _, scale, q = quantize_rows(rows, scale_mode, per_tensor=per_tensor, packed=False, return_values=True)
+    return (q / scale[:, None]).to(x.dtype).reshape(x.shape)
