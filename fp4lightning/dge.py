@@ -52,7 +52,7 @@ def dge_derivative(x_scaled: torch.Tensor, k: float = 5.0, clamp: float = 3.0) -
 
 def dge_smooth(x_scaled: torch.Tensor, k: float = 5.0) -> torch.Tensor:
     """The smooth quantizer ``f`` itself (for tests and plots), on the same grid."""
-    xf = x_scaled.float()
+    xf = x_scaled.double() if x_scaled.dtype == torch.float64 else x_scaled.float()
     a = xf.abs().clamp(max=E2M1_MAX)
     left, delta = _interval(a)
     s = 2.0 * (a - left) / delta - 1.0

@@ -1,0 +1,114 @@
+"""E2M1 rounding, encoding and packing against exact value tables (METHOD.md section 1)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp4lightning.formats import (
+    E2M1_VALUES,
+    cast_to_fp8,
+    decode_e2m1,
+    encode_e2m1,
+    pack_fp4,
+    round_to_e2m1,
+    unpack_fp4,
+)
+
+# (input, round-half-to-even E2M1 value): every grid point, every tie, saturation.
+EXACT_TABLE = [
+    (0.0, 0.0), (0.1, 0.0), (0.25, 0.0), (0.26, 0.5), (0.5, 0.5), (0.74, 0.5), (0.75, 1.0),
+    (1.0, 1.0), (1.25, 1.0), (1.26, 1.5), (1.5, 1.5), (1.75, 2.0), (2.0, 2.0), (2.49, 2.0),
+    (2.5, 2.0), (2.51, 3.0), (3.0, 3.0), (3.5, 4.0), (4.0, 4.0), (4.99, 4.0), (5.0, 4.0),
+    (5.01, 6.0), (6.0, 6.0), (6.5, 6.0), (1e9, 6.0), (math.inf, 6.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_round_exact_table_both_signs(dtype):
+    xs = torch.tensor([x for x, _ in EXACT_TABLE], dtype=torch.float64)
+    want = torch.tensor([y for _, y in EXACT_TABLE], dtype=torch.float64)
+    if dtype == torch.bfloat16:  # keep only inputs bf16 represents exactly
+        keep = xs.to(dtype).double() == xs
+        xs, want = xs[keep], want[keep]
+    for sign in (1.0, -1.0):
+        got = round_to_e2m1((sign * xs).to(dtype))
+        assert got.dtype == dtype
+        assert torch.equal(got.double(), sign * want), (sign * xs, got)
+
+
+def test_negative_zero_and_nan():
+    got = round_to_e2m1(torch.tensor([-0.0, -0.1, float("nan")]))
+    assert torch.signbit(got[0]) and torch.signbit(got[1]) and got[0] == 0 and got[1] == 0
+    assert torch.isnan(got[2])
+    codes = encode_e2m1(torch.tensor([-0.0, 0.0, -0.2]))
+    assert codes.tolist() == [8, 0, 8]
+    with pytest.raises(ValueError, match="NaN"):
+        encode_e2m1(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(TypeError):
+        round_to_e2m1(torch.tensor([1, 2]))
+
+
+def test_encode_decode_all_codes():
+    values = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES])
+    codes = encode_e2m1(values)
+    assert codes.tolist() == list(range(16))
+    assert torch.equal(decode_e2m1(codes), values)
+    # every code value is exact in FP8 E4M3 and bf16
+    assert torch.equal(values.to(torch.float8_e4m3fn).float(), values)
+    assert torch.equal(values.to(torch.bfloat16).float(), values)
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 16, 33])
+def test_pack_unpack_round_trip(k):
+    codes = torch.randint(0, 16, (5, k), dtype=torch.uint8)
+    packed = pack_fp4(codes)
+    assert packed.shape == (5, (k + 1) // 2) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_fp4(packed, k), codes)
+    # layout: element 2j in the low nibble
+    assert int(packed[0, 0]) & 0xF == int(codes[0, 0])
+
+
+def test_unpack_rejects_wrong_length():
+    with pytest.raises(ValueError, match="k=5"):
+        unpack_fp4(torch.zeros(2, 4, dtype=torch.uint8), 5)
+
+
+def test_cast_to_fp8_saturates():
+    x = torch.tensor([1e6, -1e6, 1.0, float("nan")])
+    assert cast_to_fp8(x, "e4m3").float()[:3].tolist() == [448.0, -448.0, 1.0]
+    assert cast_to_fp8(x, "e5m2").float()[:2].tolist() == [57344.0, -57344.0]
+    assert torch.isnan(cast_to_fp8(x, "e5m2").float()[3])
+    with pytest.raises(ValueError, match="e4m3"):
+        cast_to_fp8(x, "e3m4")
+
+
+finite = st.floats(min_value=-20, max_value=20, allow_nan=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=finite, b=finite)
+def test_rounding_monotonic(a, b):
+    lo, hi = min(a, b), max(a, b)
+    r = round_to_e2m1(torch.tensor([lo, hi]))
+    assert r[0] <= r[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=finite)
+def test_rounding_odd_symmetric_and_idempotent(a):
+    x = torch.tensor([a, -a])
+    r = round_to_e2m1(x)
+    assert r[0] == -r[1]
+    assert torch.equal(round_to_e2m1(r), r)
+    assert float(r[0]) in E2M1_VALUES or -float(r[0]) in E2M1_VALUES
+
+
+def test_round_is_nearest_on_random_values():
+    """Brute force: the chosen grid value is a nearest one (ties aside) for fresh inputs."""
+    x = torch.randn(20000) * 3
+    grid = torch.tensor(sorted({s * v for v in E2M1_VALUES for s in (1, -1)}))
+    r = round_to_e2m1(x)
+    best = (x[:, None] - grid[None, :]).abs().min(dim=1).values
+    assert torch.equal((x - r).abs(), best)

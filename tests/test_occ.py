@@ -1,0 +1,68 @@
+"""Outlier Clamping and Compensation (METHOD.md section 5; the paper's Table 1 ordering)."""
+import pytest
+import torch
+
+from fp4lightning.occ import occ_bounds, occ_clamp
+from fp4lightning.quantize import fake_quantize
+
+from ._numerics import heavy_tailed, sqnr
+
+# Sampled quantiles (65,536 samples) move the clamped fraction by ~0.05 points at
+# alpha=0.99 (standard error); allow 4 sigma.
+CLAMP_FRACTION_TOL = 0.003
+
+
+@pytest.mark.parametrize("method", ["sample", "exact"])
+@pytest.mark.parametrize("alpha", [0.99, 0.97])
+def test_clamped_fraction_close_to_two_tails(method, alpha):
+    x = heavy_tailed(1024, 512)
+    b = occ_bounds(x, alpha, method)
+    _, r = occ_clamp(x, b)
+    frac = (r != 0).float().mean().item()
+    assert abs(frac - 2 * (1 - alpha)) < CLAMP_FRACTION_TOL, frac
+
+
+def test_exact_equals_torch_quantile_and_sample_is_close():
+    x = heavy_tailed(512, 512)
+    want = torch.quantile(x.flatten(), torch.tensor([0.01, 0.99]))
+    torch.testing.assert_close(occ_bounds(x, 0.99, "exact"), want, rtol=1e-5, atol=1e-5)
+    est = occ_bounds(x, 0.99, "sample")
+    assert ((est - want).abs() / want.abs()).max() < 0.05
+
+
+def test_clamp_plus_residual_is_exact():
+    x = heavy_tailed(64, 128)
+    xc, r = occ_clamp(x, occ_bounds(x, 0.99))
+    # r = x - xc is exact (Sterbenz) unless |x| > 2 |bound|: allow one rounding
+    torch.testing.assert_close(xc + r, x, rtol=1e-7, atol=0)
+    assert xc.max() <= occ_bounds(x, 0.99).max()
+
+
+def _fidelity(x, alpha, compensate):
+    if alpha is None:
+        return sqnr(fake_quantize(x, "per_token"), x)
+    xc, r = occ_clamp(x, occ_bounds(x, alpha, "exact"))
+    q = fake_quantize(xc, "per_token")
+    return sqnr(q + r if compensate else q, x)
+
+
+def test_table1_ordering_on_heavy_tailed_activations():
+    # Student-t(5) activations: heavy tails in every row. (Whether clamping alone beats
+    # no clamping depends on how much of the energy sits in the tails; with t(5) it
+    # does by ~0.6 dB, as in the paper's real activations, and the margins below are
+    # stable across seeds: measured 15.4 / 16.0 / 17.8 / 20.2 / 21.6 dB.)
+    x = torch.distributions.StudentT(5.0).sample((1024, 1024))
+    none = _fidelity(x, None, False)
+    clamp_only = _fidelity(x, 0.999, False)
+    comp_999 = _fidelity(x, 0.999, True)
+    comp_99 = _fidelity(x, 0.99, True)
+    comp_97 = _fidelity(x, 0.97, True)
+    assert none < clamp_only < comp_999, (none, clamp_only, comp_999)
+    assert comp_999 < comp_99 < comp_97, (comp_999, comp_99, comp_97)
+
+
+def test_bad_alpha_and_method():
+    with pytest.raises(ValueError, match="alpha"):
+        occ_bounds(torch.randn(10), 1.2)
+    with pytest.raises(ValueError, match="quantile method"):
+        occ_bounds(torch.randn(10), 0.99, "sort")
