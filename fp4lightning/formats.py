@@ -54,20 +54,28 @@ def _lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _LUT_CACHE[key]
 
 
+def _bucket_bounds(device: torch.device) -> torch.Tensor:
+    """fp32 boundaries for ``bucketize(a, b, right=True)`` (counts boundaries <= a).
+
+    A tie that must round *up* (to an even-index neighbour) uses the midpoint itself;
+    a tie that must round *down* uses the next float above the midpoint, so the
+    midpoint does not count as passed.
+    """
+    key = (device, "bounds")
+    if key not in _LUT_CACHE:
+        mids = torch.tensor([t for t, _ in _THRESHOLDS], dtype=torch.float32)
+        up = torch.tensor([u for _, u in _THRESHOLDS])
+        _LUT_CACHE[key] = torch.where(up, mids, torch.nextafter(mids, torch.tensor(float("inf")))).to(device)
+    return _LUT_CACHE[key]
+
+
 def _magnitude_index(a: torch.Tensor) -> torch.Tensor:
-    """Index (0..7) of the nearest E2M1 magnitude for ``a = |x|`` (fp32), ties to even."""
-    # Arithmetic rounding on the three binades, each exact in fp32:
-    #   [0, 2): step 0.5 -> round(2a)   gives indices 0..4
-    #   [2, 4): step 1   -> round(a)    gives values 2..4 -> indices 4..6
-    #   [4, 6]: step 2   -> round(a/2)  gives values 2..3 -> indices 6..7
-    # torch.round rounds half to even, and in every binade "even multiple of the
-    # step" is exactly "even mantissa", so ties go where the OCP rule says.
-    a = a.clamp(max=E2M1_MAX)
-    lo = torch.round(a * 2.0)  # valid where a < 2 (may round to 4 == value 2.0)
-    mid = torch.round(a) + 2.0  # value v in {2,3,4} -> index v + 2
-    hi = torch.round(a * 0.5) + 4.0  # value 2v in {4,6} -> index v + 4
-    idx = torch.where(a < 2.0, lo, torch.where(a < 4.0, mid, hi))
-    return idx.to(torch.uint8)
+    """Index (0..7, int32) of the nearest E2M1 magnitude for ``a = |x|`` (fp32), ties to even.
+
+    One binary search over the 7 decision thresholds (``_THRESHOLDS``); +inf lands on
+    7 (saturation). NaN must be removed by the caller.
+    """
+    return torch.bucketize(a, _bucket_bounds(a.device), right=True, out_int32=True)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +87,7 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"round_to_e2m1 expects a floating-point tensor, got {x.dtype}")
     xf = x.float()
-    idx = _magnitude_index(xf.abs())
+    idx = _magnitude_index(torch.nan_to_num(xf.abs(), nan=0.0))
     mag = _lut(x.device, torch.float32)[idx.long()]
     out = torch.copysign(mag, xf)
     out = torch.where(torch.isnan(xf), xf, out)
@@ -97,8 +105,8 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     if torch.isnan(xf).any():
         raise ValueError("encode_e2m1: input contains NaN, which E2M1 cannot represent; check the input for NaN first")
-    idx = _magnitude_index(xf.abs())
-    sign = torch.signbit(xf).to(torch.uint8) << 3
+    idx = _magnitude_index(xf.abs()).to(torch.uint8)
+    sign = torch.signbit(xf).view(torch.uint8) << 3
     return idx | sign
 
 
@@ -106,7 +114,9 @@ def decode_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     """Decode uint8 4-bit codes (one per element, values 0..15) to ``dtype``."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"decode_e2m1 expects uint8 codes, got {codes.dtype}")
-    return _lut(codes.device, dtype)[codes.long()]
+    # index_select with int32 indices is ~10x faster on CPU than advanced indexing
+    flat = torch.index_select(_lut(codes.device, dtype), 0, codes.reshape(-1).int())
+    return flat.reshape(codes.shape)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ class _FP4LinearFn(torch.autograd.Function):
                 else:
                     # DGE multiplies the whole dL/dW_q, compensation term included
                     grad_w = ops.fp4_wgrad(g2, s_g2, a_codes, k, torch.float32)
-                    grad_w = grad_w + torch.sparse.mm(resid.t(), dyf).t()
+                    grad_w = grad_w + torch.sparse.mm(_csr_transpose(resid), dyf).t()
                     if cfg.dge:
                         grad_w = grad_w * dge_derivative(weight.float() * w_scale[:, None], cfg.dge_k, cfg.dge_clamp)
                 grad_w = grad_w.to(weight.dtype)
@@ -123,17 +123,39 @@ class _FP4LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def _csr(crow: torch.Tensor, col: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
+    return torch.sparse_csr_tensor(crow.int(), col.int(), vals, shape, check_invariants=False)
+
+
 def _sparse_residual(r: torch.Tensor) -> torch.Tensor:
     """Dense residual -> fp32 CSR with int32 indices (~8 bytes per non-zero).
 
     fp32 because the compensation product is meant to be high precision (and CPU
     sparse kernels take no bf16); int32 indices halve torch's default int64 cost.
+    Built from ``nonzero`` (row-major order is CSR order), cheaper than ``to_sparse_csr``.
     """
+    mask = r != 0
+    idx = mask.nonzero()
+    vals = r[mask].float()
+    crow = torch.zeros(r.shape[0] + 1, dtype=torch.int64, device=r.device)
+    crow[1:] = torch.bincount(idx[:, 0], minlength=r.shape[0]).cumsum(0)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": known, not actionable
         warnings.simplefilter("ignore", UserWarning)
-        csr = r.float().to_sparse_csr()
-    return torch.sparse_csr_tensor(csr.crow_indices().int(), csr.col_indices().int(), csr.values(), csr.shape,
-                                   check_invariants=False)
+        return _csr(crow, idx[:, 1], vals, r.shape)
+
+
+def _csr_transpose(a: torch.Tensor) -> torch.Tensor:
+    """CSR of ``a.T``: a stable sort of the non-zeros by column (torch's own ``a.t()``
+    then ``mm`` goes through a much slower generic conversion)."""
+    m, k = a.shape
+    crow, col = a.crow_indices().long(), a.col_indices().long()
+    rows = torch.repeat_interleave(torch.arange(m, device=a.device), crow.diff())
+    order = torch.argsort(col, stable=True)
+    new_crow = torch.zeros(k + 1, dtype=torch.int64, device=a.device)
+    new_crow[1:] = torch.bincount(col, minlength=k).cumsum(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return _csr(new_crow, rows[order], a.values()[order], (k, m))
 
 
 def _dequant_weight(w_codes: torch.Tensor, w_scale: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -150,10 +150,10 @@ def fp4_gemm_reference(
     cd = _compute_dtype(out_dtype, a_packed.device)
     a = a_values.to(cd) if a_values is not None else _fp4_values(a_packed, k, cd)
     w = _fp4_values(w_packed, k, cd)
-    acc = (a @ w.t()).float()
-    y = acc / (a_scale[:, None] * w_scale[None, :])
+    y = (a @ w.t()).float()
+    y.div_(a_scale[:, None]).div_(w_scale[None, :])  # in place: the output is the big tensor
     if bias is not None:
-        y = y + bias.float()
+        y.add_(bias.float())
     return y.to(out_dtype)
 
 
@@ -163,7 +163,7 @@ def fp4_dgrad_reference(
     """``dA = (G1_q W_q) / s_g1[:, None]``; ``g`` (M x N) FP8 or bf16, W packed along K."""
     cd = _compute_dtype(out_dtype, g.device)
     acc = (g.to(cd) @ _fp4_values(w_packed, k, cd)).float()
-    return (acc / g_scale[:, None]).to(out_dtype)
+    return acc.div_(g_scale[:, None]).to(out_dtype)
 
 
 def fp4_wgrad_reference(
@@ -185,9 +185,9 @@ def fp4_wgrad_reference(
 
     cd = _compute_dtype(out_dtype, g.device)
     acc = (g.to(cd).t() @ _fp4_values(a_packed, k, cd)).float()
-    dw = acc / g_scale[:, None]
+    dw = acc.div_(g_scale[:, None])
     if dge_weight is not None:
-        dw = dw * dge_derivative(dge_weight.float() * dge_weight_scale[:, None], dge_k, dge_clamp)
+        dw.mul_(dge_derivative(dge_weight.float() * dge_weight_scale[:, None], dge_k, dge_clamp))
     return dw.to(out_dtype)
 
 

@@ -102,22 +102,23 @@ def quantize_rows(
     """
     if x2d.dim() != 2:
         raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x2d.shape)}")
-    xf = x2d.float()
-    amax = xf.abs().amax(dim=1)
+    if x2d.dtype == torch.float64:
+        x2d = x2d.float()  # the spec is fp32 arithmetic (bit-exact twin of the Triton kernel)
+    # inf-norm == amax in one pass without an |x| temporary; exact, NaN propagates
+    amax = torch.linalg.vector_norm(x2d, float("inf"), dim=1).float()
     if per_tensor:
-        amax = amax.amax().expand(xf.shape[0]).contiguous()
+        amax = amax.amax().expand(x2d.shape[0]).contiguous()
     scale = compute_scale(amax, scale_mode)
-    y = xf * scale[:, None]
-    # NaN rows (scale NaN) give NaN y; zero them so the code arithmetic stays defined.
-    y = torch.nan_to_num(y, nan=0.0)
-    idx = _magnitude_index(y.abs())
-    codes = idx | (torch.signbit(y).to(torch.uint8) << 3)
+    y = torch.mul(x2d, scale[:, None])  # promotes to fp32: the rounding decision is made in fp32
+    if not bool(torch.isfinite(scale).all()):
+        # non-finite rows carry a NaN scale; zero their y so the codes stay defined
+        y = torch.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0)
+    idx = _magnitude_index(y.abs()).to(torch.uint8)
+    codes = idx | (torch.signbit(y).view(torch.uint8) << 3)
+    q = decode_e2m1(codes, torch.float32) if return_values else None
     if packed:
         codes = pack_fp4(codes)
-    if return_values:
-        q = torch.copysign(decode_e2m1(idx, torch.float32), y)
-        return codes, scale, q
-    return codes, scale
+    return (codes, scale, q) if return_values else (codes, scale)
 
 
 def _as_rows(x: torch.Tensor, granularity: Granularity) -> tuple[torch.Tensor, bool]:

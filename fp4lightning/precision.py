@@ -1,0 +1,393 @@
+"""The Lightning precision plugin for FP4 training (METHOD.md section 6; arXiv 2501.17116, sections 3 and 4).
+
+:class:`FP4Precision` is what ``Trainer(precision="fp4")`` means. Like Lightning's
+TransformerEngine plugin it is thin:
+
+* ``convert_module`` swaps the model's ``nn.Linear`` layers for ``FP4Linear`` in place with
+  :func:`~fp4lightning.convert.convert_to_fp4` (the output head, embeddings and norms stay in
+  high precision; Lightning's DDP strategy ignores the return value, hence in place);
+* ``forward_context`` runs everything that is not an FP4 GeMM under ``torch.autocast`` in bf16
+  (default) or fp16; the FP4 layers manage their own dtypes;
+* with fp16, a dynamic loss scaler: the loss is multiplied by the scale in ``pre_backward``; in
+  ``optimizer_step`` the gradients are unscaled, checked for inf/NaN, clipped (Lightning's
+  ``gradient_clip_val``), and the step is skipped and the scale halved on overflow, or the scale
+  doubled after ``growth_interval`` good steps. Its state goes into checkpoints;
+* ``connect`` can swap ``torch.optim.AdamW`` for :class:`~fp4lightning.optim.LowPrecisionAdamW`
+  (first moment FP8 E4M3, second FP16) so the optimizer states are in reduced precision too.
+
+Data parallelism: the inf/NaN check reads each rank's own gradients after backward. DDP has
+already synchronised them, and both a plain all-reduce and the FP8 hook of
+:mod:`fp4lightning.comm` turn a non-finite gradient on any rank into a non-finite gradient on
+every rank, so every rank reaches the same skip decision and the same scale without another
+collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from contextlib import AbstractContextManager, ExitStack
+from functools import wraps
+from typing import Any, Callable, Literal
+
+import torch
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from .config import FP4Config
+from .convert import convert_to_fp4, fp4_modules
+from .optim import LowPrecisionAdamW
+
+__all__ = ["FP4Precision", "DynamicLossScaler", "COMPUTE_DTYPES"]
+
+log = logging.getLogger(__name__)
+
+#: names accepted for ``compute_dtype`` -> the autocast dtype of the non-GeMM operations
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_OPTIMIZER_STATES = {"fp8": ("fp8", "fp16"), "fp16": ("fp16", "fp16")}
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling for fp16 (the scheme of ``torch.amp.GradScaler``, on any device).
+
+    ``scale(loss)`` multiplies the loss before backward; ``unscale_(optimizer)`` divides the
+    gradients of ``optimizer``'s parameters by the scale in place and returns whether any is
+    inf/NaN; ``update(found_inf)`` halves the scale on overflow (and counts a skipped step) or
+    doubles it after ``growth_interval`` consecutive good steps.
+
+    Args:
+        init_scale: starting scale (2^16, as torch).
+        growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
+        max_consecutive_skips: raise after this many overflowing steps in a row: a loss that is
+            still non-finite after the scale has fallen that far is a diverged run, not an overflow.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, max_consecutive_skips: int = 50) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"DynamicLossScaler: init_scale must be positive, got {init_scale}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"DynamicLossScaler: growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"DynamicLossScaler: backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1 or max_consecutive_skips < 1:
+            raise ValueError("DynamicLossScaler: growth_interval and max_consecutive_skips must be >= 1")
+        self.scale_value = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.max_consecutive_skips = max_consecutive_skips
+        self.good_steps = 0  # consecutive finite steps since the last change of scale
+        self.consecutive_skips = 0
+        self.skipped_steps = 0  # over the whole run
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """``loss * scale`` (in fp32: an fp16 loss times 2^16 would overflow)."""
+        return loss.float() * self.scale_value
+
+    @torch.no_grad()
+    def unscale_(self, optimizer: Optimizer) -> bool:
+        """Divide the gradients by the scale in place; True if any gradient is inf or NaN."""
+        grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FP4Precision's loss scaler does not support sparse gradients")
+                grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        found = []
+        for (device, _), gs in grads.items():
+            found_inf = torch.zeros(1, device=device)
+            inv = torch.full((1,), 1.0 / self.scale_value, device=device)
+            # one fused kernel per (device, dtype): unscale and flag non-finite values
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv)
+            found.append(found_inf.to("cpu", non_blocking=False))
+        return bool(sum(found).item() > 0) if found else False
+
+    def update(self, found_inf: bool) -> None:
+        """Back off on overflow, grow after a run of good steps."""
+        if found_inf:
+            self.scale_value *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.max_consecutive_skips:
+                raise RuntimeError(
+                    f"FP4Precision: {self.consecutive_skips} optimizer steps in a row had inf/NaN gradients; the loss "
+                    f"scale is down to {self.scale_value:g}. The model has diverged (a NaN loss is not an fp16 "
+                    "overflow): lower the learning rate, check the data, or try precision='fp4-bf16'."
+                )
+            return
+        self.consecutive_skips = 0
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale_value *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale_value, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale_value = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        # growth/backoff settings stay those of this run's plugin: they are configuration, not state
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaler(scale={self.scale_value:g}, good_steps={self.good_steps}, "
+                f"skipped_steps={self.skipped_steps})")
+
+
+class FP4Precision(Precision):
+    """FP4 GeMMs in every eligible ``nn.Linear``, bf16/fp16 autocast around them (arXiv 2501.17116).
+
+    Args:
+        config: an :class:`~fp4lightning.config.FP4Config` or a preset name (``"paper"``, the
+            default; ``"w4a4-direct"``, ``"fp4-no-dge"``, ``"fp4-no-occ"``).
+        compute_dtype: dtype of the non-GeMM operations under autocast: ``"bf16"`` (default) or
+            ``"fp16"`` (adds dynamic loss scaling). A ``torch.dtype`` is accepted too.
+        module_filter_fn: ``fn(module, fqn) -> bool``; False keeps that Linear in high precision.
+            Replaces ``config.skip_modules`` (by default the output head: ``lm_head``, ``head``, ``output``).
+        optimizer_states: ``None`` (default) keeps the optimizers of ``configure_optimizers``;
+            ``"fp8"`` swaps each ``torch.optim.AdamW`` for :class:`~fp4lightning.optim.LowPrecisionAdamW`
+            with an FP8 E4M3 first and FP16 second moment (MS-AMP O2); ``"fp16"`` keeps both in FP16.
+        weights_dtype: ``None`` (default) leaves the parameters as built (fp32 for an ordinary model);
+            ``torch.bfloat16`` stores them in bf16 (the optimizer then keeps fp32 master copies).
+        device: autocast device type (``"cuda"``, ``"cpu"``, ...); by default the device the
+            parameters are on when training starts.
+        scaler: a :class:`DynamicLossScaler` to use with fp16 (default: a fresh one).
+    """
+
+    precision: Literal["fp4-bf16", "fp4-fp16"] = "fp4-bf16"
+
+    def __init__(
+        self,
+        config: FP4Config | str | None = None,
+        *,
+        compute_dtype: str | torch.dtype = "bf16",
+        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        optimizer_states: str | None = None,
+        weights_dtype: torch.dtype | None = None,
+        device: str | None = None,
+        scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        if isinstance(config, str):
+            config = FP4Config.from_preset(config)
+        if config is not None and not isinstance(config, FP4Config):
+            raise TypeError(f"FP4Precision: config must be an FP4Config or a preset name, got {type(config).__name__}")
+        self.config = config or FP4Config()
+        self.module_filter_fn = module_filter_fn
+        if isinstance(compute_dtype, torch.dtype):
+            names = {v: k for k, v in COMPUTE_DTYPES.items()}
+            if compute_dtype not in names:
+                raise ValueError(f"FP4Precision: compute_dtype={compute_dtype} is not one of {list(COMPUTE_DTYPES)}")
+            compute_dtype = names[compute_dtype]
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"FP4Precision: compute_dtype={compute_dtype!r} is not one of {list(COMPUTE_DTYPES)}")
+        self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
+        self.precision = f"fp4-{compute_dtype}"  # type: ignore[assignment]
+        if optimizer_states is not None and optimizer_states not in _OPTIMIZER_STATES:
+            raise ValueError(f"FP4Precision: optimizer_states={optimizer_states!r} is not one of "
+                             f"{[None, *_OPTIMIZER_STATES]}")
+        self.optimizer_states = optimizer_states
+        if weights_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"FP4Precision: weights_dtype={weights_dtype} is not supported; use None (as built), torch.float32 or "
+                "torch.bfloat16 (fp16 weights would also need fp16 gradients, which the loss scaler cannot unscale "
+                "without losing range)")
+        self.weights_dtype = weights_dtype
+        self.device = device
+        if scaler is not None and self.compute_dtype != torch.float16:
+            raise ValueError("FP4Precision: a loss scaler is only used with compute_dtype='fp16'; bf16 has fp32's "
+                             "range and needs none")
+        self.scaler: DynamicLossScaler | None = (scaler or DynamicLossScaler()) if compute_dtype == "fp16" else None
+        self._checked_device: str | None = None
+
+    # ------------------------------------------------------------------ model
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Swap the eligible ``nn.Linear`` layers of ``module`` for ``FP4Linear``, in place."""
+        if self.weights_dtype is not None:
+            module.to(dtype=self.weights_dtype)
+        convert_to_fp4(module, self.config, self.module_filter_fn)
+        n = len(fp4_modules(module))
+        if n == 0:
+            rank_zero_warn("FP4Precision: the model has no Linear layer that can run in FP4 (feature sizes must be "
+                           "multiples of 16 and the output head is skipped); training runs in plain "
+                           f"{self.precision.split('-')[1]} autocast")
+        else:
+            rank_zero_info(f"FP4Precision: {n} Linear layers run their GeMMs in FP4 E2M1")
+        return module
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        """Default dtype for tensors created under ``Trainer.init_module()`` (``weights_dtype``, if set)."""
+        if self.weights_dtype is None:
+            return contextlib.nullcontext()
+        return _DtypeContextManager(self.weights_dtype)
+
+    def module_init_context(self) -> AbstractContextManager:
+        """Context for building the model (also on the meta device).
+
+        Layers are not replaced while the model is built: ``convert_module`` converts them once
+        the model exists, so the output-head rule and the shape checks apply the same way whether
+        the model was built on the meta device, on a device, or before the Trainer existed.
+        """
+        stack = ExitStack()
+        stack.enter_context(self.tensor_init_context())
+        return stack
+
+    def forward_context(self) -> AbstractContextManager:
+        """Autocast to ``compute_dtype`` for the non-GeMM work; FP4Linear disables it inside."""
+        device = self._device_type()
+        return torch.autocast(device_type=device, dtype=self.compute_dtype, cache_enabled=False)
+
+    def _device_type(self) -> str:
+        if self.device is not None:
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    # ------------------------------------------------------------------ optimizers
+
+    def connect(self, model: nn.Module, optimizers: list[Optimizer],
+                lr_schedulers: list[Any]) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """Resolve the autocast device, check the dtype runs there, swap in reduced-precision AdamW."""
+        if self.device is None:
+            param = next(iter(model.parameters()), None)
+            if param is not None and param.device.type != "meta":
+                self.device = param.device.type
+        self._check_compute_dtype(self._device_type())
+        if self.optimizer_states is not None:
+            optimizers = [self._swap_optimizer(opt, lr_schedulers) for opt in optimizers]
+        return model, optimizers, lr_schedulers
+
+    def _check_compute_dtype(self, device: str) -> None:
+        if self._checked_device == device:
+            return
+        name = self.precision.split("-")[1]
+        other = "fp4-bf16" if name == "fp16" else "fp4-fp16"
+        if not torch.amp.is_autocast_available(device):
+            raise RuntimeError(f"FP4Precision: torch.autocast does not support device type {device!r}, so "
+                               f"precision='{self.precision}' cannot run there; train on 'cpu' or 'cuda'")
+        if device == "cuda" and self.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise RuntimeError("FP4Precision: this GPU has no bf16 support; use precision='fp4-fp16' "
+                               "(FP4Precision(compute_dtype='fp16'), with dynamic loss scaling)")
+        try:  # a tiny probe: some backends accept the autocast context but have no kernels for the dtype
+            with torch.autocast(device_type=device, dtype=self.compute_dtype):
+                a = torch.ones(16, 16, device=device)
+                out = a @ a
+            if out.dtype != self.compute_dtype:
+                raise RuntimeError(f"autocast produced {out.dtype}")
+        except Exception as err:
+            raise RuntimeError(f"FP4Precision: {name} autocast does not work on device {device!r} with torch "
+                               f"{torch.__version__} ({err}); use precision='{other}'") from err
+        self._checked_device = device
+
+    def _swap_optimizer(self, optimizer: Optimizer, lr_schedulers: list[Any]) -> Optimizer:
+        if isinstance(optimizer, LowPrecisionAdamW):
+            return optimizer
+        if type(optimizer) is not torch.optim.AdamW:
+            rank_zero_warn(f"FP4Precision(optimizer_states={self.optimizer_states!r}): only torch.optim.AdamW is "
+                           f"swapped for LowPrecisionAdamW; keeping {type(optimizer).__name__} as it is")
+            return optimizer
+        unsupported = [k for k in ("amsgrad", "maximize") if any(g.get(k) for g in optimizer.param_groups)]
+        if unsupported:
+            rank_zero_warn(f"FP4Precision: AdamW with {', '.join(unsupported)}=True has no reduced-precision version; "
+                           "keeping torch.optim.AdamW")
+            return optimizer
+        m_fmt, v_fmt = _OPTIMIZER_STATES[self.optimizer_states]  # type: ignore[index]
+        groups = []
+        for g in optimizer.param_groups:
+            g = {k: v for k, v in g.items()
+                 if k not in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                              "decoupled_weight_decay")}
+            groups.append(g)
+        new = LowPrecisionAdamW(groups, lr=optimizer.defaults["lr"], betas=optimizer.defaults["betas"],
+                                eps=optimizer.defaults["eps"], weight_decay=optimizer.defaults["weight_decay"],
+                                exp_avg_format=m_fmt, exp_avg_sq_format=v_fmt)
+        if optimizer.state:
+            new.load_state_dict(optimizer.state_dict())
+        for config in lr_schedulers:
+            scheduler = getattr(config, "scheduler", config)
+            if getattr(scheduler, "optimizer", None) is optimizer:
+                scheduler.optimizer = new
+                _track_step_calls(new)
+        rank_zero_info(f"FP4Precision: optimizer states in reduced precision (first moment {m_fmt}, second {v_fmt})")
+        return new
+
+    # ------------------------------------------------------------------ loss scaling
+
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
+                       **kwargs: Any) -> Any:
+        """Without a scaler: Lightning's step. With one: closure, unscale, check, clip, step or skip, update."""
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise RuntimeError("FP4Precision with fp16 loss scaling cannot drive LBFGS (it re-evaluates the closure "
+                               "inside step); use precision='fp4-bf16'")
+        closure_result = closure()
+        # training_step returned None: Lightning skipped backward, there is nothing to step
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            return closure_result
+        # unscale before the hooks and clipping: both must see true gradient magnitudes
+        found_inf = self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if found_inf:
+            log.info("FP4Precision: inf/NaN gradient, skipping the step; loss scale %g -> %g",
+                     self.scaler.scale_value, self.scaler.scale_value * self.scaler.backoff_factor)
+            self.scaler.update(True)
+            return closure_result
+        self.scaler.update(False)
+        return optimizer.step(**kwargs)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale, or None with bf16."""
+        return self.scaler.scale_value if self.scaler is not None else None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved by Lightning under ``checkpoint["FP4Precision"]``: the loss scaler and the recipe."""
+        out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        saved = state_dict.get("precision")
+        if saved is not None and saved != self.precision:
+            rank_zero_info(f"FP4Precision: checkpoint was written with precision={saved!r}, resuming with "
+                           f"{self.precision!r}")
+
+
+def _track_step_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way an LR scheduler does when it is built.
+
+    A scheduler wraps its optimizer's ``step`` at construction to warn when ``scheduler.step()``
+    runs first; a scheduler re-pointed at a new optimizer would otherwise warn that ``step``
+    was overridden. Mirrors ``torch.optim.lr_scheduler.LRScheduler.__init__``.
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return func(optimizer, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
