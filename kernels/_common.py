@@ -1,0 +1,205 @@
+"""Shared pieces of the FP4 Triton kernels: mode flags, E2M1/FP8 bit arithmetic, input checks.
+
+The E2M1 format (arXiv 2501.17116, section 3.1; METHOD.md section 1) is a minifloat
+with 1 mantissa bit and exponent bias 1, so every E2M1 value is exact in FP8 E4M3,
+FP8 E5M2, fp16 and bf16. The kernels therefore never convert *values* between float
+types: decoding builds the target type's bit pattern with integer arithmetic, and
+encoding rounds with exact fp32 arithmetic and emits integer codes. That keeps the
+kernels bit-identical to the PyTorch reference and sidesteps the Triton interpreter's
+inexact in-kernel fp8 downcasts (see /work/shared/ENV.md).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: Kernels run under the Triton interpreter (CPU tensors) when this is set before import.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Which operand type a GeMM feeds to ``tl.dot`` (a constexpr of every GeMM kernel).
+DOT_FP8E4 = 0  # FP8 E4M3 tensor cores (Hopper+): forward GeMM, and backward with an E4M3 dY
+DOT_FP8E5 = 1  # FP8 E5M2 tensor cores: backward with an E5M2 dY (codes decoded to E5M2)
+DOT_FP16 = 2  # fp16 tensor cores: GPUs without FP8 MMA, fp16 dY
+DOT_BF16 = 3  # bf16 tensor cores: bf16 dY on a GPU
+DOT_FP32 = 4  # interpreter only: its bf16 tl.dot returns garbage (ENV.md), so upcast
+
+_FP8_DOT = {torch.float8_e4m3fn: DOT_FP8E4, torch.float8_e5m2: DOT_FP8E5}
+
+#: Hopper's FP8 MMA accumulates in reduced precision. By default each tl.dot's partial
+#: sum is promoted into the fp32 accumulator (``max_num_imprecise_acc`` = the dot's K),
+#: as DeepSeek-V3 and TransformerEngine do; FP4LIGHTNING_FP8_FAST_ACCUM=1 trades that
+#: for speed.
+FP8_FAST_ACCUM = os.environ.get("FP4LIGHTNING_FP8_FAST_ACCUM", "0") == "1"
+#: FP4LIGHTNING_AUTOTUNE=0 keeps only the first (default) GeMM config: no tuning runs.
+AUTOTUNE = os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0"
+
+
+def has_fp8_mma(device: torch.device) -> bool:
+    """FP8 tensor cores reachable from ``tl.dot``: Hopper (sm_90) and newer."""
+    if INTERPRET or device.type != "cuda":
+        return INTERPRET  # the interpreter's fp8 tl.dot is exact (ENV.md): test that path
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# --------------------------------------------------------------------------- bit arithmetic
+@triton.jit
+def rint_even(v):
+    """Round non-negative fp32 ``v`` to the nearest integer, ties to even (exact arithmetic)."""
+    f = tl.floor(v)
+    d = v - f
+    odd = (f - 2.0 * tl.floor(0.5 * f)) == 1.0
+    return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+@triton.jit
+def minifloat_bits(a, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Magnitude bits (int32) of the minifloat nearest to ``a >= 0`` (fp32), ties to even.
+
+    ``MANT`` mantissa bits, ``EMIN`` the smallest normal exponent (= 1 - bias). The
+    caller clamps ``a`` to the format's maximum first (saturation). With ``e`` the
+    binade of ``a`` (at least EMIN) and ``m = rint(a / 2^(e - MANT))`` in
+    [0, 2^(MANT+1)], the encoding is ``((e - EMIN) << MANT) + m``: this one formula
+    covers subnormals (e = EMIN, m < 2^MANT) and a carry into the next binade
+    (m = 2^(MANT+1)). Scaling by a power of two is exact, so the result is
+    bit-identical to IEEE round-to-nearest-even. E2M1: MANT=1, EMIN=0 gives the code
+    index 0..7, equal to ``fp4lightning.formats._magnitude_index``.
+    """
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    up = ((MANT - e + 127) << 23).to(tl.float32, bitcast=True)  # 2^(MANT - e)
+    m = rint_even(a * up).to(tl.int32)
+    return ((e - EMIN) << MANT) + m
+
+
+@triton.jit
+def sign_bit(y):
+    """1 where the fp32 sign bit is set (negative numbers and -0.0), else 0 (int32)."""
+    return (y.to(tl.int32, bitcast=True) >> 31) & 1
+
+
+@triton.jit
+def _e2m1_to_bits(c, MANT: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr):
+    # Index i >= 2 is the normal 1.m x 2^(e-1) with e = i >> 1, m = i & 1, so in a
+    # target type with MANT mantissa bits its bits are (i << (MANT - 1)) + bits(0.5);
+    # i == 1 is E2M1's only subnormal, 0.5.
+    c = c.to(tl.int32)
+    i = c & 7
+    mag = tl.where(i >= 2, (i << (MANT - 1)) + HALF, tl.where(i == 1, HALF, 0))
+    return mag | ((c & 8) << (SIGN - 3))
+
+
+@triton.jit
+def decode_e2m1(c, DOT: tl.constexpr):
+    """4-bit E2M1 codes (uint8 nibbles, 0..15) -> values in the dot operand type ``DOT``."""
+    if DOT == 0:  # DOT_FP8E4
+        out = _e2m1_to_bits(c, 3, 0x30, 7).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    elif DOT == 1:  # DOT_FP8E5
+        out = _e2m1_to_bits(c, 2, 0x38, 7).to(tl.uint8).to(tl.float8e5, bitcast=True)
+    elif DOT == 2:  # DOT_FP16
+        out = _e2m1_to_bits(c, 10, 0x3800, 15).to(tl.uint16).to(tl.float16, bitcast=True)
+    elif DOT == 3:  # DOT_BF16
+        out = _e2m1_to_bits(c, 7, 0x3F00, 15).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:  # DOT_FP32: fp16 -> fp32 upcasts are exact
+        out = _e2m1_to_bits(c, 10, 0x3800, 15).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return out
+
+
+@triton.jit
+def as_dot_operand(g, DOT: tl.constexpr):
+    """Bring a loaded high-precision operand (FP8 / bf16 / fp16) to the dot type ``DOT``."""
+    if DOT == 2:
+        g = g.to(tl.float16)  # FP8 on a GPU without FP8 MMA: every FP8 value is exact in fp16
+    elif DOT == 4:
+        g = g.to(tl.float32)
+    return g
+
+
+@triton.jit
+def mma(x, y, acc, DOT: tl.constexpr, PRECISE_ACC: tl.constexpr):
+    """``acc += x @ y`` with fp32 accumulation; FP8 partial sums promoted when PRECISE_ACC."""
+    if DOT <= 1 and PRECISE_ACC:
+        acc = tl.dot(x, y, acc, max_num_imprecise_acc=x.shape[1])
+    else:
+        acc = tl.dot(x, y, acc)
+    return acc
+
+
+@triton.jit
+def tile_ids(pid, num_r, num_c, GROUP: tl.constexpr):
+    """(row, column) tile of program ``pid``, visiting GROUP row-tiles per column sweep.
+
+    Consecutive programs then share operand tiles in L2 (Triton matmul tutorial).
+    """
+    width = GROUP * num_c
+    first = (pid // width) * GROUP
+    size = tl.minimum(num_r - first, GROUP)
+    return first + ((pid % width) % size), (pid % width) // size
+
+
+# --------------------------------------------------------------------------- input checks
+def check_device(name: str, t: torch.Tensor) -> None:
+    if INTERPRET:
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}, but TRITON_INTERPRET=1 runs the kernels on CPU tensors; "
+                             "move it to the CPU or unset TRITON_INTERPRET on a GPU machine")
+    elif t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}: the compiled Triton kernels need CUDA tensors "
+                         "(on CPU use FP4LIGHTNING_BACKEND=reference, or TRITON_INTERPRET=1 to test the kernels)")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    for n, t in items:
+        check_device(n, t)
+    dev0 = items[0][1].device
+    for n, t in items[1:]:
+        if t.device != dev0:
+            raise ValueError(f"{n} is on {t.device} but {items[0][0]} is on {dev0}; put all operands on one device")
+
+
+def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+    """A 2-D tensor of an allowed dtype whose rows are contiguous (row stride is free)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D ({what}), got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {names} ({what})")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); the kernels need at least one element")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have contiguous rows (stride {t.stride()}); call .contiguous() first")
+
+
+def check_vector(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != (n,):
+        raise ValueError(f"{name} must have shape ({n},) ({what}), got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtypes[0]} ({what})")
+    if n > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+
+
+def check_packed(name: str, t: torch.Tensor, k: int) -> None:
+    """Packed FP4 codes: uint8 (rows, ceil(k/2)), two codes per byte along K."""
+    check_rows(name, t, (torch.uint8,), "packed FP4 codes, two per byte along K")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int (the unpacked reduction length), got {k!r}")
+    if t.shape[1] != (k + 1) // 2:
+        raise ValueError(f"{name} has {t.shape[1]} bytes per row, but k={k} needs {(k + 1) // 2} "
+                         "(two FP4 codes per byte; an odd k is padded with a zero code)")
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_DTYPES = FLOAT_DTYPES
+
+
+def check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype} is not supported; choose torch.float32, torch.bfloat16 or torch.float16")

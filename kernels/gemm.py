@@ -1,0 +1,397 @@
+"""The three FP4 GeMMs of a linear layer in Triton (arXiv 2501.17116, section 3; METHOD.md 3).
+
+With ``Y = A W^T`` (A: M x K tokens, W: N x K), A and W quantized per row along K to
+packed E2M1 codes with fp32 multipliers ``s`` (``q = x * s``):
+
+    forward  Y  = (A_q W_q^T) / (s_a s_w^T) + bias         fp4_gemm   (M x N)
+    dgrad    dA = (G1 W_q) / s_g1[:, None]                  fp4_dgrad  (M x K), reduces over N
+    wgrad    dW = (G2^T A_q) / s_g2[:, None] * f'(W s_w)    fp4_wgrad  (N x K), reduces over M
+
+G1 / G2 are dY with the FP4 scale of the reduction dimension folded in, in FP8 E5M2 /
+E4M3 (or bf16), scaled per row (G1) or per column (G2). ``f'`` is the DGE derivative
+(section 3.2), fused into the wgrad epilogue.
+
+How the 4-bit operand reaches the tensor cores: codes are loaded as packed bytes and
+decoded in registers to the dot type by integer arithmetic (``_common.decode_e2m1``).
+Every E2M1 value is exact in FP8, fp16 and bf16, so the products are exact and only
+fp32 accumulation rounds. Element ``2j`` of a row sits in the low nibble of byte ``j``:
+
+* forward: both operands are packed along K, so ``sum_k a_k w_k`` splits into the
+  even-k and odd-k halves, two dots on the low and the high nibbles - no shuffle;
+* dgrad / wgrad: the packed operand's K is the *output* column, so the low and high
+  nibbles give the even and odd output columns, interleaved once in the epilogue.
+
+Dot types: on Hopper (sm_90+) the forward decodes to FP8 E4M3 and the backward to the
+FP8 type of dY (E4M3 or E5M2; both hold E2M1 exactly), so all three GeMMs run on FP8
+tensor cores. Elsewhere everything goes through fp16 (exact for E2M1 and FP8 values);
+a bf16 dY uses bf16. Scales, bias and DGE are applied in fp32 in the epilogue.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    AUTOTUNE,
+    DOT_BF16,
+    DOT_FP8E4,
+    DOT_FP8E5,
+    DOT_FP16,
+    DOT_FP32,
+    FLOAT_DTYPES,
+    FP8_FAST_ACCUM,
+    INTERPRET,
+    as_dot_operand,
+    check_out_dtype,
+    check_packed,
+    check_rows,
+    check_same_device,
+    check_vector,
+    decode_e2m1,
+    has_fp8_mma,
+    mma,
+    tile_ids,
+)
+
+__all__ = ["fp4_gemm", "fp4_dgrad", "fp4_wgrad", "GRAD_DTYPES"]
+
+#: Accepted dtypes of the high-precision backward operand (dY).
+GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------- autotune configs
+def _configs(sweep: list[tuple[int, int, int, int, int]], names: tuple[str, str, str]) -> list[triton.Config]:
+    """``triton.Config`` list from ``(tile_a, tile_b, BLOCK_KH, num_stages, num_warps)`` rows."""
+    if INTERPRET:
+        # The interpreter runs one program at a time in numpy: tuning is pointless and slow,
+        # and 64x64 tiles with 32 bytes (64 codes) of K keep the mask paths exercised.
+        return [triton.Config({names[0]: 64, names[1]: 64, names[2]: 32, "GROUP": 4}, num_warps=4, num_stages=1)]
+    rows = sweep if AUTOTUNE else sweep[:1]
+    return [triton.Config({names[0]: a, names[1]: b, names[2]: kh, "GROUP": 8}, num_stages=s, num_warps=w)
+            for a, b, kh, s, w in rows]
+
+
+# Forward sweep (BLOCK_M, BLOCK_N, BLOCK_KH, stages, warps). Chosen for H100/H200 FP8
+# wgmma: the output tile sizes cuBLAS and the Triton FP8 matmul tutorial use on Hopper
+# (128x256 / 128x128 with 8 or 4 warps, 3-4 stages), a 64-row tile for skinny M, and
+# 64 packed bytes (128 codes) of K per step - two dots of K=64 each, the FP8 wgmma K
+# granularity being 32. The decode adds register pressure, hence also 32-byte steps.
+# The first row is the untuned default (FP4LIGHTNING_AUTOTUNE=0).
+_FWD_SWEEP = [
+    (128, 256, 64, 3, 8),
+    (128, 128, 64, 4, 8),
+    (128, 128, 64, 3, 4),
+    (128, 256, 32, 4, 8),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+]
+# Backward sweeps (output rows, reduction block, BLOCK_KH, stages, warps). The output
+# tile is rows x 2*BLOCK_KH columns held as two accumulators (even/odd columns), so
+# BLOCK_KH=64 is a 128-column tile; the reduction block is the dot's K (>= 32 for FP8).
+_BWD_SWEEP = [
+    (128, 64, 64, 4, 8),
+    (128, 128, 64, 3, 8),
+    (128, 64, 128, 3, 8),
+    (64, 64, 64, 4, 4),
+    (128, 128, 32, 4, 4),
+]
+
+
+# --------------------------------------------------------------------------- forward
+@triton.autotune(configs=_configs(_FWD_SWEEP, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
+                 key=["M", "N", "KH", "DOT", "HAS_BIAS"])
+@triton.jit
+def _fp4_gemm_kernel(
+    # pointers
+    a_ptr, w_ptr, sa_ptr, sw_ptr, bias_ptr, y_ptr,
+    # sizes (KH: packed bytes per row)
+    M, N, KH,
+    # strides (inner strides are 1)
+    stride_am, stride_wn, stride_ym,
+    # meta-parameters
+    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
+):
+    pid_m, pid_n = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kh = tl.arange(0, BLOCK_KH)
+    # Out-of-range rows wrap around instead of being masked (their results are never
+    # stored), which keeps the main loop free of row masks.
+    a_ptrs = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_am + offs_kh[None, :]
+    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_kh[None, :]
+
+    # --- main loop: packed bytes -> two dots (even k on low nibbles, odd k on high)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kh0 in range(0, KH, BLOCK_KH):
+        k_ok = (offs_kh < KH - kh0)[None, :]
+        a = tl.load(a_ptrs, mask=k_ok, other=0)  # zero bytes decode to +0.0
+        w = tl.load(w_ptrs, mask=k_ok, other=0)
+        acc = mma(decode_e2m1(a & 0xF, DOT), tl.trans(decode_e2m1(w & 0xF, DOT)), acc, DOT, PRECISE_ACC)
+        acc = mma(decode_e2m1(a >> 4, DOT), tl.trans(decode_e2m1(w >> 4, DOT)), acc, DOT, PRECISE_ACC)
+        a_ptrs += BLOCK_KH
+        w_ptrs += BLOCK_KH
+
+    # --- epilogue: Y = acc / s_a / s_w + bias in fp32, the reference's operation order
+    # (IEEE divisions, so an exact accumulator gives a bit-identical fp32 result)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    sa = tl.load(sa_ptr + offs_m, mask=m_ok, other=1.0)
+    sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
+    y = tl.math.div_rn(tl.math.div_rn(acc, sa[:, None]), sw[None, :])
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _decode_mode(decode: str | None, device: torch.device) -> int:
+    if decode is None:
+        decode = "fp8" if has_fp8_mma(device) else "fp16"
+    if decode not in ("fp8", "fp16"):
+        raise ValueError(f"decode={decode!r}: choose 'fp8' (FP8 tensor cores, sm_90+) or 'fp16'")
+    if decode == "fp8" and not has_fp8_mma(device):
+        raise ValueError(f"decode='fp8' needs FP8 tensor cores (sm_90+); {device} has none, use decode='fp16'")
+    return DOT_FP8E4 if decode == "fp8" else DOT_FP16
+
+
+def fp4_gemm(
+    a_packed: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    k: int,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    *,
+    decode: str | None = None,
+) -> torch.Tensor:
+    """Forward FP4 GeMM ``Y = (A_q W_q^T) / (s_a s_w^T) + bias`` -> (M, N) ``out_dtype``.
+
+    ``a_packed`` (M, ceil(k/2)) and ``w_packed`` (N, ceil(k/2)) are uint8 with two E2M1
+    codes per byte along K (pad nibble zero, as every quantizer here writes it);
+    ``a_scale`` (M,) and ``w_scale`` (N,) fp32 multipliers; ``bias`` (N,) any float
+    dtype. ``decode`` forces the tensor-core type: ``'fp8'`` (E4M3, sm_90+) or
+    ``'fp16'``; default: FP8 where available.
+    """
+    check_packed("a_packed", a_packed, k)
+    check_packed("w_packed", w_packed, k)
+    m, n, kh = a_packed.shape[0], w_packed.shape[0], a_packed.shape[1]
+    check_vector("a_scale", a_scale, m, (torch.float32,), "one fp32 scale per row of A")
+    check_vector("w_scale", w_scale, n, (torch.float32,), "one fp32 scale per row of W")
+    if bias is not None:
+        check_vector("bias", bias, n, FLOAT_DTYPES, "one value per output feature")
+    check_out_dtype(out_dtype)
+    check_same_device(a_packed=a_packed, a_scale=a_scale, w_packed=w_packed, w_scale=w_scale, bias=bias)
+    dot = _decode_mode(decode, a_packed.device)
+    y = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
+    grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
+    _fp4_gemm_kernel[grid](
+        a_packed, w_packed, a_scale, w_scale, bias if bias is not None else a_scale, y,
+        m, n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=not FP8_FAST_ACCUM,
+    )
+    return y
+
+
+# --------------------------------------------------------------------------- backward
+def _grad_dot_mode(g: torch.Tensor) -> int:
+    """Tensor-core type for a backward GeMM with high-precision operand ``g``."""
+    if g.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if has_fp8_mma(g.device):
+            return DOT_FP8E4 if g.dtype == torch.float8_e4m3fn else DOT_FP8E5
+        return DOT_FP16
+    if g.dtype == torch.bfloat16:
+        return DOT_FP32 if INTERPRET else DOT_BF16
+    return DOT_FP16
+
+
+def _check_grad(g: torch.Tensor, g_scale: torch.Tensor, n_scale: int, what: str) -> None:
+    check_rows("g", g, GRAD_DTYPES, "dY, M x N, in FP8 E5M2/E4M3 or bf16/fp16")
+    check_vector("g_scale", g_scale, n_scale, (torch.float32,), what)
+
+
+@triton.autotune(configs=_configs(_BWD_SWEEP, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
+                 key=["M", "N", "KH", "DOT"])
+@triton.jit
+def _fp4_dgrad_kernel(
+    # pointers
+    g_ptr, w_ptr, sg_ptr, y_ptr,
+    # sizes
+    M, N, K, KH,
+    # strides
+    stride_gm, stride_wn, stride_ym,
+    # meta-parameters (BLOCK_N is the reduction block)
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
+):
+    pid_m, pid_k = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(KH, BLOCK_KH), GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_kh = pid_k * BLOCK_KH + tl.arange(0, BLOCK_KH)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ptrs = g_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_gm + offs_n[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (offs_kh % KH)[None, :]
+
+    # --- main loop over N: even / odd output columns from the low / high nibbles
+    acc_even = tl.zeros((BLOCK_M, BLOCK_KH), dtype=tl.float32)
+    acc_odd = tl.zeros((BLOCK_M, BLOCK_KH), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n_ok = offs_n < N - n0
+        g = as_dot_operand(tl.load(g_ptrs, mask=n_ok[None, :], other=0.0), DOT)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        acc_even = mma(g, decode_e2m1(w & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+        acc_odd = mma(g, decode_e2m1(w >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+        g_ptrs += BLOCK_N
+        w_ptrs += BLOCK_N * stride_wn
+
+    # --- epilogue: interleave columns, divide by the per-row dY scale
+    out = tl.join(acc_even, acc_odd).reshape(BLOCK_M, 2 * BLOCK_KH)
+    m_ok = offs_m < M
+    sg = tl.load(sg_ptr + offs_m, mask=m_ok, other=1.0)
+    out = tl.math.div_rn(out, sg[:, None])
+    offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_k[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_k < K)[None, :])
+
+
+def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k: int,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Activation gradient ``dA = (G1 W_q) / s_g1[:, None]`` -> (M, k) ``out_dtype``.
+
+    ``g`` (M, N): dY with W's scales folded in, FP8 E5M2/E4M3 (or bf16/fp16), one fp32
+    scale per row in ``g_scale`` (M,); ``w_packed`` (N, ceil(k/2)) the forward's packed
+    weight codes (packed along K, the output dimension here).
+    """
+    check_packed("w_packed", w_packed, k)
+    n, kh = w_packed.shape
+    _check_grad(g, g_scale, g.shape[0], "one fp32 scale per row of dY")
+    if g.shape[1] != n:
+        raise ValueError(f"g has {g.shape[1]} columns but w_packed has {n} rows (out_features); "
+                         "dgrad reduces over that shared dimension")
+    check_out_dtype(out_dtype)
+    check_same_device(g=g, g_scale=g_scale, w_packed=w_packed)
+    m = g.shape[0]
+    y = torch.empty(m, k, dtype=out_dtype, device=g.device)
+    grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
+    _fp4_dgrad_kernel[grid](
+        g, w_packed, g_scale, y, m, n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM,
+    )
+    return y
+
+
+@triton.jit
+def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
+    """DGE derivative f'(x) of fp32 scaled weights (fp4lightning.dge.dge_derivative)."""
+    a = tl.abs(x)
+    # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
+    inv_delta = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    delta = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    left = tl.floor(a * inv_delta) * delta
+    t = tl.abs(2.0 * (a - left) * inv_delta - 1.0)
+    # t^POW with POW < 0; t == 0 (an interval mid-point) is +inf, which the clamp caps
+    safe = tl.where(t > 0.0, t, 1.0)
+    d = INV_K * tl.where(t > 0.0, tl.exp2(POW * tl.log2(safe)), float("inf"))
+    d = tl.minimum(d, CLAMP)
+    return tl.where(a <= 6.0, d, 0.0)  # beyond the grid (and NaN weights): 0
+
+
+@triton.autotune(configs=_configs(_BWD_SWEEP, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
+                 key=["M", "N", "KH", "DOT", "HAS_DGE"])
+@triton.jit
+def _fp4_wgrad_kernel(
+    # pointers
+    g_ptr, a_ptr, sg_ptr, w_ptr, sw_ptr, y_ptr,
+    # sizes
+    M, N, K, KH,
+    # strides
+    stride_gm, stride_am, stride_wn, stride_yn,
+    # meta-parameters (BLOCK_M is the reduction block)
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
+):
+    pid_n, pid_k = tile_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(KH, BLOCK_KH), GROUP)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kh = pid_k * BLOCK_KH + tl.arange(0, BLOCK_KH)
+    offs_m = tl.arange(0, BLOCK_M)
+    # dY is read as row-major [BLOCK_M, BLOCK_N] tiles (coalesced) and transposed in registers
+    g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + (offs_n % N)[None, :]
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + (offs_kh % KH)[None, :]
+
+    # --- main loop over M (tokens)
+    acc_even = tl.zeros((BLOCK_N, BLOCK_KH), dtype=tl.float32)
+    acc_odd = tl.zeros((BLOCK_N, BLOCK_KH), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        m_ok = (offs_m < M - m0)[:, None]
+        g = tl.trans(as_dot_operand(tl.load(g_ptrs, mask=m_ok, other=0.0), DOT))
+        a = tl.load(a_ptrs, mask=m_ok, other=0)
+        acc_even = mma(g, decode_e2m1(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+        acc_odd = mma(g, decode_e2m1(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+        g_ptrs += BLOCK_M * stride_gm
+        a_ptrs += BLOCK_M * stride_am
+
+    # --- epilogue: interleave, divide by the per-column dY scale, DGE factor
+    out = tl.join(acc_even, acc_odd).reshape(BLOCK_N, 2 * BLOCK_KH)
+    n_ok = offs_n < N
+    sg = tl.load(sg_ptr + offs_n, mask=n_ok, other=1.0)
+    out = tl.math.div_rn(out, sg[:, None])
+    offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
+    mask = n_ok[:, None] & (offs_k < K)[None, :]
+    if HAS_DGE:
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+        sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
+        out = out * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+    y_ptrs = y_ptr + offs_n.to(tl.int64)[:, None] * stride_yn + offs_k[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fp4_wgrad(
+    g: torch.Tensor,
+    g_scale: torch.Tensor,
+    a_packed: torch.Tensor,
+    k: int,
+    out_dtype: torch.dtype = torch.float32,
+    dge_weight: torch.Tensor | None = None,
+    dge_weight_scale: torch.Tensor | None = None,
+    dge_k: float = 5.0,
+    dge_clamp: float = 3.0,
+) -> torch.Tensor:
+    """Weight gradient ``dW = (G2^T A_q) / s_g2[:, None]``, times ``f'(W s_w)`` with DGE -> (N, k).
+
+    ``g`` (M, N): dY with A's scales folded in, FP8 E5M2/E4M3 (or bf16/fp16), one fp32
+    scale per *column* in ``g_scale`` (N,); ``a_packed`` (M, ceil(k/2)) the forward's
+    packed activation codes. With ``dge_weight`` (N, k) and ``dge_weight_scale`` (N,)
+    the DGE derivative (``dge_k``, ``dge_clamp``) multiplies the result element-wise.
+    """
+    check_packed("a_packed", a_packed, k)
+    m, kh = a_packed.shape
+    _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
+    if g.shape[0] != m:
+        raise ValueError(f"g has {g.shape[0]} rows but a_packed has {m} (tokens); wgrad reduces over tokens")
+    n = g.shape[1]
+    check_out_dtype(out_dtype)
+    has_dge = dge_weight is not None
+    if has_dge:
+        check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
+        if tuple(dge_weight.shape) != (n, k):
+            raise ValueError(f"dge_weight must have shape ({n}, {k}) = (columns of g, k), got {tuple(dge_weight.shape)}")
+        if dge_weight_scale is None:
+            raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
+        check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
+        if not dge_k > 1.0:
+            raise ValueError(f"dge_k must be > 1 (the paper uses 5), got {dge_k}")
+        if not dge_clamp > 0:
+            raise ValueError(f"dge_clamp must be positive (the paper uses 3), got {dge_clamp}")
+    check_same_device(g=g, g_scale=g_scale, a_packed=a_packed, dge_weight=dge_weight,
+                      dge_weight_scale=dge_weight_scale)
+    y = torch.empty(n, k, dtype=out_dtype, device=g.device)
+    grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
+    _fp4_wgrad_kernel[grid](
+        g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale, y,
+        m, n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0, y.stride(0),
+        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM, HAS_DGE=has_dge,
+        DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
+    )
+    return y

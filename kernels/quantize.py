@@ -1,0 +1,318 @@
+"""Fused row-wise FP4 quantization and FP8 gradient quantization in Triton (arXiv 2501.17116, 3.1).
+
+``quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows``: one
+program reads a block of rows, takes each row's absmax, forms the fp32 scale
+``6 / max(amax, 1e-12)`` (evaluated as torch does, reciprocal then multiply; optionally rounded down to a power of two by masking the
+exponent bits), rounds ``x * scale`` to E2M1 with ties to even, and writes two codes
+per byte (element ``2j`` in the low nibble) plus the fp32 scale. Rows containing NaN
+or +/-inf get a NaN scale and zero codes, exactly as the reference. Codes and scales
+are bit-identical to the reference: the scale is an IEEE division (``div_rn``) and
+the rounding is exact fp32 arithmetic (``_common.minifloat_bits``).
+
+Rows up to ``2 * MAX_SINGLE_PASS_KH`` elements are held in registers and read once;
+longer rows take two passes over the row (amax, then encode), the second mostly from L2.
+
+``quantize_fp8`` is the twin of ``fp4lightning.ops.quantize_fp8_reference`` (the
+dY quantizer of the backward GeMMs, METHOD.md section 3): absmax FP8 E4M3/E5M2 with
+one fp32 scale per row or per column, saturating, round-to-nearest-even, emitted as
+FP8 bit patterns computed arithmetically.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    FLOAT_DTYPES,
+    INTERPRET,
+    check_rows,
+    check_same_device,
+    minifloat_bits,
+    sign_bit,
+)
+
+__all__ = ["quantize_rows", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
+
+E2M1_MAX = 6.0  # largest E2M1 magnitude (fp4lightning.formats.E2M1_MAX)
+AMAX_EPS = 1e-12  # fp4lightning.quantize.AMAX_EPS
+FLT_MAX = 3.4028234663852886e38  # |x| <= FLT_MAX  <=>  x finite (NaN compares false)
+#: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
+MAX_SINGLE_PASS_KH = 4096
+# FP8 formats: (max, mantissa bits, smallest normal exponent), per torch.finfo.
+_FP8 = {
+    "e4m3": (448.0, 3, -6, torch.float8_e4m3fn),
+    "e5m2": (57344.0, 2, -14, torch.float8_e5m2),
+}
+
+
+# --------------------------------------------------------------------------- FP4
+@triton.jit
+def _fp4_scale(amax, POW2: tl.constexpr):
+    """fp32 ``6 / max(amax, eps)`` (pow2: exponent bits only), NaN where amax is not finite."""
+    # torch evaluates ``6 / t`` (Python scalar over tensor) as ``t.reciprocal() * 6``:
+    # two IEEE roundings, mirrored here so the scales agree bit for bit.
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    scale = tl.math.div_rn(one, tl.maximum(amax, 1e-12)) * 6.0
+    if POW2:
+        # 2^floor(log2(scale)) exactly: keep the exponent bits, zero the mantissa.
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
+
+
+@triton.jit
+def _row_amax(x):
+    """Row absmax of a [rows, cols] fp32 tile, NaN for rows holding NaN or +/-inf."""
+    xa = tl.abs(x)
+    finite = xa <= 3.4028234663852886e38
+    amax = tl.max(tl.where(finite, xa, 0.0), axis=1)
+    bad = tl.max(tl.where(finite, 0, 1), axis=1)
+    return tl.where(bad > 0, float("nan"), amax)
+
+
+@triton.jit
+def _encode_fp4_store(x, scale, q_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr):
+    """E2M1-encode a [BLOCK_M, 2*BLOCK_KH] fp32 tile with per-row ``scale`` and store packed bytes."""
+    s = scale[:, None]
+    y = x * s
+    y = tl.where(s == s, y, 0.0)  # NaN-scale rows: zero codes (the reference's nan_to_num)
+    mag = minifloat_bits(tl.minimum(tl.abs(y), 6.0), 1, 0)
+    code = mag | (sign_bit(y) << 3)
+    even, odd = tl.split(code.reshape(BLOCK_M, BLOCK_KH, 2))
+    tl.store(q_ptrs, (even | (odd << 4)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _quantize_fp4_kernel(
+    # pointers
+    x_ptr, q_ptr, s_ptr, amax_ptr,
+    # sizes
+    M, K, KH,
+    # strides (the inner stride is 1)
+    stride_xm, stride_qm,
+    # meta-parameters
+    POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
+    ke = tl.arange(0, 2 * BLOCK_KH)  # element offsets in one block
+    kb = tl.arange(0, BLOCK_KH)  # byte offsets in one block
+    if GIVEN_AMAX:  # per-tensor scaling: the amax (NaN if non-finite) comes from outside
+        amax = tl.zeros([BLOCK_M], tl.float32) + tl.load(amax_ptr)
+
+    # --- one pass: the whole row block sits in registers
+    if SINGLE_PASS:
+        x = tl.load(x_rows + ke[None, :], mask=row_ok[:, None] & (ke < K)[None, :], other=0.0).to(tl.float32)
+        if not GIVEN_AMAX:
+            amax = _row_amax(x)
+        scale = _fp4_scale(amax, POW2)
+        _encode_fp4_store(x, scale, q_rows + kb[None, :], row_ok[:, None] & (kb < KH)[None, :], BLOCK_M, BLOCK_KH)
+    # --- two passes: absmax over the row, then encode
+    else:
+        if not GIVEN_AMAX:
+            amax = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, 2 * BLOCK_KH):
+                x = tl.load(x_rows + k0 + ke[None, :], mask=row_ok[:, None] & (k0 + ke < K)[None, :],
+                            other=0.0).to(tl.float32)
+                # NaN-propagating running max (tl.maximum would drop NaN on the GPU)
+                blk = _row_amax(x)
+                amax = tl.where((blk != blk) | (amax != amax), float("nan"), tl.maximum(amax, blk))
+        scale = _fp4_scale(amax, POW2)
+        for k0 in range(0, K, 2 * BLOCK_KH):
+            x = tl.load(x_rows + k0 + ke[None, :], mask=row_ok[:, None] & (k0 + ke < K)[None, :],
+                        other=0.0).to(tl.float32)
+            h0 = k0 // 2
+            _encode_fp4_store(x, scale, q_rows + h0 + kb[None, :], row_ok[:, None] & (h0 + kb < KH)[None, :],
+                              BLOCK_M, BLOCK_KH)
+
+    tl.store(s_ptr + rows, scale, mask=row_ok)
+
+
+def _fp4_launch_params(kh: int, block_kh: int | None) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_KH, SINGLE_PASS, num_warps) for rows of ``kh`` packed bytes.
+
+    Heuristic rather than autotuned: the kernel is bandwidth-bound, so what matters is
+    a few thousand elements per program (enough loads in flight) and no register
+    spills; a program covers 2 * BLOCK_M * BLOCK_KH elements, ~8-16K for long rows.
+    """
+    if block_kh is None:
+        block_kh = min(triton.next_power_of_2(kh), MAX_SINGLE_PASS_KH)
+    elif block_kh < 1 or block_kh & (block_kh - 1):
+        raise ValueError(f"block_kh must be a positive power of two, got {block_kh}")
+    single = block_kh >= kh
+    block_m = max(1, min(64, 2048 // block_kh))
+    if INTERPRET:
+        return block_m, block_kh, single, 4
+    num_warps = 8 if 2 * block_m * block_kh >= 8192 else 4
+    return block_m, block_kh, single, num_warps
+
+
+def quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
+                  block_kh: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
+
+    Bit-identical to ``fp4lightning.quantize.quantize_rows(x2d, scale_mode, per_tensor)``
+    (codes, padding nibble and scales, NaN scales for non-finite rows included).
+    ``x2d``: fp32/bf16/fp16, 2-D, contiguous rows, on CUDA (or CPU under the
+    interpreter). ``block_kh`` (bytes per block, power of two) is a tuning/testing
+    override; rows longer than it are quantized in two passes.
+    """
+    check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
+    check_same_device(x2d=x2d)
+    if scale_mode not in ("float", "pow2"):
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
+    m, k = x2d.shape
+    kh = (k + 1) // 2
+    q = torch.empty(m, kh, dtype=torch.uint8, device=x2d.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
+    amax = scale  # unused placeholder pointer unless per_tensor
+    if per_tensor:
+        # NaN-propagating global absmax (inf -> NaN: the kernel only tests finiteness).
+        amax = x2d.abs().amax().float().reshape(1)
+        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+    block_m, blk, single, warps = _fp4_launch_params(kh, block_kh)
+    _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
+        x2d, q, scale, amax, m, k, kh, x2d.stride(0), q.stride(0),
+        POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single,
+        BLOCK_M=block_m, BLOCK_KH=blk, num_warps=warps,
+    )
+    return q, scale
+
+
+# --------------------------------------------------------------------------- FP8
+@triton.jit
+def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N):
+    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), mask
+
+
+@triton.jit
+def _line_amax(x, AXIS: tl.constexpr):
+    """Absmax along ``AXIS`` of an fp32 tile, NaN for lines holding NaN or +/-inf."""
+    xa = tl.abs(x)
+    finite = xa <= 3.4028234663852886e38
+    amax = tl.max(tl.where(finite, xa, 0.0), axis=AXIS)
+    bad = tl.max(tl.where(finite, 0, 1), axis=AXIS)
+    return tl.where(bad > 0, float("nan"), amax)
+
+
+@triton.jit
+def _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, cols, mask, AXIS: tl.constexpr, FMAX: tl.constexpr,
+                      MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Scale (per line along ``AXIS``), saturate and round a tile to FP8; store the bit patterns."""
+    s = tl.expand_dims(scale, AXIS)
+    y = tl.where(s == s, x * s, 0.0)  # the reference's nan_to_num(nan=0)
+    mag = minifloat_bits(tl.minimum(tl.abs(y), FMAX), MANT, EMIN)
+    bits = (mag | (sign_bit(y) << 7)).to(tl.uint8)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], bits, mask=mask)
+
+
+@triton.jit
+def _fp8_scale(amax, FMAX: tl.constexpr):
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    scale = tl.math.div_rn(one, tl.maximum(amax, 1e-12)) * FMAX  # torch's fmax / t, see _fp4_scale
+    return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
+
+
+@triton.jit
+def _quantize_fp8_rows_kernel(
+    # pointers (q_ptr is a uint8 view of the FP8 output)
+    x_ptr, q_ptr, s_ptr,
+    # sizes
+    M, N,
+    # strides
+    stride_xm, stride_qm,
+    # meta-parameters
+    FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One scale per row: a program owns BLOCK_M rows and walks along N twice.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    # --- pass 1: absmax
+    amax = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        x, _ = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N)
+        blk = _line_amax(x, 1)
+        # NaN-propagating running max (tl.maximum may drop NaN on the GPU)
+        amax = tl.where((blk != blk) | (amax != amax), float("nan"), tl.maximum(amax, blk))
+    scale = _fp8_scale(amax, FMAX)
+    # --- pass 2: encode
+    for n0 in range(0, N, BLOCK_N):
+        x, mask = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N)
+        _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, n0 + c, mask, 1, FMAX, MANT, EMIN)
+    tl.store(s_ptr + rows, scale, mask=rows < M)
+
+
+@triton.jit
+def _col_amax_kernel(x_ptr, amax_ptr, M, N, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Column absmax over a 2-D grid of tiles, combined with an integer atomic max on the
+    # fp32 bit patterns: non-negative floats order like their bits, and NaN's bits
+    # (0x7FC00000) exceed every finite value's and inf's, so NaN wins as in torch.amax.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x, _ = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N)
+    amax = _line_amax(x, 0)
+    bits = tl.where(amax != amax, 0x7FC00000, amax.to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_ptr + cols, bits, mask=cols < N)
+
+
+@triton.jit
+def _quantize_fp8_cols_kernel(
+    x_ptr, q_ptr, s_ptr, amax_ptr,
+    M, N,
+    stride_xm, stride_qm,
+    FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One scale per column, from the column absmax of _col_amax_kernel; fully parallel tiles.
+    pid_m = tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    amax = tl.load(amax_ptr + cols, mask=cols < N, other=0).to(tl.float32, bitcast=True)
+    scale = _fp8_scale(amax, FMAX)
+    x, mask = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N)
+    _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, cols, mask, 0, FMAX, MANT, EMIN)
+    tl.store(s_ptr + cols, scale, mask=(cols < N) & (pid_m == 0))
+
+
+def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2") -> tuple[torch.Tensor, torch.Tensor]:
+    """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
+
+    Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
+    ``fp4lightning.ops.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
+    (``'bf16'`` needs no kernel; the dispatch layer handles it). ``x2d``: fp32/bf16/fp16,
+    2-D with contiguous rows.
+    """
+    check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
+    check_same_device(x2d=x2d)
+    if fmt not in _FP8:
+        raise ValueError(f"unknown FP8 format {fmt!r}; choose 'e4m3' or 'e5m2'")
+    if dim not in (0, 1):
+        raise ValueError(f"dim must be 1 (one scale per row) or 0 (one scale per column), got {dim!r}")
+    fmax, mant, emin, dtype = _FP8[fmt]
+    m, n = x2d.shape
+    q = torch.empty(m, n, dtype=dtype, device=x2d.device)
+    qb = q.view(torch.uint8)  # the kernels write FP8 bit patterns
+    meta = dict(FMAX=fmax, MANT=mant, EMIN=emin)
+    # Bandwidth-bound: tiles of ~4K elements keep enough loads in flight without spills.
+    if dim == 1:
+        scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
+        block_n = min(triton.next_power_of_2(n), 1024)
+        block_m = max(1, 4096 // block_n)
+        _quantize_fp8_rows_kernel[(triton.cdiv(m, block_m),)](
+            x2d, qb, scale, m, n, x2d.stride(0), q.stride(0), **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    else:
+        scale = torch.empty(n, dtype=torch.float32, device=x2d.device)
+        amax_bits = torch.zeros(n, dtype=torch.int32, device=x2d.device)
+        block_n = min(triton.next_power_of_2(n), 128)
+        block_m = max(1, 4096 // block_n)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _col_amax_kernel[grid](x2d, amax_bits, m, n, x2d.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        _quantize_fp8_cols_kernel[grid](
+            x2d, qb, scale, amax_bits, m, n, x2d.stride(0), q.stride(0), **meta,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return q, scale
