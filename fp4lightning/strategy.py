@@ -1,0 +1,176 @@
+"""Data-parallel strategy with FP8 gradient communication (arXiv 2501.17116, section 3.2; METHOD.md section 6).
+
+:class:`FP4DDPStrategy` is Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (gloo on CPU,
+NCCL on GPUs, multi-node through Lightning's cluster environments and ``torchrun``) with three changes:
+
+- it registers the gradient communication hook of :mod:`fp4lightning.comm` on every device type
+  (stock Lightning registers comm hooks only on CUDA, so on CPU/gloo they are silently never called);
+- it logs the bytes each rank sent per optimizer step (``comm/bytes_sent``) through the
+  LightningModule's ``log``, so the saving is visible in any logger;
+- when a gradient was non-finite on any rank, all ranks hold the same NaN gradient (the hook makes
+  sure of that); with a loss scaler in the precision plugin the scaler skips the step and backs off,
+  without one the strategy drops the gradients so the optimizer skips the step on every rank.
+
+Any Lightning precision plugin can be passed as ``precision_plugin=`` (for example
+``fp4lightning.precision.FP4Precision``); the strategy does not depend on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from fp4lightning.comm import CommState, hook_for_format
+
+__all__ = ["FP4DDPStrategy"]
+
+log = logging.getLogger(__name__)
+
+_NONFINITE_POLICIES = ("skip", "propagate")
+
+
+class FP4DDPStrategy(DDPStrategy):
+    """DDP with FP8 (E4M3 by default) gradient all-reduce, byte logging and rank-consistent inf/NaN handling.
+
+    Args:
+        grad_format: gradient wire format: ``"e4m3"`` (default; the paper's), ``"e5m2"``, ``"bf16"``
+            (PyTorch's ``bf16_compress_hook``) or ``"fp32"`` (plain DDP all-reduce, the baseline).
+        scheme: FP8 exchange: ``"reduce_scatter"`` (all_to_all + all_gather, ``2N(W-1)/W`` bytes) or
+            ``"all_gather"`` (``N(W-1)`` bytes; used automatically where all_to_all is missing).
+        nonfinite: ``"skip"`` (default): a step whose synchronised gradient is non-finite is skipped on
+            every rank (by the precision plugin's loss scaler if it has one, else by dropping the
+            gradients before ``optimizer.step``); ``"propagate"``: leave the NaN gradients to the optimizer.
+        log_bytes: log ``comm/bytes_sent`` (this rank, this step) and ``comm/nonfinite_steps``.
+        precision_plugin: any Lightning precision plugin (e.g. ``FP4Precision()``).
+        **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy`
+            (``process_group_backend``, ``start_method``, ``static_graph``, ``bucket_cap_mb``, ...).
+    """
+
+    strategy_name = "fp4_ddp"
+
+    def __init__(
+        self,
+        grad_format: str = "e4m3",
+        *,
+        scheme: Literal["reduce_scatter", "all_gather"] = "reduce_scatter",
+        nonfinite: Literal["skip", "propagate"] = "skip",
+        log_bytes: bool = True,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(key) is not None:
+                raise ValueError(
+                    f"FP4DDPStrategy installs its own gradient communication hook; `{key}` cannot be combined "
+                    "with it. Use lightning's DDPStrategy for a custom hook, or choose `grad_format=`."
+                )
+        if nonfinite not in _NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r} is not supported; choose one of {_NONFINITE_POLICIES}.")
+        # validates grad_format and scheme with messages that list the choices
+        self.comm_state = CommState(grad_format=grad_format, scheme=scheme)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self.grad_format = grad_format
+        self.nonfinite = nonfinite
+        self.log_bytes = log_bytes
+        self.last_step_bytes = 0
+        self.nonfinite_steps = 0
+        self._hook_registered = False
+
+    @property
+    def total_bytes_sent(self) -> int:
+        """Bytes this rank has sent for gradient synchronisation since the strategy was created."""
+        return self.comm_state.total_bytes
+
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy registers comm hooks only on CUDA; the hook below is device-agnostic (gloo and NCCL).
+        assert isinstance(self.model, DistributedDataParallel)
+        self.comm_state.process_group = None  # default group: the one Lightning initialised
+        self.model.register_comm_hook(self.comm_state, hook_for_format(self.grad_format))
+        self._hook_registered = True
+        log.debug("FP4DDPStrategy: registered %s gradient communication hook", self.grad_format)
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the step; skip it on every rank if the synchronised gradient is non-finite; log bytes sent."""
+        has_scaler = getattr(self.precision_plugin, "scaler", None) is not None
+
+        def closure_with_sync_check() -> Any:
+            result = closure()
+            # Read the hook's counters right after backward, before the optimizer can act on them.
+            step_bytes, saw_nonfinite = self.comm_state.pop_step()
+            self.last_step_bytes = step_bytes
+            if saw_nonfinite:
+                self.nonfinite_steps += 1
+                if self.nonfinite == "skip" and not has_scaler:
+                    rank_zero_warn(
+                        "FP4DDPStrategy: non-finite synchronised gradient; skipping this optimizer step on all ranks."
+                    )
+                    # Optimizers skip parameters whose grad is None; every rank holds the same NaN, so
+                    # every rank drops the same step. (A loss scaler instead sees the NaN and backs off.)
+                    for group in optimizer.param_groups:
+                        for p in group["params"]:
+                            p.grad = None
+            return result
+
+        out = super().optimizer_step(optimizer, closure_with_sync_check, model, **kwargs)
+        self._log_comm_stats(model)
+        return out
+
+    def _log_comm_stats(self, model: Optional[Union[LightningModule, Module]]) -> None:
+        if not self.log_bytes or not self._hook_registered:
+            return
+        module = model if isinstance(model, LightningModule) else self.lightning_module
+        # ``log`` is only legal while the loop runs a hook (optimizer_step / training_step)
+        if module is None or module._trainer is None or module._current_fx_name is None:
+            return
+        module.log("comm/bytes_sent", float(self.last_step_bytes), on_step=True, on_epoch=False, batch_size=1)
+        module.log("comm/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False, batch_size=1)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fp4_ddp"`` (+ ``_spawn``/``_fork`` variants) so ``Trainer(strategy="fp4_ddp")`` works."""
+        for name, start_method in (("fp4_ddp", "popen"), ("fp4_ddp_spawn", "spawn"), ("fp4_ddp_fork", "fork")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"DDP with FP8 E4M3 gradient communication, start_method {start_method!r}",
+                    start_method=start_method,
+                )
+
+
+FP4DDPStrategy.register_strategies(StrategyRegistry)
