@@ -1,0 +1,382 @@
+"""Triton kernels against their PyTorch twins (METHOD.md sections 1-3; docs/kernels.md).
+
+Without CUDA these run under the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), at shapes <= ~256 whose sizes are not multiples of the blocks.
+With CUDA the same tests run the compiled kernels, and the ``gpu`` tests add realistic
+sizes.
+
+* quantizers: codes and scales bit-identical to the reference;
+* GeMMs: against the float64 product of the dequantized operands (SQNR), and bitwise
+  against the reference where both compute exactly the same fp32 operations;
+* FP4Linear with FP4LIGHTNING_BACKEND=triton against =reference, end to end.
+"""
+import pytest
+import torch
+
+from fp4lightning import FP4Config, FP4Linear
+from fp4lightning import ops
+from fp4lightning.dge import dge_derivative
+from fp4lightning.formats import E2M1_VALUES, decode_e2m1, unpack_fp4
+from fp4lightning.kernels import fp4_triton as kt
+from fp4lightning.quantize import quantize_rows as quantize_rows_reference
+
+from ._numerics import sqnr
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")  # the interpreter runs on CPU tensors
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (compiled Triton kernels)")
+
+# The GeMMs compute the same math as the float64 reference; only fp32 accumulation
+# and epilogue rounding differ. Measured 143-163 dB (fp32 out, interpreter, K~130).
+GEMM_SQNR_DB = 80.0
+# FP4Linear, Triton vs reference backend: forward and dA are bit-identical; dW differs
+# only in the DGE factor's power (exp2/log2 in the kernel vs torch.pow), measured ~144 dB.
+LINEAR_WGRAD_DGE_SQNR_DB = 120.0
+
+
+def _rows(m: int, k: int, dtype=torch.float32) -> torch.Tensor:
+    """Rows spanning many magnitudes (scales differ per row), plus special rows:
+    an all-zero row, a NaN row, an inf row, a -inf row, a row below the amax floor,
+    and scattered -0.0 entries."""
+    x = torch.randn(m, k) * torch.exp(3.0 * torch.randn(m, 1))
+    x[1] = 0.0
+    x[2, k // 3] = float("nan")
+    x[3, 0] = float("inf")
+    x[4, k - 1] = float("-inf")
+    x[5] = torch.randn(k) * 1e-14  # amax < 1e-12: the scale is 6 / 1e-12
+    x[6, ::7] = -0.0
+    return x.to(dtype).to(DEV)
+
+
+def _assert_same_scale(s, s_ref):
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert torch.equal(torch.isnan(s), torch.isnan(s_ref))
+    assert torch.equal(s.nan_to_num(0.0).view(torch.int32), s_ref.nan_to_num(0.0).view(torch.int32))
+
+
+def _dequant(packed, scale, k):
+    return decode_e2m1(unpack_fp4(packed, k), torch.float64) / scale.double()[:, None]
+
+
+def _fp4_operand(m, k):
+    x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).to(DEV)
+    packed, scale = quantize_rows_reference(x)
+    return x, packed, scale
+
+
+# --------------------------------------------------------------------------- FP4 quantize
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_mode", ["float", "pow2"])
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("block_kh", [None, 16], ids=["one-pass", "two-pass"])
+def test_quantize_bitwise(dtype, scale_mode, per_tensor, block_kh):
+    m, k = 67, 203  # odd K: the last byte's high nibble is padding
+    x = _rows(m, k, dtype)
+    if per_tensor:
+        x[2:5] = 1.0  # drop the non-finite rows, else every scale is NaN
+    codes, scale = kt.quantize_rows(x, scale_mode=scale_mode, per_tensor=per_tensor, block_kh=block_kh)
+    ref_codes, ref_scale = quantize_rows_reference(x, scale_mode, per_tensor=per_tensor)
+    assert codes.dtype == torch.uint8 and codes.shape == (m, (k + 1) // 2)
+    assert torch.equal(codes, ref_codes)
+    _assert_same_scale(scale, ref_scale)
+    if not per_tensor:
+        assert torch.isnan(scale[2:5]).all() and (codes[2:5] == 0).all()  # NaN in, NaN out
+        assert torch.isfinite(scale[1]) and (codes[1] == 0).all()  # zero row: finite scale
+    assert (codes[:, -1] >> 4 == 0).all()  # zero padding nibble
+
+
+def test_quantize_per_tensor_non_finite_poisons_all():
+    x = _rows(20, 40)
+    codes, scale = kt.quantize_rows(x, per_tensor=True)
+    assert torch.isnan(scale).all() and (codes == 0).all()
+
+
+@pytest.mark.parametrize("scale_mode", ["float", "pow2"])
+def test_quantize_ties_and_exact_table(scale_mode):
+    # Row r has amax 6 * 2^-r, so its scale is exactly 2^r in both modes and x * scale
+    # lands exactly on every decision threshold (ties), next to it, and on the grid.
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    tie_to = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]  # round half to even mantissa
+    grid = list(E2M1_VALUES)
+    vals = torch.tensor(ties + grid + [6.0], dtype=torch.float32)
+    above = torch.nextafter(torch.tensor(ties), torch.tensor(10.0))
+    below = torch.nextafter(torch.tensor(ties), torch.tensor(0.0))
+    row = torch.cat([vals, -vals, above, -below])
+    x = torch.stack([row * 2.0 ** -r for r in range(-3, 9)]).to(DEV)
+    codes, scale = kt.quantize_rows(x, scale_mode=scale_mode)
+    ref_codes, ref_scale = quantize_rows_reference(x, scale_mode)
+    assert torch.equal(codes, ref_codes)
+    _assert_same_scale(scale, ref_scale)
+    assert torch.equal(scale.cpu(), torch.tensor([2.0 ** r for r in range(-3, 9)]))
+    got = decode_e2m1(unpack_fp4(codes, row.numel())).cpu()
+    n = len(ties)
+    expect_ties = torch.tensor(tie_to)
+    up = torch.tensor([min(g for g in grid if g > t) for t in ties])  # just above a tie
+    down = torch.tensor([max(g for g in grid if g < t) for t in ties])  # just below a tie
+    for r in range(got.shape[0]):
+        assert torch.equal(got[r, :n], expect_ties)
+        assert torch.equal(got[r, n:n + 9], torch.tensor(grid + [6.0]))
+        assert torch.equal(got[r, n + 9:2 * n + 9], -expect_ties)
+        assert torch.equal(got[r, 2 * n + 18:3 * n + 18], up)
+        assert torch.equal(got[r, 3 * n + 18:], -down)
+
+
+def test_quantize_saturates_scaled_values_just_above_six():
+    # With float scales, fp32(fp32(1/amax) * 6) * amax can exceed 6 by an ulp; the
+    # quantizer must clamp those to code 7 (6.0), not overflow the index.
+    cand = torch.rand(4096) * 10 + 0.1
+    scale = cand.reciprocal() * 6.0
+    over = cand[(cand * scale) > 6.0][:32]
+    assert over.numel() > 0
+    x = torch.cat([over[:, None], torch.rand(over.numel(), 15) * over[:, None]], dim=1).to(DEV)
+    codes, _ = kt.quantize_rows(x)
+    assert torch.equal(codes, quantize_rows_reference(x)[0])
+    assert ((codes[:, 0] & 0xF) == 7).all()
+
+
+# --------------------------------------------------------------------------- FP8 quantize
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_bitwise(fmt, dim, dtype):
+    m, n = 75, 139
+    # wide dynamic range inside each line reaches the FP8 subnormals
+    x = torch.randn(m, n) * torch.exp(4.0 * torch.randn(m, n))
+    x[1] = 0.0
+    x[:, 2] = 0.0
+    x[3, 5] = float("nan")
+    x[7, 11] = float("inf")
+    x[9, ::5] = -0.0
+    x = x.to(dtype).to(DEV)
+    q, s = kt.quantize_fp8(x, dim=dim, fmt=fmt)
+    q_ref, s_ref = ops.quantize_fp8_reference(x, dim, fmt)
+    assert q.dtype == q_ref.dtype and q.shape == (m, n)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    _assert_same_scale(s, s_ref)
+    assert torch.isnan(s).sum() == 2  # the NaN line and the inf line
+
+
+# --------------------------------------------------------------------------- forward GeMM
+def _ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mant = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    tiny = torch.finfo(dtype).smallest_normal * 2.0 ** -mant
+    _, e = torch.frexp(ref)
+    return torch.clamp(torch.ldexp(torch.ones_like(ref), e - 1 - mant), min=tiny)
+
+
+@pytest.mark.parametrize("decode", ["fp8", "fp16"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp4_gemm(decode, out_dtype):
+    if decode == "fp8" and not kt.has_fp8_mma(DEV):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    m, n, k = 93, 130, 101  # odd K, none a multiple of the blocks
+    _, a_p, a_s = _fp4_operand(m, k)
+    _, w_p, w_s = _fp4_operand(n, k)
+    bias = torch.randn(n, device=DEV).to(out_dtype) if out_dtype != torch.float16 else None
+    y = kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=out_dtype, bias=bias, decode=decode)
+    ref = _dequant(a_p, a_s, k) @ _dequant(w_p, w_s, k).t()
+    slack = 1e-6 * ref.abs()  # fp32 epilogue roundings before the final cast
+    if bias is not None:
+        ref = ref + bias.double()
+        slack = slack + 1e-6 * bias.double().abs()
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    if out_dtype == torch.float32:
+        assert sqnr(y, ref) >= GEMM_SQNR_DB
+        # exact accumulation (E2M1 products sum exactly in fp32 at this K) and the same
+        # IEEE epilogue as the reference: bit-identical
+        assert torch.equal(y, ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, out_dtype, bias))
+    else:
+        # one rounding to the output type: within 1 ulp (the interpreter truncates bf16)
+        assert ((y.double() - ref).abs() <= _ulp(ref, out_dtype) + slack).all()
+
+
+# --------------------------------------------------------------------------- backward GeMMs
+GRAD_FORMATS = ["e5m2", "e4m3", "bf16"]
+
+
+@pytest.mark.parametrize("fmt", GRAD_FORMATS)
+def test_fp4_dgrad(fmt):
+    m, n, k = 77, 100, 131
+    _, w_p, w_s = _fp4_operand(n, k)
+    dy = torch.randn(m, n, device=DEV)
+    g, g_s = ops.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+    da = kt.fp4_dgrad(g, g_s, w_p, k)
+    ref = (g.double() / g_s.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
+    assert da.shape == (m, k) and da.dtype == torch.float32
+    assert sqnr(da, ref) >= GEMM_SQNR_DB
+    assert sqnr(da, ops.fp4_dgrad_reference(g, g_s, w_p, k)) >= GEMM_SQNR_DB
+
+
+@pytest.mark.parametrize("fmt", GRAD_FORMATS)
+@pytest.mark.parametrize("dge", [False, True])
+def test_fp4_wgrad(fmt, dge):
+    m, n, k = 90, 72, 99
+    _, a_p, a_s = _fp4_operand(m, k)
+    w, _, w_s = _fp4_operand(n, k)
+    dy = torch.randn(m, n, device=DEV)
+    g, g_s = ops.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+    kw = dict(dge_weight=w, dge_weight_scale=w_s, dge_k=5.0, dge_clamp=3.0) if dge else {}
+    dw = kt.fp4_wgrad(g, g_s, a_p, k, **kw)
+    ref = (g.double() / g_s.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64)
+    if dge:
+        ref = ref * dge_derivative(w.float() * w_s[:, None]).double()
+    assert dw.shape == (n, k) and dw.dtype == torch.float32
+    assert sqnr(dw, ref) >= GEMM_SQNR_DB
+    assert sqnr(dw, ops.fp4_wgrad_reference(g, g_s, a_p, k, torch.float32, **kw)) >= GEMM_SQNR_DB
+
+
+def test_wgrad_dge_midpoints_and_outside_grid():
+    # Weights exactly at interval mid-points (f' = +inf before the clamp), on grid
+    # points (f' = 1/k) and beyond 6 after scaling (f' = 0); dY all ones.
+    k = 16
+    w = torch.tensor([[0.25, 0.75, 2.5, 5.0, 0.0, 1.0, 3.0, 6.0] * 2], device=DEV)
+    w_s = torch.tensor([1.0], device=DEV)
+    w_big = w.clone()
+    w_big[0, 8:] = 7.0
+    a_p, a_s = quantize_rows_reference(torch.ones(4, k, device=DEV))
+    g, g_s = ops.quantize_fp8_reference(torch.ones(4, 1, device=DEV), 0, "e5m2")
+    dw = kt.fp4_wgrad(g, g_s, a_p, k, dge_weight=w_big, dge_weight_scale=w_s, dge_k=5.0, dge_clamp=3.0)
+    base = kt.fp4_wgrad(g, g_s, a_p, k)
+    factor = (dw / base).cpu()[0]
+    assert torch.equal(factor[:4], torch.full((4,), 3.0))
+    torch.testing.assert_close(factor[4:8], torch.full((4,), 0.2), rtol=1e-6, atol=0)
+    assert torch.equal(factor[8:], torch.zeros(8))
+
+
+# --------------------------------------------------------------------------- FP4Linear end to end
+@pytest.mark.parametrize("preset", ["paper", "fp4-no-occ"])
+def test_fp4linear_triton_matches_reference(preset, monkeypatch):
+    cfg = FP4Config.from_preset(preset)
+    lin = FP4Linear(96, 48, config=cfg).to(DEV)
+    x = torch.randn(3, 40, 96, device=DEV)
+    dy = torch.randn(3, 40, 48, device=DEV)
+    out = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
+        assert ops.backend_for(DEV) == backend
+        xx = x.clone().requires_grad_(True)
+        lin.zero_grad()
+        y = lin(xx)
+        y.backward(dy)
+        out[backend] = (y.detach(), xx.grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+    (y_r, dx_r, dw_r, db_r), (y_t, dx_t, dw_t, db_t) = out["reference"], out["triton"]
+    # same codes, same exact accumulations, same IEEE epilogues
+    assert torch.equal(y_t, y_r)
+    assert torch.equal(dx_t, dx_r)
+    assert torch.equal(db_t, db_r)
+    assert sqnr(dw_t, dw_r) >= LINEAR_WGRAD_DGE_SQNR_DB
+
+
+# --------------------------------------------------------------------------- bad inputs
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(8, 32, device=DEV)
+    with pytest.raises(TypeError, match="x2d has dtype torch.int32"):
+        kt.quantize_rows(torch.ones(8, 32, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match=r"contiguous rows.*\.contiguous\(\)"):
+        kt.quantize_rows(x.t())
+    with pytest.raises(ValueError, match="must be 2-D"):
+        kt.quantize_rows(x[0])
+    with pytest.raises(ValueError, match="empty"):
+        kt.quantize_rows(x[:0])
+    with pytest.raises(ValueError, match="scale_mode"):
+        kt.quantize_rows(x, scale_mode="log")
+    with pytest.raises(ValueError, match="power of two"):
+        kt.quantize_rows(x, block_kh=12)
+    with pytest.raises(ValueError, match="'e4m3' or 'e5m2'"):
+        kt.quantize_fp8(x, dim=1, fmt="e3m4")
+    with pytest.raises(ValueError, match="dim must be"):
+        kt.quantize_fp8(x, dim=2)
+    a_p, a_s = quantize_rows_reference(x)
+    with pytest.raises(ValueError, match="k=30 needs 15"):
+        kt.fp4_gemm(a_p, a_s, a_p, a_s, 30)
+    with pytest.raises(TypeError, match="uint8"):
+        kt.fp4_gemm(x, a_s, a_p, a_s, 32)
+    with pytest.raises(ValueError, match=r"a_scale must have shape \(8,\)"):
+        kt.fp4_gemm(a_p, a_s[:4], a_p, a_s, 32)
+    with pytest.raises(TypeError, match="a_scale has dtype torch.float16"):
+        kt.fp4_gemm(a_p, a_s.half(), a_p, a_s, 32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        kt.fp4_gemm(a_p, a_s, a_p, a_s, 32, out_dtype=torch.int8)
+    with pytest.raises(ValueError, match="decode="):
+        kt.fp4_gemm(a_p, a_s, a_p, a_s, 32, decode="fp9")
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+        kt.fp4_gemm(a_p, a_s, a_p, a_s, 32, bias=torch.zeros(3, device=DEV))
+    g, g_s = ops.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 1, "e5m2")
+    with pytest.raises(ValueError, match="g has 6 columns but w_packed has 8 rows"):
+        kt.fp4_dgrad(g, g_s, a_p, 32)
+    with pytest.raises(TypeError, match="g has dtype torch.float32"):
+        kt.fp4_dgrad(torch.randn(8, 8, device=DEV), a_s, a_p, 32)
+    g0, g0_s = ops.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 0, "e5m2")
+    with pytest.raises(ValueError, match="dge_weight_scale"):
+        kt.fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 32, device=DEV))
+    with pytest.raises(ValueError, match=r"dge_weight must have shape \(6, 32\)"):
+        kt.fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 30, device=DEV), dge_weight_scale=g0_s)
+    with pytest.raises(ValueError, match="g has 5 rows but a_packed has 8"):
+        kt.fp4_wgrad(g0[:5], g0_s, a_p, 32)
+    other = torch.device("cpu") if CUDA else torch.device("meta")
+    with pytest.raises(ValueError, match="is on"):
+        kt.quantize_rows(torch.randn(8, 32, device=other))
+
+
+# --------------------------------------------------------------------------- GPU, realistic sizes
+@pytest.mark.gpu
+@gpu
+def test_gpu_quantizers_bitwise_at_scale():
+    x = (torch.randn(8192, 4096, device="cuda") * torch.exp(2 * torch.randn(8192, 1, device="cuda"))).bfloat16()
+    for mode in ("float", "pow2"):
+        codes, scale = kt.quantize_rows(x, scale_mode=mode)
+        ref_codes, ref_scale = quantize_rows_reference(x, mode)
+        assert torch.equal(codes, ref_codes)
+        _assert_same_scale(scale, ref_scale)
+    long_rows = torch.randn(64, 3 * 11008 + 1, device="cuda")  # two-pass path, odd K
+    assert torch.equal(kt.quantize_rows(long_rows)[0], quantize_rows_reference(long_rows)[0])
+    for fmt in ("e4m3", "e5m2"):
+        for dim in (0, 1):
+            q, s = kt.quantize_fp8(x, dim=dim, fmt=fmt)
+            q_ref, s_ref = ops.quantize_fp8_reference(x, dim, fmt)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+            _assert_same_scale(s, s_ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (2048, 11008, 4096), (1000, 1000, 1000)])
+def test_gpu_gemms_at_scale(mnk):
+    m, n, k = mnk
+    _, a_p, a_s = _fp4_operand(m, k)
+    w, w_p, w_s = _fp4_operand(n, k)
+    a_dq, w_dq = _dequant(a_p, a_s, k), _dequant(w_p, w_s, k)
+    for decode in (["fp8"] if kt.has_fp8_mma(DEV) else []) + ["fp16"]:
+        y = kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.float32, decode=decode)
+        assert sqnr(y, a_dq @ w_dq.t()) >= GEMM_SQNR_DB, decode
+    dy = torch.randn(m, n, device="cuda")
+    for fmt in GRAD_FORMATS:
+        g1, s1 = ops.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+        ref = (g1.double() / s1.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
+        assert sqnr(kt.fp4_dgrad(g1, s1, w_p, k), ref) >= GEMM_SQNR_DB, fmt
+        g2, s2 = ops.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+        ref = ((g2.double() / s2.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64))
+        ref = ref * dge_derivative(w * w_s[:, None]).double()
+        dw = kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s)
+        assert sqnr(dw, ref) >= GEMM_SQNR_DB, fmt
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fp4linear_triton_matches_reference(monkeypatch):
+    # exact quantiles: the sampled ones draw from a generator both runs would advance
+    lin = FP4Linear(4096, 4096, config=FP4Config.from_preset("paper", occ_quantile="exact")).cuda()
+    x = torch.randn(4, 1024, 4096, device="cuda")
+    dy = torch.randn(4, 1024, 4096, device="cuda")
+    out = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
+        xx = x.clone().requires_grad_(True)
+        lin.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = lin(xx)
+        y.float().backward(dy)
+        out[backend] = (y.float(), xx.grad, lin.weight.grad.clone())
+    for name, t, r in zip(("y", "dx", "dw"), out["triton"], out["reference"]):
+        # bf16 output: the reference's bf16 matmul rounds its accumulator, the kernel does not
+        assert sqnr(t, r) >= 40.0, name
