@@ -39,6 +39,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from fp4lightning.formats import F8E4M3_MAX, F8E5M2_MAX
+
 __all__ = [
     "FP8_FORMATS",
     "GRAD_FORMATS",
@@ -55,14 +57,17 @@ log = logging.getLogger(__name__)
 
 # name -> (torch dtype, largest finite magnitude)
 FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
-    "e4m3": (torch.float8_e4m3fn, 448.0),  # torch.finfo(torch.float8_e4m3fn).max
-    "e5m2": (torch.float8_e5m2, 57344.0),  # torch.finfo(torch.float8_e5m2).max
+    "e4m3": (torch.float8_e4m3fn, F8E4M3_MAX),  # 448
+    "e5m2": (torch.float8_e5m2, F8E5M2_MAX),  # 57344
 }
 GRAD_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
 SCHEMES = ("reduce_scatter", "all_gather")
 
 # 2^126 keeps the scale finite in fp32 even for an amax of a few subnormals.
 _MAX_SCALE_EXP = 126
+
+# recent torch deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -152,20 +157,33 @@ def _pow2_scales(amax: Tensor, fp8_max: float) -> Tensor:
     return torch.exp2(exp).float()
 
 
-def _to_fp8_bytes(x_scaled: Tensor, fmt: str) -> Tensor:
-    dtype, fmax = FP8_FORMATS[fmt]
-    # e4m3fn has no inf: an out-of-range cast would give NaN, so saturate first
-    return x_scaled.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+def _abs_max(seg: Tensor) -> Tensor:
+    if seg.numel() == 0:
+        return seg.new_zeros((), dtype=torch.float32)
+    # aminmax reads the data once without allocating |x|; NaN propagates, unlike in a MAX collective
+    lo, hi = torch.aminmax(seg)
+    return torch.maximum(hi, lo.neg()).float()
 
 
-def _from_fp8_bytes(codes: Tensor, fmt: str) -> Tensor:
-    return codes.view(FP8_FORMATS[fmt][0]).float()
+def _encode_fp8_(x_scaled: Tensor, out8: Tensor, fmt: str) -> Tensor:
+    """Saturating round-to-nearest-even cast of fp32 ``x_scaled`` into the float8 tensor ``out8``
+    (same rule as ``fp4lightning.formats.cast_to_fp8``, without allocating; clamps ``x_scaled`` in place)."""
+    fmax = FP8_FORMATS[fmt][1]
+    return out8.copy_(x_scaled.clamp_(-fmax, fmax))
 
 
-def _segment_amax(x: Tensor, sizes: Sequence[int]) -> Tensor:
-    # segment_reduce propagates NaN, unlike a MAX collective, which is why the flag is separate
-    lengths = torch.tensor(list(sizes), dtype=torch.long, device=x.device)
-    return torch.segment_reduce(x.abs(), "max", lengths=lengths, unsafe=True, initial=0.0)
+def _decode_fp8_into(codes: Tensor, fmt: str, out: Tensor) -> Tensor:
+    """Exact fp32 values of the FP8 ``codes`` (uint8) written into ``out``."""
+    if fmt == "e4m3" and codes.device.type == "cpu":
+        # torch's CPU float8->float cast is scalar code (~6 ns/element). The e4m3 bits s.eeee.mmm placed
+        # as fp16 bits s.0eeee.mmm0000000 are the value / 2^8 (subnormals line up too), and fp16->fp32 is
+        # vectorised: ~2.5x faster, bit-exact. Code 0x7F (NaN) never occurs: the input was finite and saturated.
+        bits = codes.to(torch.int16)
+        sign = (bits & 0x80) << 8
+        bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign)
+        out.copy_(bits.view(torch.float16))
+        return out.mul_(256.0)
+    return out.copy_(codes.view(FP8_FORMATS[fmt][0]))
 
 
 def fp8_all_reduce_mean_(
@@ -188,15 +206,17 @@ def fp8_all_reduce_mean_(
         raise ValueError(f"expected a flat 1-D gradient buffer, got shape {tuple(flat.shape)}.")
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
     n = flat.numel()
-    if sizes is None or sum(sizes) != n:
-        sizes = [n]
+    sizes = [n] if sizes is None or sum(sizes) != n else list(sizes)
     state.buckets += 1
+    dtype8, fmax = FP8_FORMATS[fmt]
 
-    x = flat.float()
+    # x is scratch from here on: the bucket buffer itself (overwritten with the result anyway) or an fp32 copy
+    x = flat if flat.dtype == torch.float32 else flat.float()
+    segs = x.split(sizes)
+
     # ---- 1. agree on per-tensor amax and on finiteness
-    amax = _segment_amax(x, sizes)
+    amax = torch.stack([_abs_max(seg) for seg in segs])  # (T,)
     nonfinite = ~torch.isfinite(amax).all()
     stats = torch.cat([torch.nan_to_num(amax, nan=0.0, posinf=0.0), nonfinite.float().view(1)])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
@@ -205,17 +225,21 @@ def fp8_all_reduce_mean_(
         state.step_nonfinite = True
         return flat.fill_(float("nan"))
 
-    # ---- 2. common power-of-two scale per tensor, quantise
-    fmax = FP8_FORMATS[fmt][1]
-    scale = _pow2_scales(stats[:-1], fmax)
-    lengths = torch.tensor(list(sizes), dtype=torch.long, device=x.device)
-    scale_el = torch.repeat_interleave(scale, lengths, output_size=n)  # (N,)
-    codes = _to_fp8_bytes(x * scale_el, fmt)  # (N,) uint8
+    # ---- 2. common power-of-two scale per tensor (identical on every rank), quantise
+    scales = _pow2_scales(stats[:-1], fmax).tolist()
+    for seg, s in zip(segs, scales):
+        seg.mul_(s)  # exact: s is a power of two
+    use_rs = state.scheme == "reduce_scatter" and world > 1
+    chunk = math.ceil(n / world)
+    # byte 0 is +0.0 in both FP8 formats, so the padding adds nothing to the sums
+    codes8 = torch.zeros(chunk * world if use_rs else n, dtype=dtype8, device=x.device)
+    _encode_fp8_(x, codes8[:n], fmt)
+    codes = codes8.view(torch.uint8)
 
-    # ---- 3. exchange and reduce in fp32
-    if state.scheme == "reduce_scatter" and world > 1:
+    # ---- 3. exchange and reduce in fp32; the mean (in the scaled domain) lands in x
+    if use_rs:
         try:
-            mean_scaled = _reduce_scatter_all_gather(codes, fmt, world, rank, group, state)
+            _reduce_scatter_all_gather(codes, n, fmt, world, group, state, out=x)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             if not state._fallback_logged:
                 log.warning(
@@ -226,45 +250,54 @@ def fp8_all_reduce_mean_(
                 )
                 state._fallback_logged = True
             state.scheme = "all_gather"
-            mean_scaled = _all_gather_sum(codes, fmt, world, group, state)
+            _all_gather_sum(codes[:n], fmt, world, group, state, out=x)
     else:
-        mean_scaled = _all_gather_sum(codes, fmt, world, group, state)
-    flat.copy_(mean_scaled / scale_el)
+        _all_gather_sum(codes, fmt, world, group, state, out=x)
+
+    for seg, s in zip(segs, scales):
+        seg.mul_(1.0 / s)  # exact
+    if x is not flat:
+        flat.copy_(x)
     return flat
 
 
 def _reduce_scatter_all_gather(
-    codes: Tensor, fmt: str, world: int, rank: int, group: dist.ProcessGroup, state: CommState
-) -> Tensor:
-    n = codes.numel()
-    chunk = math.ceil(n / world)
-    # byte 0 is +0.0 in both FP8 formats, so zero padding adds nothing to the sum
-    padded = torch.zeros(chunk * world, dtype=torch.uint8, device=codes.device)
-    padded[:n] = codes
-    received = torch.empty_like(padded)
-    dist.all_to_all_single(received, padded, group=group)  # row j = rank j's copy of my chunk
+    codes: Tensor, n: int, fmt: str, world: int, group: dist.ProcessGroup, state: CommState, out: Tensor
+) -> None:
+    chunk = codes.numel() // world
+    received = torch.empty_like(codes)
+    dist.all_to_all_single(received, codes, group=group)  # row j: rank j's codes of my chunk
     state.add_bytes((world - 1) * chunk)
-    mean = _from_fp8_bytes(received, fmt).view(world, chunk).sum(0).div_(world)  # (chunk,) fp32
+    rows = received.view(world, chunk)
+    mean = _decode_fp8_into(rows[0], fmt, torch.empty(chunk, device=codes.device))
+    tmp = torch.empty_like(mean)
+    for j in range(1, world):
+        mean += _decode_fp8_into(rows[j], fmt, tmp)
+    mean.div_(world)
     # |mean| <= common amax * scale <= FP8_MAX, so re-quantising with the same scale cannot overflow
-    reduced = _to_fp8_bytes(mean, fmt)
-    gathered = torch.empty_like(padded)
-    dist.all_gather_into_tensor(gathered, reduced, group=group)
+    reduced = _encode_fp8_(mean, torch.empty(chunk, dtype=FP8_FORMATS[fmt][0], device=codes.device), fmt)
+    gathered = torch.empty_like(codes)
+    _all_gather_single(gathered, reduced.view(torch.uint8), group=group)
     state.add_bytes((world - 1) * chunk)
-    return _from_fp8_bytes(gathered[:n], fmt)
+    _decode_fp8_into(gathered[:n], fmt, out)
 
 
-def _all_gather_sum(codes: Tensor, fmt: str, world: int, group: dist.ProcessGroup, state: CommState) -> Tensor:
+def _all_gather_sum(
+    codes: Tensor, fmt: str, world: int, group: dist.ProcessGroup, state: CommState, out: Tensor
+) -> None:
     n = codes.numel()
     if world == 1:
-        return _from_fp8_bytes(codes, fmt)
+        _decode_fp8_into(codes, fmt, out)
+        return
     parts = [torch.empty_like(codes) for _ in range(world)]
     dist.all_gather(parts, codes, group=group)
     state.add_bytes((world - 1) * n)
     # every rank sums the same bytes in the same (rank) order: bit-identical results
-    total = _from_fp8_bytes(parts[0], fmt)
+    _decode_fp8_into(parts[0], fmt, out)
+    tmp = torch.empty(n, device=codes.device)
     for p in parts[1:]:
-        total += _from_fp8_bytes(p, fmt)
-    return total.div_(world)
+        out += _decode_fp8_into(p, fmt, tmp)
+    out.div_(world)
 
 
 # ---------------------------------------------------------------------------------------------

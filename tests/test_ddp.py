@@ -411,3 +411,55 @@ def test_strategy_trainer_fp8_vs_fp32_bytes_and_nonfinite(tmp_path):
     assert r0["scaler"]["precision"] == "MixedPrecision"
     s = r0["scaler"]["scales"]
     assert s[2] == s[1] / 2 and r1["scaler"]["scales"] == s, s
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process pieces (no process group)
+
+
+def test_fp8_decode_is_exact_for_every_code():
+    from fp4lightning.comm import _decode_fp8_into
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        want = codes.view(dtype).float()
+        got = _decode_fp8_into(codes, fmt, torch.empty(256))
+        finite = torch.isfinite(want)  # NaN/inf codes never reach the decoder (the input was finite, saturated)
+        assert torch.equal(got[finite], want[finite]), fmt
+
+
+def test_pow2_scales_use_the_fp8_range():
+    from fp4lightning.comm import FP8_FORMATS, _pow2_scales
+
+    amax = torch.cat([torch.rand(1000) * 10.0 ** torch.randint(-30, 30, (1000,)), torch.tensor([0.0, 448.0, 1.0])])
+    for fmt, (_, fmax) in FP8_FORMATS.items():
+        s = _pow2_scales(amax, fmax).double()
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s), "scales must be powers of two"
+        scaled = amax.double() * s
+        nz = amax > 0
+        assert (scaled <= fmax).all() and (scaled[nz] > fmax / 2).all(), fmt  # largest such power of two
+        assert s[~nz].eq(1).all()
+
+
+def test_bad_configuration_is_refused_with_the_choices():
+    from fp4lightning.comm import CommState
+    from fp4lightning.strategy import FP4DDPStrategy
+
+    with pytest.raises(ValueError, match="e4m3"):
+        CommState(grad_format="fp16")
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        FP4DDPStrategy("e4m3", scheme="ring")
+    with pytest.raises(ValueError, match="skip"):
+        FP4DDPStrategy("e4m3", nonfinite="ignore")
+    with pytest.raises(ValueError, match="ddp_comm_hook"):
+        FP4DDPStrategy("e4m3", ddp_comm_hook=lambda state, bucket: None)
+
+
+def test_strategy_is_registered_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from fp4lightning.strategy import FP4DDPStrategy
+
+    strategy = StrategyRegistry.get("fp4_ddp_spawn")
+    assert isinstance(strategy, FP4DDPStrategy) and strategy.grad_format == "e4m3"
+    assert strategy._start_method == "spawn"

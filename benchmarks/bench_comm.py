@@ -1,0 +1,137 @@
+"""Gradient communication at W ranks on gloo: FP8 hook against fp32 all-reduce and bf16 compression.
+
+One run, one process group, the same model and batches for every format (METHOD.md section 6):
+  * fp32: PyTorch's ``allreduce_hook`` (what DDP does without a hook);
+  * bf16: PyTorch's ``bf16_compress_hook``;
+  * e4m3: ``fp4lightning.comm.fp8_compress_hook`` (amax MAX-reduce, all_to_all + all_gather of FP8 bytes);
+  * none: ``DDP.no_sync()``, no communication at all, to separate the sync cost from compute.
+Prints, per model (the project's LLaMA ``tiny`` and a mid-size one), bytes each rank sent per step
+(counted by the hooks, see docs/distributed.md) and median time per training step (forward,
+backward with gradient sync, AdamW step), both as ratios against fp32.
+
+    .venv/bin/python benchmarks/bench_comm.py [--world 2] [--steps 10] [--models tiny,mid]
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fp4lightning.comm import CommState, hook_for_format  # noqa: E402
+from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
+
+# name -> (config overrides on the "tiny" preset, batch, sequence length)
+MODELS = {
+    "tiny": ({}, 4, 64),
+    "mid": ({"dim": 512, "n_layers": 8, "n_heads": 8, "ffn_dim": 1376}, 1, 64),
+}
+FORMATS = ("fp32", "bf16", "e4m3", "none")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Run:
+    """One DDP replica of the model with one sync format; ``step()`` trains one batch and times it."""
+
+    def __init__(self, model_name: str, fmt: str, steps: int, rank: int):
+        overrides, batch, seq = MODELS[model_name]
+        self.cfg = llama_config("tiny", max_seq_len=seq, **overrides)
+        torch.manual_seed(0)
+        self.model = Llama(self.cfg)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.fmt, self.state = fmt, None
+        if fmt != "none":
+            # check_finite=False keeps the baselines exactly PyTorch's hooks (plus byte counting)
+            self.state = CommState(grad_format=fmt, check_finite=False)
+            self.ddp.register_comm_hook(self.state, hook_for_format(fmt))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every format
+        self.tokens = torch.randint(0, self.cfg.vocab_size, (steps, batch, seq + 1), generator=gen)
+        self.times: list[float] = []
+        self.bytes: list[int] = []
+
+    def step(self, i: int, record: bool) -> None:
+        x, y = self.tokens[i, :, :-1], self.tokens[i, :, 1:]
+        dist.barrier()
+        t0 = time.perf_counter()
+        with self.ddp.no_sync() if self.fmt == "none" else contextlib.nullcontext():
+            logits = self.ddp(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        sent = self.state.pop_step()[0] if self.state else 0
+        if record:
+            self.times.append(elapsed)
+            self.bytes.append(sent)
+
+
+def _bench_model(model_name: str, steps: int, warmup: int, rank: int) -> dict:
+    runs = {fmt: _Run(model_name, fmt, steps + warmup, rank) for fmt in FORMATS}
+    # round-robin over formats so that load drift on a shared machine hits all of them alike
+    for i in range(steps + warmup):
+        for fmt in FORMATS:
+            runs[fmt].step(i, record=i >= warmup)
+    numel = sum(p.numel() for p in runs["fp32"].model.parameters())
+    return {fmt: (statistics.median(r.times), r.bytes[-1], numel) for fmt, r in runs.items()}
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    for name in args.models.split(","):
+        if name not in MODELS:
+            raise SystemExit(f"--models: unknown model {name!r}; choose from {sorted(MODELS)}")
+        rows.append((name, _bench_model(name, args.steps, args.warmup, rank)))
+    if rank == 0:
+        _print_table(rows, world, args)
+    dist.destroy_process_group()
+
+
+def _print_table(rows, world: int, args) -> None:
+    print(f"# bench_comm: W={world} gloo, {args.threads} thread(s)/rank, median of {args.steps} steps "
+          f"({args.warmup} warm-up), torch {torch.__version__}, {datetime.date.today().isoformat()}")
+    print("| model | params | sync | bytes sent / step / rank | bytes vs fp32 | step ms | step vs fp32 "
+          "| sync ms (step - no-sync step) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, res in rows:
+        t32, b32, numel = res["fp32"]
+        t_none = res["none"][0]
+        for fmt in FORMATS:
+            t, b, _ = res[fmt]
+            label = {"fp32": "fp32 all-reduce", "bf16": "bf16_compress_hook", "e4m3": "FP8 E4M3 hook",
+                     "none": "no sync (no_sync)"}[fmt]
+            print(f"| {name} | {numel / 1e6:.1f}M | {label} | {b:,} | {b / b32:.3f} | {t * 1e3:.1f} "
+                  f"| {t / t32:.2f} | {(t - t_none) * 1e3:.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="number of gloo ranks (type: int, default: 2)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per format (type: int, default: 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (type: int, default: 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (type: int, default: 1)")
+    p.add_argument("--models", default="tiny,mid", help=f"comma list from {sorted(MODELS)} (default: tiny,mid)")
+    args = p.parse_args()
+    mp.spawn(_worker, args=(args.world, _free_port(), args), nprocs=args.world, join=True)
+
+
+if __name__ == "__main__":
+    main()
