@@ -1,0 +1,285 @@
+"""Benchmark and self-check of the FP4 kernels in one run (arXiv 2501.17116, section 3).
+
+    python -m fp4lightning.kernels.bench           # or: python kernels/bench.py
+    python -m fp4lightning.kernels.bench --quick   # two GeMM shapes, one layer shape
+
+On a GPU it prints one table with
+  * quantize throughput as a fraction of a device-to-device copy's bandwidth (bytes
+    read + written per second; issue target >= 0.70);
+  * forward FP4 GeMM TFLOP/s next to torch bf16 matmul and torch._scaled_mm FP8
+    (row-wise scales) at 4096^3, 8192^3 and the LLaMA-2 1.3B / 7B layer shapes
+    (8192 tokens), plus the two backward GeMMs (E5M2 dY, DGE fused);
+  * FP4Linear forward+backward time over bf16 nn.Linear (autocast, fp32 weights);
+  * a correctness check of every kernel against its PyTorch reference at one size,
+and exits non-zero if a check fails. Sized to finish in under 8 minutes on an H100/H200
+(first-call autotuning included).
+
+Without a GPU the same table is produced by the PyTorch *reference* path at small
+sizes (the numbers then say nothing about the kernels), and the checks run the Triton
+kernels under the interpreter (TRITON_INTERPRET=1 is set here before they are defined).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel definitions
+
+import triton  # noqa: E402
+
+from fp4lightning import FP4Config, FP4Linear, ops  # noqa: E402
+from fp4lightning.dge import dge_derivative  # noqa: E402
+from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
+from fp4lightning.kernels import fp4_triton as kt  # noqa: E402
+from fp4lightning.quantize import quantize_rows as quantize_rows_reference  # noqa: E402
+
+# (label, M tokens, N out, K in). LLaMA-2 7B: dim 4096, FFN 11008; the project's 1.3B
+# (fp4lightning.models.llama): dim 2048, FFN 5504. 8192 tokens = 4 sequences of 2048.
+GPU_GEMM_SHAPES = [
+    ("square", 4096, 4096, 4096),
+    ("square", 8192, 8192, 8192),
+    ("1.3B qkvo", 8192, 2048, 2048),
+    ("1.3B up/gate", 8192, 5504, 2048),
+    ("1.3B down", 8192, 2048, 5504),
+    ("7B qkvo", 8192, 4096, 4096),
+    ("7B up/gate", 8192, 11008, 4096),
+    ("7B down", 8192, 4096, 11008),
+]
+CPU_GEMM_SHAPES = [
+    ("square", 256, 256, 256),
+    ("square", 512, 512, 512),
+    ("1.3B qkvo", 256, 2048, 2048),
+    ("1.3B up/gate", 256, 5504, 2048),
+    ("7B qkvo", 256, 4096, 4096),
+]
+GPU_QUANT_SHAPES = [(8192, 4096), (8192, 11008)]
+CPU_QUANT_SHAPES = [(1024, 1024)]
+GPU_LINEAR_SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008)]  # tokens, in, out
+CPU_LINEAR_SHAPES = [(512, 512, 512)]
+# Kernel vs reference: same math, so anything below this means a bug, not rounding.
+CHECK_SQNR_DB = 80.0
+
+
+# --------------------------------------------------------------------------- timing
+def _time_ms(fn) -> float:
+    """Median wall time of ``fn`` in ms (CUDA events via triton's do_bench on a GPU)."""
+    if CUDA:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    ts = []
+    budget = time.perf_counter() + 2.0
+    while len(ts) < 3 or (len(ts) < 20 and time.perf_counter() < budget):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def _rate(x: float, unit: str) -> str:
+    """``x`` per second with an SI prefix that keeps 3 significant digits readable."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if x >= scale:
+            return f"{x / scale:.1f} {prefix}{unit}/s"
+    return f"{x / 1e3:.1f} k{unit}/s"
+
+
+class Table:
+    def __init__(self):
+        self.rows: list[tuple[str, ...]] = []
+
+    def add(self, section, case, shape, ms, rate, rel):
+        self.rows.append((section, case, shape, "" if ms is None else f"{ms:.3f}", rate, rel))
+
+    def print(self):
+        head = ("section", "case", "shape", "ms", "rate", "relative")
+        widths = [max(len(str(r[i])) for r in self.rows + [head]) for i in range(len(head))]
+        line = " | ".join(h.ljust(w) for h, w in zip(head, widths))
+        print(line)
+        print("-+-".join("-" * w for w in widths))
+        for r in self.rows:
+            print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+# --------------------------------------------------------------------------- sections
+def bench_quantize(table: Table, dev, shapes):
+    quant = kt.quantize_rows if CUDA else (lambda x: quantize_rows_reference(x))
+    fp8 = kt.quantize_fp8 if CUDA else (lambda x, dim, fmt: ops.quantize_fp8_reference(x, dim, fmt))
+    for m, k in shapes:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        dst = torch.empty_like(x)
+        shape = f"{m}x{k} bf16"
+        t_copy = _time_ms(lambda: dst.copy_(x))
+        copy_bw = 2 * x.numel() * 2 / (t_copy * 1e-3)
+        table.add("quantize", "copy (D2D baseline)", shape, t_copy, _rate(copy_bw, "B"), "1.00")
+        cases = [
+            ("fp4 rows -> packed", lambda: quant(x), x.numel() * 2 + x.numel() // 2 + m * 4),
+            ("fp8 e5m2, per row", lambda: fp8(x, 1, "e5m2"), x.numel() * 3 + m * 4),
+            ("fp8 e5m2, per column", lambda: fp8(x, 0, "e5m2"), x.numel() * 3 + k * 4),
+        ]
+        for name, fn, nbytes in cases:
+            t = _time_ms(fn)
+            bw = nbytes / (t * 1e-3)
+            table.add("quantize", name, shape, t, _rate(bw, "B"), f"{bw / copy_bw:.2f} of copy")
+
+
+def _scaled_mm_fp8(a, w):
+    """torch._scaled_mm with row-wise scales (tensor-wise where row-wise is unsupported)."""
+    a8 = (a.float() / a.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn)
+    w8 = (w.float() / w.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn)
+    sa = torch.rand(a.shape[0], 1, device=a.device) + 0.5
+    sb = torch.rand(1, w.shape[0], device=a.device) + 0.5
+    try:
+        torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), "row-wise"
+    except Exception:
+        one = torch.ones((), device=a.device)
+        return lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), "tensor-wise"
+
+
+def bench_gemms(table: Table, dev, shapes):
+    for label, m, n, k in shapes:
+        shape = f"{label} {m}x{n}x{k}"
+        flop = 2.0 * m * n * k
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+
+        def tf(ms):
+            return _rate(flop / (ms * 1e-3), "FLOP")
+
+        t_bf16 = _time_ms(lambda: a @ w.t())
+        table.add("gemm fwd", "torch bf16 matmul", shape, t_bf16, tf(t_bf16), "1.00x bf16")
+        try:
+            fn, how = _scaled_mm_fp8(a, w)
+            t = _time_ms(fn)
+            table.add("gemm fwd", f"torch._scaled_mm fp8 ({how})", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
+        except Exception as e:  # e.g. a GPU without FP8 support
+            table.add("gemm fwd", "torch._scaled_mm fp8", shape, None, f"n/a ({type(e).__name__})", "")
+        a_p, a_s = quantize_rows_reference(a)
+        w_p, w_s = quantize_rows_reference(w)
+        if CUDA:
+            t = _time_ms(lambda: kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16))
+            dec = "fp8" if kt.has_fp8_mma(dev) else "fp16"
+            table.add("gemm fwd", f"fp4_gemm (Triton, {dec} decode)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
+            dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+            g1, s1 = kt.quantize_fp8(dy, 1, "e5m2")
+            t = _time_ms(lambda: kt.fp4_dgrad(g1, s1, w_p, k, out_dtype=torch.bfloat16))
+            table.add("gemm bwd", "fp4_dgrad (Triton, e5m2 dY)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16 fwd")
+            g2, s2 = kt.quantize_fp8(dy, 0, "e5m2")
+            t = _time_ms(lambda: kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s))
+            table.add("gemm bwd", "fp4_wgrad (Triton, e5m2 dY, DGE)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16 fwd")
+        else:
+            t = _time_ms(lambda: ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, torch.bfloat16))
+            table.add("gemm fwd", "fp4_gemm_reference (PyTorch)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
+
+
+def bench_linear(table: Table, dev, shapes):
+    for m, k, n in shapes:
+        shape = f"{m} tok, {k}->{n}"
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        base = torch.nn.Linear(k, n, device=dev)
+
+        def step(mod):
+            def run():
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    y = mod(x)
+                y.backward(dy)
+            return run
+
+        t_ref = _time_ms(step(base))
+        table.add("linear", "nn.Linear bf16 autocast fwd+bwd", shape, t_ref, "", "1.00x time")
+        for preset in ("fp4-no-occ", "paper"):
+            mod = FP4Linear.from_linear(base, FP4Config.from_preset(preset))
+            t = _time_ms(step(mod))
+            table.add("linear", f"FP4Linear {preset} fwd+bwd", shape, t, f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
+
+
+def run_checks(table: Table, dev) -> bool:
+    """Every kernel against its reference at one size; returns True when all pass."""
+    m, n, k = (2048, 1536, 2049) if CUDA else (96, 80, 113)  # odd K on purpose
+    x = torch.randn(m, k, device=dev) * torch.exp(torch.randn(m, 1, device=dev))
+    w = torch.randn(n, k, device=dev)
+    dy = torch.randn(m, n, device=dev)
+    ok_all = True
+
+    def report(case, ok, detail):
+        nonlocal ok_all
+        ok_all &= bool(ok)
+        table.add("check", case, f"{m}x{n}x{k}", None, detail, "ok" if ok else "FAIL")
+
+    def sq(actual, ref):
+        ref = ref.double()
+        err = (actual.double() - ref).pow(2).sum().clamp_min(1e-300)
+        return 10 * math.log10(ref.pow(2).sum().item() / err.item())
+
+    for mode in ("float", "pow2"):
+        c, s = kt.quantize_rows(x.bfloat16(), scale_mode=mode)
+        rc, rs = quantize_rows_reference(x.bfloat16(), mode)
+        report(f"quantize_rows {mode} vs reference", torch.equal(c, rc) and torch.equal(s, rs), "bitwise")
+    for dim in (1, 0):
+        q, s = kt.quantize_fp8(dy, dim, "e5m2")
+        rq, rs = ops.quantize_fp8_reference(dy, dim, "e5m2")
+        same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+        report(f"quantize_fp8 e5m2 dim={dim} vs reference", same, "bitwise")
+    a_p, a_s = kt.quantize_rows(x)
+    w_p, w_s = kt.quantize_rows(w)
+    y = kt.fp4_gemm(a_p, a_s, w_p, w_s, k)
+    v = sq(y, ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k))
+    report("fp4_gemm vs reference", v >= CHECK_SQNR_DB, f"SQNR {v:.0f} dB")
+    w_q = decode_e2m1(unpack_fp4(w_p, k), torch.float64)
+    a_q = decode_e2m1(unpack_fp4(a_p, k), torch.float64)
+    for fmt in ("e5m2", "e4m3", "bf16"):
+        g1, s1 = ops.quantize_fp8(dy / w_s[None, :], 1, fmt)
+        ref = (g1.double() / s1.double()[:, None]) @ w_q
+        v = sq(kt.fp4_dgrad(g1, s1, w_p, k), ref)
+        report(f"fp4_dgrad {fmt} vs float64", v >= CHECK_SQNR_DB, f"SQNR {v:.0f} dB")
+        g2, s2 = ops.quantize_fp8(dy / a_s[:, None], 0, fmt)
+        ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge_derivative(w * w_s[:, None]).double()
+        v = sq(kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
+        report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, f"SQNR {v:.0f} dB")
+    return ok_all
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="two GeMM shapes and one layer shape")
+    p.add_argument("--skip-checks", action="store_true", help="timings only")
+    args = p.parse_args(argv)
+
+    dev = torch.device("cuda" if CUDA else "cpu")
+    gemm_shapes = GPU_GEMM_SHAPES if CUDA else CPU_GEMM_SHAPES
+    linear_shapes = GPU_LINEAR_SHAPES if CUDA else CPU_LINEAR_SHAPES
+    if args.quick:
+        gemm_shapes, linear_shapes = gemm_shapes[:1] + gemm_shapes[-1:], linear_shapes[:1]
+    if CUDA:
+        name = torch.cuda.get_device_name(dev)
+        cap = torch.cuda.get_device_capability(dev)
+        print(f"# device: {name} (sm_{cap[0]}{cap[1]}); Triton kernels, compiled")
+    else:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        print("# device: CPU - no GPU: timings below are the PyTorch REFERENCE path at small sizes,")
+        print("#   not the Triton kernels; the checks run the kernels under the Triton interpreter.")
+    print(f"# {datetime.datetime.now().isoformat(timespec='seconds')}  torch {torch.__version__}  "
+          f"triton {triton.__version__}  command: {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}")
+    t0 = time.perf_counter()
+    table = Table()
+    bench_quantize(table, dev, GPU_QUANT_SHAPES if CUDA else CPU_QUANT_SHAPES)
+    bench_gemms(table, dev, gemm_shapes)
+    bench_linear(table, dev, linear_shapes)
+    ok = True if args.skip_checks else run_checks(table, dev)
+    table.print()
+    print(f"# total {time.perf_counter() - t0:.0f} s; checks {'skipped' if args.skip_checks else ('passed' if ok else 'FAILED')}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
