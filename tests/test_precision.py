@@ -1,7 +1,6 @@
 """FP4Precision and fp4lightning.Trainer on a real Lightning Trainer: conversion, training, fp16 loss
 scaling (skip, back-off, growth, clipping, checkpoints), reduced-precision optimizer states,
 save / resume / cross-precision loads."""
-import copy
 import math
 import warnings
 
@@ -20,8 +19,9 @@ from fp4lightning.precision import DynamicLossScaler, FP4Precision
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
              enable_model_summary=False)
-# The loss of the tiny classifier after 40 steps, relative to its first steps (measured ~0.4).
-LOSS_DROP = 0.75
+# Mean loss of the last 5 of 40 steps over the first 5, tiny classifier, lr 1e-2: measured
+# 0.30-0.40 over 10 runs (fp4 and fp4-fp16).
+LOSS_DROP = 0.55
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,7 @@ def _quiet_known_warnings():
 class Classifier(L.LightningModule):
     """An ordinary LightningModule: it knows nothing about fp4lightning."""
 
-    def __init__(self, lr: float = 3e-3, optimizer: str = "adamw", scheduler: bool = False):
+    def __init__(self, lr: float = 1e-2, optimizer: str = "adamw", scheduler: bool = False):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU())
         self.head = nn.Linear(64, 16)
@@ -264,7 +264,7 @@ def test_connect_swaps_adamw_and_keeps_the_scheduler_attached():
     assert isinstance(opt, LowPrecisionAdamW)
     sched = trainer.lr_scheduler_configs[0].scheduler
     assert sched.optimizer is opt
-    assert opt.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.5**3)  # the scheduler drove the new optimizer
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)  # the scheduler drove the new optimizer
     s = opt.state[model.body[0].weight]
     assert s["exp_avg_q"].dtype == torch.float8_e4m3fn and s["exp_avg_sq_q"].dtype == torch.float16
     assert s["step"] == 3
