@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
 from .formats import F8E4M3_MAX, F8E5M2_MAX, cast_to_fp8, decode_e2m1, unpack_fp4
+from .occ import occ_clamp
 from .quantize import AMAX_EPS, quantize_rows
 
 __all__ = [
     "backend_for",
     "quantize_fp4",
+    "quantize_fp4_clamped",
     "quantize_fp8",
     "fp4_gemm",
     "fp4_dgrad",
@@ -54,7 +57,11 @@ def _triton_kernels():
         from .kernels import fp4_triton
 
         return fp4_triton
-    except Exception:  # triton missing or no driver: the reference path still works
+    except Exception as e:  # triton missing or no driver: the reference path still works
+        if torch.cuda.is_available():
+            # on a GPU this silently costs all the speed: say why once
+            warnings.warn(f"fp4lightning: Triton kernels unavailable ({type(e).__name__}: {e}); "
+                          "using the PyTorch reference path", RuntimeWarning, stacklevel=3)
         return None
 
 
@@ -96,6 +103,24 @@ def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool 
         codes, scale = _triton_kernels().quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor)
         return codes, scale, None
     return quantize_rows(x2d, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
+
+
+def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+                         per_tensor: bool = False):
+    """OCC clamp + row-wise FP4 quantization -> ``(packed, scale, values, residual)``.
+
+    Same results as ``occ_clamp(x2d, bounds)`` then ``quantize_fp4`` on the clamped
+    tensor (section 3.3): ``residual = x - clamp(x)`` is dense in x's dtype, ``values``
+    as in ``quantize_fp4``. The Triton backend does it in one fused pass over x.
+    """
+    if backend_for(x2d.device) == "triton":
+        kern = _triton_kernels()
+        if hasattr(kern, "quantize_rows_clamped"):
+            codes, scale, resid = kern.quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
+            return codes, scale, None, resid
+    xc, resid = occ_clamp(x2d, bounds)
+    codes, scale, values = quantize_rows(xc, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
+    return codes, scale, values, resid
 
 
 # --------------------------------------------------------------------------- FP8 quantize

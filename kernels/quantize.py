@@ -32,7 +32,7 @@ from ._common import (
     sign_bit,
 )
 
-__all__ = ["quantize_rows", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
+__all__ = ["quantize_rows", "quantize_rows_clamped", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
 
 E2M1_MAX = 6.0  # largest E2M1 magnitude (fp4lightning.formats.E2M1_MAX)
 AMAX_EPS = 1e-12  # fp4lightning.quantize.AMAX_EPS
@@ -83,15 +83,31 @@ def _encode_fp4_store(x, scale, q_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_KH: t
 
 
 @triton.jit
+def _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP: tl.constexpr, STORE_RESIDUAL: tl.constexpr):
+    """Load elements [k0, k0 + 2*BLOCK_KH) of a row block as fp32; with CLAMP apply the OCC
+    clamp to [lo, hi] and (STORE_RESIDUAL) write the residual ``x - clamp(x)``."""
+    mask = row_ok[:, None] & (k0 + ke < K)[None, :]
+    x = tl.load(x_rows + k0 + ke[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:
+        # torch.clamp semantics: NaN stays NaN, a NaN bound makes everything NaN
+        xc = tl.where(x < lo, lo, tl.where(x > hi, hi, x))
+        xc = tl.where((lo != lo) | (hi != hi), float("nan"), xc)
+        if STORE_RESIDUAL:
+            tl.store(r_rows + k0 + ke[None, :], (x - xc).to(r_rows.dtype.element_ty), mask=mask)
+        x = xc
+    return x
+
+
+@triton.jit
 def _quantize_fp4_kernel(
-    # pointers
-    x_ptr, q_ptr, s_ptr, amax_ptr,
+    # pointers (r_ptr, bounds_ptr: OCC residual out and [lo, hi], used when CLAMP)
+    x_ptr, q_ptr, s_ptr, amax_ptr, r_ptr, bounds_ptr,
     # sizes
     M, K, KH,
     # strides (the inner stride is 1)
-    stride_xm, stride_qm,
+    stride_xm, stride_qm, stride_rm,
     # meta-parameters
-    POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -99,14 +115,20 @@ def _quantize_fp4_kernel(
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
+    r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rm
     ke = tl.arange(0, 2 * BLOCK_KH)  # element offsets in one block
     kb = tl.arange(0, BLOCK_KH)  # byte offsets in one block
+    lo = 0.0
+    hi = 0.0
+    if CLAMP:
+        lo = tl.load(bounds_ptr)
+        hi = tl.load(bounds_ptr + 1)
     if GIVEN_AMAX:  # per-tensor scaling: the amax (NaN if non-finite) comes from outside
         amax = tl.zeros([BLOCK_M], tl.float32) + tl.load(amax_ptr)
 
     # --- one pass: the whole row block sits in registers
     if SINGLE_PASS:
-        x = tl.load(x_rows + ke[None, :], mask=row_ok[:, None] & (ke < K)[None, :], other=0.0).to(tl.float32)
+        x = _load_block(x_rows, r_rows, 0, ke, row_ok, K, lo, hi, CLAMP, True)
         if not GIVEN_AMAX:
             amax = _row_amax(x)
         scale = _fp4_scale(amax, POW2)
@@ -116,15 +138,13 @@ def _quantize_fp4_kernel(
         if not GIVEN_AMAX:
             amax = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, 2 * BLOCK_KH):
-                x = tl.load(x_rows + k0 + ke[None, :], mask=row_ok[:, None] & (k0 + ke < K)[None, :],
-                            other=0.0).to(tl.float32)
+                x = _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP, False)
                 # NaN-propagating running max (tl.maximum would drop NaN on the GPU)
                 blk = _row_amax(x)
                 amax = tl.where((blk != blk) | (amax != amax), float("nan"), tl.maximum(amax, blk))
         scale = _fp4_scale(amax, POW2)
         for k0 in range(0, K, 2 * BLOCK_KH):
-            x = tl.load(x_rows + k0 + ke[None, :], mask=row_ok[:, None] & (k0 + ke < K)[None, :],
-                        other=0.0).to(tl.float32)
+            x = _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP, True)
             h0 = k0 // 2
             _encode_fp4_store(x, scale, q_rows + h0 + kb[None, :], row_ok[:, None] & (h0 + kb < KH)[None, :],
                               BLOCK_M, BLOCK_KH)
@@ -151,6 +171,43 @@ def _fp4_launch_params(kh: int, block_kh: int | None) -> tuple[int, int, bool, i
     return block_m, block_kh, single, num_warps
 
 
+def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
+    check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
+    check_same_device(x2d=x2d, bounds=bounds)
+    if scale_mode not in ("float", "pow2"):
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
+    m, k = x2d.shape
+    kh = (k + 1) // 2
+    q = torch.empty(m, kh, dtype=torch.uint8, device=x2d.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
+    resid = scale  # placeholder pointers when unused
+    lohi = scale
+    if bounds is not None:
+        if not isinstance(bounds, torch.Tensor) or bounds.shape != (2,) or not bounds.is_floating_point():
+            raise ValueError("bounds must be a floating-point tensor([lo, hi]) as occ_bounds returns, got "
+                             f"{bounds if not isinstance(bounds, torch.Tensor) else tuple(bounds.shape)}")
+        # the reference clamps with the bounds cast to x's dtype (fp4lightning.occ.occ_clamp)
+        lohi = bounds.to(x2d.dtype).float().contiguous()
+        resid = torch.empty(m, k, dtype=x2d.dtype, device=x2d.device)
+    amax = scale
+    if per_tensor:
+        if bounds is None:
+            amax = torch.linalg.vector_norm(x2d, float("inf")).float().reshape(1)
+        else:
+            # the clamped tensor spans [clamp(min), clamp(max)]: its absmax without materialising it
+            ends = torch.clamp(torch.stack(torch.aminmax(x2d)).float(), lohi[0], lohi[1])
+            amax = ends.abs().amax().reshape(1)
+        # NaN-propagating global absmax; inf -> NaN (the kernel only tests finiteness)
+        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+    block_m, blk, single, warps = _fp4_launch_params(kh, block_kh)
+    _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
+        x2d, q, scale, amax, resid, lohi, m, k, kh, x2d.stride(0), q.stride(0), resid.stride(0),
+        POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, CLAMP=bounds is not None,
+        BLOCK_M=block_m, BLOCK_KH=blk, num_warps=warps,
+    )
+    return q, scale, (resid if bounds is not None else None)
+
+
 def quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
                   block_kh: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
@@ -161,26 +218,22 @@ def quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool
     interpreter). ``block_kh`` (bytes per block, power of two) is a tuning/testing
     override; rows longer than it are quantized in two passes.
     """
-    check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
-    check_same_device(x2d=x2d)
-    if scale_mode not in ("float", "pow2"):
-        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
-    m, k = x2d.shape
-    kh = (k + 1) // 2
-    q = torch.empty(m, kh, dtype=torch.uint8, device=x2d.device)
-    scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
-    amax = scale  # unused placeholder pointer unless per_tensor
-    if per_tensor:
-        # NaN-propagating global absmax (inf -> NaN: the kernel only tests finiteness).
-        amax = x2d.abs().amax().float().reshape(1)
-        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
-    block_m, blk, single, warps = _fp4_launch_params(kh, block_kh)
-    _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
-        x2d, q, scale, amax, m, k, kh, x2d.stride(0), q.stride(0),
-        POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single,
-        BLOCK_M=block_m, BLOCK_KH=blk, num_warps=warps,
-    )
+    q, scale, _ = _quantize_fp4(x2d, scale_mode, per_tensor, None, block_kh)
     return q, scale
+
+
+def quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+                          per_tensor: bool = False, *, block_kh: int | None = None):
+    """OCC clamp fused into the FP4 quantizer (section 3.3): ``(packed, scale, residual)``.
+
+    Equals ``occ_clamp(x2d, bounds)`` followed by ``quantize_rows`` on the clamped
+    tensor: ``bounds = tensor([lo, hi])`` (from ``occ_bounds``) is cast to x's dtype
+    as the reference does, the codes and scales are bit-identical, and ``residual``
+    (dense, x's dtype) is ``x - clamp(x)``, computed in fp32 and rounded once to x's
+    dtype (as torch rounds the bf16/fp16 subtraction). One read of x instead of three
+    tensors' worth of traffic (clamp write, residual write, quantizer read).
+    """
+    return _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh)
 
 
 # --------------------------------------------------------------------------- FP8
