@@ -202,4 +202,5 @@ OUT_DTYPES = FLOAT_DTYPES
 
 def check_out_dtype(out_dtype: torch.dtype) -> None:
     if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype={out_dtype} is not supported; choose torch.float32, torch.bfloat16 or torch.float16")
+        raise TypeError(f"out_dtype={out_dtype} is not supported; "
+                        "choose torch.float32, torch.bfloat16 or torch.float16")

@@ -200,7 +200,8 @@ def bench_linear(table: Table, dev, shapes):
         for preset in ("fp4-no-occ", "paper"):
             mod = FP4Linear.from_linear(base, FP4Config.from_preset(preset))
             t = _time_ms(step(mod))
-            table.add("linear", f"FP4Linear {preset} fwd+bwd", shape, t, f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
+            table.add("linear", f"FP4Linear {preset} fwd+bwd", shape, t, f"{t_ref / t:.2f}x speed",
+                      f"{t / t_ref:.2f}x time")
 
 
 def run_checks(table: Table, dev) -> bool:
@@ -277,7 +278,8 @@ def main(argv=None) -> int:
     bench_linear(table, dev, linear_shapes)
     ok = True if args.skip_checks else run_checks(table, dev)
     table.print()
-    print(f"# total {time.perf_counter() - t0:.0f} s; checks {'skipped' if args.skip_checks else ('passed' if ok else 'FAILED')}")
+    verdict = "skipped" if args.skip_checks else ("passed" if ok else "FAILED")
+    print(f"# total {time.perf_counter() - t0:.0f} s; checks {verdict}")
     return 0 if ok else 1
 
 

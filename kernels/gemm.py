@@ -376,7 +376,8 @@ def fp4_wgrad(
     if has_dge:
         check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
         if tuple(dge_weight.shape) != (n, k):
-            raise ValueError(f"dge_weight must have shape ({n}, {k}) = (columns of g, k), got {tuple(dge_weight.shape)}")
+            raise ValueError(f"dge_weight must have shape ({n}, {k}) = (columns of g, k), "
+                             f"got {tuple(dge_weight.shape)}")
         if dge_weight_scale is None:
             raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
         check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")

@@ -2,12 +2,14 @@
 
 ``quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows``: one
 program reads a block of rows, takes each row's absmax, forms the fp32 scale
-``6 / max(amax, 1e-12)`` (evaluated as torch does, reciprocal then multiply; optionally rounded down to a power of two by masking the
+``6 / max(amax, 1e-12)`` (optionally rounded down to a power of two by masking the
 exponent bits), rounds ``x * scale`` to E2M1 with ties to even, and writes two codes
 per byte (element ``2j`` in the low nibble) plus the fp32 scale. Rows containing NaN
 or +/-inf get a NaN scale and zero codes, exactly as the reference. Codes and scales
-are bit-identical to the reference: the scale is an IEEE division (``div_rn``) and
-the rounding is exact fp32 arithmetic (``_common.minifloat_bits``).
+are bit-identical to the reference: the scale is computed as torch computes it
+(an IEEE reciprocal, ``div_rn``, then a multiply) and the rounding is exact fp32
+arithmetic (``_common.minifloat_bits``). ``quantize_rows_clamped`` fuses OCC's clamp
+(section 3.3) into the same pass and writes the residual.
 
 Rows up to ``2 * MAX_SINGLE_PASS_KH`` elements are held in registers and read once;
 longer rows take two passes over the row (amax, then encode), the second mostly from L2.
