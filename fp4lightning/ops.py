@@ -201,16 +201,21 @@ def fp4_wgrad_reference(
     dge_weight_scale: torch.Tensor | None = None,
     dge_k: float = 5.0,
     dge_clamp: float = 3.0,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``dW = (G2_q^T A_q) / s_g2[:, None]``, times ``f'(W s_w)`` when ``dge_weight`` is given.
+    """``dW = (G2_q^T A_q) / s_g2[:, None] + addend``, times ``f'(W s_w)`` when ``dge_weight`` is given.
 
     ``g`` is (M x N) with one scale per column (N), A packed along K; output N x K.
+    ``addend`` (N x K, e.g. OCC's compensation term ``(dY^T R)``) is added before the
+    DGE factor, which multiplies the whole weight gradient.
     """
     from .dge import dge_derivative
 
     cd = _compute_dtype(out_dtype, g.device)
     acc = (g.to(cd).t() @ _fp4_values(a_packed, k, cd)).float()
     dw = acc.div_(g_scale[:, None])
+    if addend is not None:
+        dw.add_(addend.float())
     if dge_weight is not None:
         dw.mul_(dge_derivative(dge_weight.float() * dge_weight_scale[:, None], dge_k, dge_clamp))
     return dw.to(out_dtype)
@@ -230,10 +235,11 @@ def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
-              dge_k=5.0, dge_clamp=3.0):
+              dge_k=5.0, dge_clamp=3.0, addend=None):
     if backend_for(g.device) == "triton":
         return _triton_kernels().fp4_wgrad(
             g, g_scale, a_packed, k, out_dtype=out_dtype, dge_weight=dge_weight,
-            dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp,
+            dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp, addend=addend,
         )
-    return fp4_wgrad_reference(g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp)
+    return fp4_wgrad_reference(g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp,
+                               addend)

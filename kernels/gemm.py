@@ -298,17 +298,17 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.autotune(configs=_configs(_BWD_SWEEP, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT", "HAS_DGE"])
+                 key=["M", "N", "KH", "DOT", "HAS_DGE", "HAS_ADDEND"])
 @triton.jit
 def _fp4_wgrad_kernel(
-    # pointers
-    g_ptr, a_ptr, sg_ptr, w_ptr, sw_ptr, y_ptr,
+    # pointers (c_ptr: optional addend, any strides)
+    g_ptr, a_ptr, sg_ptr, w_ptr, sw_ptr, c_ptr, y_ptr,
     # sizes
     M, N, K, KH,
     # strides
-    stride_gm, stride_am, stride_wn, stride_yn,
+    stride_gm, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
     # meta-parameters (BLOCK_M is the reduction block)
-    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, HAS_ADDEND: tl.constexpr,
     HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -332,13 +332,16 @@ def _fp4_wgrad_kernel(
         g_ptrs += BLOCK_M * stride_gm
         a_ptrs += BLOCK_M * stride_am
 
-    # --- epilogue: interleave, divide by the per-column dY scale, DGE factor
+    # --- epilogue: interleave, divide by the per-column dY scale, add, DGE factor
     out = tl.join(acc_even, acc_odd).reshape(BLOCK_N, 2 * BLOCK_KH)
     n_ok = offs_n < N
     sg = tl.load(sg_ptr + offs_n, mask=n_ok, other=1.0)
     out = tl.math.div_rn(out, sg[:, None])
     offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
     mask = n_ok[:, None] & (offs_k < K)[None, :]
+    if HAS_ADDEND:
+        c_ptrs = c_ptr + offs_n.to(tl.int64)[:, None] * stride_cn + offs_k.to(tl.int64)[None, :] * stride_ck
+        out += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DGE:
         w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
         sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
@@ -357,13 +360,16 @@ def fp4_wgrad(
     dge_weight_scale: torch.Tensor | None = None,
     dge_k: float = 5.0,
     dge_clamp: float = 3.0,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weight gradient ``dW = (G2^T A_q) / s_g2[:, None]``, times ``f'(W s_w)`` with DGE -> (N, k).
+    """Weight gradient ``dW = (G2^T A_q) / s_g2[:, None] + addend``, times ``f'(W s_w)`` with DGE -> (N, k).
 
     ``g`` (M, N): dY with A's scales folded in, FP8 E5M2/E4M3 (or bf16/fp16), one fp32
     scale per *column* in ``g_scale`` (N,); ``a_packed`` (M, ceil(k/2)) the forward's
     packed activation codes. With ``dge_weight`` (N, k) and ``dge_weight_scale`` (N,)
     the DGE derivative (``dge_k``, ``dge_clamp``) multiplies the result element-wise.
+    ``addend`` (N, k, any float dtype and strides; e.g. OCC's compensation term
+    ``(R^T dY)^T``) is added in the epilogue before the DGE factor.
     """
     check_packed("a_packed", a_packed, k)
     m, kh = a_packed.shape
@@ -385,14 +391,22 @@ def fp4_wgrad(
             raise ValueError(f"dge_k must be > 1 (the paper uses 5), got {dge_k}")
         if not dge_clamp > 0:
             raise ValueError(f"dge_clamp must be positive (the paper uses 3), got {dge_clamp}")
+    if addend is not None:
+        if not isinstance(addend, torch.Tensor) or tuple(addend.shape) != (n, k) or addend.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"addend must be a float32/bf16/fp16 tensor of shape ({n}, {k}), got "
+                             f"{tuple(addend.shape) if isinstance(addend, torch.Tensor) else type(addend).__name__}"
+                             f"{' ' + str(addend.dtype) if isinstance(addend, torch.Tensor) else ''}")
     check_same_device(g=g, g_scale=g_scale, a_packed=a_packed, dge_weight=dge_weight,
-                      dge_weight_scale=dge_weight_scale)
+                      dge_weight_scale=dge_weight_scale, addend=addend)
     y = torch.empty(n, k, dtype=out_dtype, device=g.device)
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
+    has_add = addend is not None
     _fp4_wgrad_kernel[grid](
-        g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale, y,
-        m, n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0, y.stride(0),
-        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM, HAS_DGE=has_dge,
+        g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale,
+        addend if has_add else g_scale, y,
+        m, n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0,
+        addend.stride(0) if has_add else 0, addend.stride(1) if has_add else 0, y.stride(0),
+        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM, HAS_ADDEND=has_add, HAS_DGE=has_dge,
         DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
     return y

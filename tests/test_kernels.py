@@ -269,6 +269,24 @@ def test_fp4_wgrad(fmt, dge):
     assert sqnr(dw, ops.fp4_wgrad_reference(g, g_s, a_p, k, torch.float32, **kw)) >= GEMM_SQNR_DB
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed-view"])
+def test_fp4_wgrad_addend_before_dge(transposed, monkeypatch):
+    # OCC's compensation term (dY^T R, dense N x K) enters before the DGE factor; the
+    # transposed view is what torch.sparse.mm(R^T, dY).t() hands over.
+    m, n, k = 64, 48, 90
+    _, a_p, a_s = _fp4_operand(m, k)
+    w, _, w_s = _fp4_operand(n, k)
+    g, g_s = ops.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
+    comp = torch.randn(k, n, device=DEV).t() if transposed else torch.randn(n, k, device=DEV)
+    kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=comp)
+    ref = ((g.double() / g_s.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64) + comp.double())
+    ref = ref * dge_derivative(w * w_s[:, None]).double()
+    assert sqnr(kt.fp4_wgrad(g, g_s, a_p, k, **kw), ref) >= GEMM_SQNR_DB
+    for backend in ("reference", "triton"):  # the dispatch passes the addend through
+        monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
+        assert sqnr(ops.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw), ref) >= GEMM_SQNR_DB
+
+
 def test_wgrad_dge_midpoints_and_outside_grid():
     # Weights exactly at interval mid-points (f' = +inf before the clamp), on grid
     # points (f' = 1/k) and beyond 6 after scaling (f' = 0); dY all ones.
@@ -355,6 +373,8 @@ def test_bad_inputs_raise_clear_errors():
         kt.fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 32, device=DEV))
     with pytest.raises(ValueError, match=r"dge_weight must have shape \(6, 32\)"):
         kt.fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 30, device=DEV), dge_weight_scale=g0_s)
+    with pytest.raises(ValueError, match=r"addend must be .* shape \(6, 32\)"):
+        kt.fp4_wgrad(g0, g0_s, a_p, 32, addend=torch.zeros(32, 6, device=DEV))
     with pytest.raises(ValueError, match="g has 5 rows but a_packed has 8"):
         kt.fp4_wgrad(g0[:5], g0_s, a_p, 32)
     other = torch.device("cpu") if CUDA else torch.device("meta")
