@@ -172,18 +172,26 @@ def _encode_fp8_(x_scaled: Tensor, out8: Tensor, fmt: str) -> Tensor:
     return out8.copy_(x_scaled.clamp_(-fmax, fmax))
 
 
-def _decode_fp8_into(codes: Tensor, fmt: str, out: Tensor) -> Tensor:
-    """Exact fp32 values of the FP8 ``codes`` (uint8) written into ``out``."""
+def _decode_fp8_raw_into(codes: Tensor, fmt: str, out: Tensor) -> float:
+    """Write the FP8 ``codes`` (uint8) into fp32 ``out`` up to a power-of-two factor, which is
+    returned: the exact values are ``out * factor`` (the caller folds it into its own scaling)."""
     if fmt == "e4m3" and codes.device.type == "cpu":
         # torch's CPU float8->float cast is scalar code (~6 ns/element). The e4m3 bits s.eeee.mmm placed
         # as fp16 bits s.0eeee.mmm0000000 are the value / 2^8 (subnormals line up too), and fp16->fp32 is
-        # vectorised: ~2.5x faster, bit-exact. Code 0x7F (NaN) never occurs: the input was finite and saturated.
-        bits = codes.to(torch.int16)
-        sign = (bits & 0x80) << 8
-        bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign)
+        # vectorised. Sign-extending int8 -> int16 and shifting by 7 puts the sign in bit 15 but also
+        # sets bit 14, which the mask clears. Code 0x7F (NaN) never occurs: the input was finite, saturated.
+        bits = codes.view(torch.int8).to(torch.int16)
+        bits.bitwise_left_shift_(7).bitwise_and_(~0x4000)
         out.copy_(bits.view(torch.float16))
-        return out.mul_(256.0)
-    return out.copy_(codes.view(FP8_FORMATS[fmt][0]))
+        return 256.0
+    out.copy_(codes.view(FP8_FORMATS[fmt][0]))
+    return 1.0
+
+
+def _decode_fp8_into(codes: Tensor, fmt: str, out: Tensor) -> Tensor:
+    """Exact fp32 values of the FP8 ``codes`` (uint8) written into ``out``."""
+    factor = _decode_fp8_raw_into(codes, fmt, out)
+    return out.mul_(factor) if factor != 1.0 else out
 
 
 def fp8_all_reduce_mean_(
@@ -231,15 +239,15 @@ def fp8_all_reduce_mean_(
         seg.mul_(s)  # exact: s is a power of two
     use_rs = state.scheme == "reduce_scatter" and world > 1
     chunk = math.ceil(n / world)
-    # byte 0 is +0.0 in both FP8 formats, so the padding adds nothing to the sums
-    codes8 = torch.zeros(chunk * world if use_rs else n, dtype=dtype8, device=x.device)
+    codes8 = torch.empty(chunk * world if use_rs else n, dtype=dtype8, device=x.device)
+    codes8.view(torch.uint8)[n:].zero_()  # byte 0 is +0.0 in both FP8 formats: padding adds nothing
     _encode_fp8_(x, codes8[:n], fmt)
     codes = codes8.view(torch.uint8)
 
-    # ---- 3. exchange and reduce in fp32; the mean (in the scaled domain) lands in x
+    # ---- 3. exchange and reduce in fp32; the mean (scaled domain, up to `factor`) lands in x
     if use_rs:
         try:
-            _reduce_scatter_all_gather(codes, n, fmt, world, group, state, out=x)
+            factor = _reduce_scatter_all_gather(codes, n, fmt, world, group, state, out=x)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             if not state._fallback_logged:
                 log.warning(
@@ -250,12 +258,12 @@ def fp8_all_reduce_mean_(
                 )
                 state._fallback_logged = True
             state.scheme = "all_gather"
-            _all_gather_sum(codes[:n], fmt, world, group, state, out=x)
+            factor = _all_gather_sum(codes[:n], fmt, world, group, state, out=x)
     else:
-        _all_gather_sum(codes, fmt, world, group, state, out=x)
+        factor = _all_gather_sum(codes, fmt, world, group, state, out=x)
 
     for seg, s in zip(segs, scales):
-        seg.mul_(1.0 / s)  # exact
+        seg.mul_(factor / s)  # exact: both are powers of two
     if x is not flat:
         flat.copy_(x)
     return flat
@@ -263,41 +271,44 @@ def fp8_all_reduce_mean_(
 
 def _reduce_scatter_all_gather(
     codes: Tensor, n: int, fmt: str, world: int, group: dist.ProcessGroup, state: CommState, out: Tensor
-) -> None:
+) -> float:
     chunk = codes.numel() // world
     received = torch.empty_like(codes)
     dist.all_to_all_single(received, codes, group=group)  # row j: rank j's codes of my chunk
     state.add_bytes((world - 1) * chunk)
     rows = received.view(world, chunk)
-    mean = _decode_fp8_into(rows[0], fmt, torch.empty(chunk, device=codes.device))
+    mean = torch.empty(chunk, device=codes.device)
+    factor = _decode_fp8_raw_into(rows[0], fmt, mean)
     tmp = torch.empty_like(mean)
     for j in range(1, world):
-        mean += _decode_fp8_into(rows[j], fmt, tmp)
-    mean.div_(world)
+        _decode_fp8_raw_into(rows[j], fmt, tmp)
+        mean += tmp
+    mean.mul_(factor).div_(world)
     # |mean| <= common amax * scale <= FP8_MAX, so re-quantising with the same scale cannot overflow
     reduced = _encode_fp8_(mean, torch.empty(chunk, dtype=FP8_FORMATS[fmt][0], device=codes.device), fmt)
     gathered = torch.empty_like(codes)
     _all_gather_single(gathered, reduced.view(torch.uint8), group=group)
     state.add_bytes((world - 1) * chunk)
-    _decode_fp8_into(gathered[:n], fmt, out)
+    return _decode_fp8_raw_into(gathered[:n], fmt, out)
 
 
 def _all_gather_sum(
     codes: Tensor, fmt: str, world: int, group: dist.ProcessGroup, state: CommState, out: Tensor
-) -> None:
+) -> float:
     n = codes.numel()
     if world == 1:
-        _decode_fp8_into(codes, fmt, out)
-        return
+        return _decode_fp8_raw_into(codes, fmt, out)
     parts = [torch.empty_like(codes) for _ in range(world)]
     dist.all_gather(parts, codes, group=group)
     state.add_bytes((world - 1) * n)
     # every rank sums the same bytes in the same (rank) order: bit-identical results
-    _decode_fp8_into(parts[0], fmt, out)
+    factor = _decode_fp8_raw_into(parts[0], fmt, out)
     tmp = torch.empty(n, device=codes.device)
     for p in parts[1:]:
-        out += _decode_fp8_into(p, fmt, tmp)
+        _decode_fp8_raw_into(p, fmt, tmp)
+        out += tmp
     out.div_(world)
+    return factor
 
 
 # ---------------------------------------------------------------------------------------------
