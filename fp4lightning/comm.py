@@ -1,4 +1,4 @@
-"""FP8 gradient communication for data-parallel training (arXiv 2501.17116, section 3.2 / METHOD.md section 6).
+"""FP8 gradient communication for data-parallel training (arXiv 2501.17116; METHOD.md section 6).
 
 The paper sends gradients between data-parallel ranks in FP8, reusing MS-AMP: a per-tensor amax is
 all-reduced with MAX, every rank derives the same power-of-two scale from it, the gradient is cast to
@@ -50,7 +50,6 @@ __all__ = [
     "hook_for_format",
     "fp8_all_reduce_mean_",
     "ring_all_reduce_bytes",
-    "fp8_payload_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -130,16 +129,6 @@ def ring_all_reduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
     if world_size <= 1:
         return 0
     return 2 * (world_size - 1) * math.ceil(numel / world_size) * itemsize
-
-
-def fp8_payload_bytes(numel: int, world_size: int, scheme: str = "reduce_scatter") -> int:
-    """Bytes one rank sends for the FP8 payload of a bucket of ``numel`` gradients (amax excluded)."""
-    if world_size <= 1:
-        return 0
-    if scheme == "reduce_scatter":
-        # all_to_all: one chunk to each peer; all_gather: its reduced chunk to each peer (or W-1 ring hops)
-        return 2 * (world_size - 1) * math.ceil(numel / world_size)
-    return (world_size - 1) * numel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +237,7 @@ def fp8_all_reduce_mean_(
     if use_rs:
         try:
             factor = _reduce_scatter_all_gather(codes, n, fmt, world, group, state, out=x)
-        except (RuntimeError, NotImplementedError, ValueError) as err:
+        except _MissingCollective as err:
             if not state._fallback_logged:
                 log.warning(
                     "FP8 gradient sync: backend %r lacks all_to_all (%s); falling back to all_gather of the "
@@ -263,10 +252,18 @@ def fp8_all_reduce_mean_(
         factor = _all_gather_sum(codes, fmt, world, group, state, out=x)
 
     for seg, s in zip(segs, scales):
-        seg.mul_(factor / s)  # exact: both are powers of two
+        m = factor / s  # a power of two: exact
+        if m < 2.0**127:
+            seg.mul_(m)
+        else:  # amax near fp32's max: m would overflow as an fp32 scalar
+            seg.mul_(factor).mul_(1.0 / s)
     if x is not flat:
         flat.copy_(x)
     return flat
+
+
+class _MissingCollective(RuntimeError):
+    """The backend does not implement all_to_all."""
 
 
 def _reduce_scatter_all_gather(
@@ -274,7 +271,11 @@ def _reduce_scatter_all_gather(
 ) -> float:
     chunk = codes.numel() // world
     received = torch.empty_like(codes)
-    dist.all_to_all_single(received, codes, group=group)  # row j: rank j's codes of my chunk
+    try:
+        dist.all_to_all_single(received, codes, group=group)  # row j: rank j's codes of my chunk
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        # only this first collective may be missing; later failures are real errors
+        raise _MissingCollective(str(err)) from err
     state.add_bytes((world - 1) * chunk)
     rows = received.view(world, chunk)
     mean = torch.empty(chunk, device=codes.device)
