@@ -39,6 +39,7 @@ import triton  # noqa: E402
 from fp4lightning import FP4Config, FP4Linear, ops  # noqa: E402
 from fp4lightning.dge import dge_derivative  # noqa: E402
 from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
+from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 from fp4lightning.kernels import fp4_triton as kt  # noqa: E402
 from fp4lightning.quantize import quantize_rows as quantize_rows_reference  # noqa: E402
 
@@ -112,6 +113,8 @@ class Table:
 # --------------------------------------------------------------------------- sections
 def bench_quantize(table: Table, dev, shapes):
     quant = kt.quantize_rows if CUDA else (lambda x: quantize_rows_reference(x))
+    clamped = kt.quantize_rows_clamped if CUDA else (
+        lambda x, b: ops.quantize_fp4_clamped(x, b))  # CPU: the reference (occ_clamp + quantize_rows)
     fp8 = kt.quantize_fp8 if CUDA else (lambda x, dim, fmt: ops.quantize_fp8_reference(x, dim, fmt))
     for m, k in shapes:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -120,8 +123,11 @@ def bench_quantize(table: Table, dev, shapes):
         t_copy = _time_ms(lambda: dst.copy_(x))
         copy_bw = 2 * x.numel() * 2 / (t_copy * 1e-3)
         table.add("quantize", "copy (D2D baseline)", shape, t_copy, _rate(copy_bw, "B"), "1.00")
+        bounds = occ_bounds(x, 0.99)
         cases = [
             ("fp4 rows -> packed", lambda: quant(x), x.numel() * 2 + x.numel() // 2 + m * 4),
+            ("fp4 rows + OCC clamp, dense residual", lambda: clamped(x, bounds),
+             x.numel() * 4 + x.numel() // 2 + m * 4),
             ("fp8 e5m2, per row", lambda: fp8(x, 1, "e5m2"), x.numel() * 3 + m * 4),
             ("fp8 e5m2, per column", lambda: fp8(x, 0, "e5m2"), x.numel() * 3 + k * 4),
         ]
@@ -219,13 +225,22 @@ def run_checks(table: Table, dev) -> bool:
 
     def sq(actual, ref):
         ref = ref.double()
-        err = (actual.double() - ref).pow(2).sum().clamp_min(1e-300)
-        return 10 * math.log10(ref.pow(2).sum().item() / err.item())
+        err = (actual.double() - ref).pow(2).sum().item()
+        return math.inf if err == 0 else 10 * math.log10(ref.pow(2).sum().item() / err)
+
+    def db(v):
+        return "identical" if v == math.inf else f"SQNR {v:.0f} dB"
 
     for mode in ("float", "pow2"):
         c, s = kt.quantize_rows(x.bfloat16(), scale_mode=mode)
         rc, rs = quantize_rows_reference(x.bfloat16(), mode)
         report(f"quantize_rows {mode} vs reference", torch.equal(c, rc) and torch.equal(s, rs), "bitwise")
+    bounds = occ_bounds(x, 0.99, "exact")
+    c, s, r = kt.quantize_rows_clamped(x, bounds)
+    xc, rr = occ_clamp(x, bounds)
+    rc, rs = quantize_rows_reference(xc)
+    same = torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(r, rr)
+    report("quantize_rows_clamped (OCC) vs reference", same, "bitwise")
     for dim in (1, 0):
         q, s = kt.quantize_fp8(dy, dim, "e5m2")
         rq, rs = ops.quantize_fp8_reference(dy, dim, "e5m2")
@@ -235,18 +250,18 @@ def run_checks(table: Table, dev) -> bool:
     w_p, w_s = kt.quantize_rows(w)
     y = kt.fp4_gemm(a_p, a_s, w_p, w_s, k)
     v = sq(y, ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k))
-    report("fp4_gemm vs reference", v >= CHECK_SQNR_DB, f"SQNR {v:.0f} dB")
+    report("fp4_gemm vs reference", v >= CHECK_SQNR_DB, db(v))
     w_q = decode_e2m1(unpack_fp4(w_p, k), torch.float64)
     a_q = decode_e2m1(unpack_fp4(a_p, k), torch.float64)
     for fmt in ("e5m2", "e4m3", "bf16"):
         g1, s1 = ops.quantize_fp8(dy / w_s[None, :], 1, fmt)
         ref = (g1.double() / s1.double()[:, None]) @ w_q
         v = sq(kt.fp4_dgrad(g1, s1, w_p, k), ref)
-        report(f"fp4_dgrad {fmt} vs float64", v >= CHECK_SQNR_DB, f"SQNR {v:.0f} dB")
+        report(f"fp4_dgrad {fmt} vs float64", v >= CHECK_SQNR_DB, db(v))
         g2, s2 = ops.quantize_fp8(dy / a_s[:, None], 0, fmt)
         ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge_derivative(w * w_s[:, None]).double()
         v = sq(kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
-        report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, f"SQNR {v:.0f} dB")
+        report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, db(v))
     return ok_all
 
 
