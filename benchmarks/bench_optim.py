@@ -1,0 +1,155 @@
+"""Reduced-precision optimizer states (METHOD.md section 6): memory and loss trajectory against fp32 AdamW.
+
+Trains the same small LLaMA (byte-level, real text) from the same initial weights on the same
+batches with
+
+* ``torch.optim.AdamW``                       (fp32 moments: 8 bytes of state per parameter),
+* ``LowPrecisionAdamW(exp_avg_format="fp8")``   (E4M3 first moment, FP16 second: 3 bytes),
+* ``LowPrecisionAdamW(exp_avg_format="fp16")``  (FP16 / FP16: 4 bytes),
+
+and reports bytes of optimizer state per parameter, the held-out loss at the end and its gap to
+AdamW. The text is the Python standard library's source, which ships with every Python (real,
+offline, no download). ``--fp4`` trains the model through ``FP4Precision``'s conversion and bf16
+autocast instead of in fp32; ``--noise`` adds an AdamW run on another batch order, to compare the
+gap with run-to-run noise.
+
+    .venv/bin/python benchmarks/bench_optim.py                 # ~1 min on 2 CPU cores
+    .venv/bin/python benchmarks/bench_optim.py --model tiny --steps 300 --fp4
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fp4lightning.models.llama import Llama, llama_config
+from fp4lightning.optim import LowPrecisionAdamW, state_bytes_per_param
+from fp4lightning.precision import FP4Precision
+
+
+def load_text(max_bytes: int) -> torch.Tensor:
+    """Bytes of the standard library's .py files, in a fixed (sorted) order."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name), "rb") as f:
+                data = f.read()
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                break
+    data = b"".join(chunks)[:max_bytes]
+    if len(data) < 1_000_000:
+        sys.exit(f"bench_optim: found only {len(data)} bytes of text under {root}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - seq - 1, (steps, batch), generator=gen)
+    return [torch.stack([data[s:s + seq + 1] for s in row.tolist()]) for row in starts]
+
+
+def lm_loss(model: torch.nn.Module, chunk: torch.Tensor) -> torch.Tensor:
+    logits = model(chunk[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
+
+
+def run(name: str, init: torch.nn.Module, train: list[torch.Tensor], held_out: list[torch.Tensor],
+        lr: float, fp4: bool, stochastic_rounding: bool = True) -> dict:
+    model = copy.deepcopy(init)
+    plugin = FP4Precision() if fp4 else None
+    if plugin is not None:
+        plugin.convert_module(model)
+    if name == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    else:
+        opt = LowPrecisionAdamW(model.parameters(), lr=lr, weight_decay=0.1, exp_avg_format=name,
+                                stochastic_rounding=stochastic_rounding)
+    warmup = max(1, len(train) // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / len(train), 1.0))))
+    ctx = plugin.forward_context if plugin is not None else torch.enable_grad
+    losses = []
+    t0 = time.perf_counter()
+    for chunk in train:
+        with ctx():
+            loss = lm_loss(model, chunk)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - t0
+    with torch.no_grad(), ctx():
+        held = sum(lm_loss(model, c).item() for c in held_out) / len(held_out)
+    return {
+        "optimizer": name,
+        "bytes_per_param": state_bytes_per_param(opt),
+        "bytes_per_param_no_master": state_bytes_per_param(opt, include_master=False),
+        "train_loss_last20": sum(losses[-20:]) / 20,
+        "held_out_loss": held,
+        "seconds": seconds,
+        "losses": losses,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="small", help="'small' (dim 128, 2 layers) or 'tiny' (dim 256, 4 layers)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp4", action="store_true", help="train through FP4Precision (FP4 GeMMs, bf16 autocast)")
+    ap.add_argument("--noise", action="store_true", help="also run AdamW on another batch order")
+    ap.add_argument("--rounding", default="stochastic", choices=("stochastic", "nearest"),
+                    help="rounding of the FP8 first moment")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.model not in ("small", "tiny"):
+        ap.error(f"--model {args.model!r}: choose 'small' or 'tiny'")
+
+    torch.manual_seed(args.seed)
+    overrides = dict(vocab_size=256, max_seq_len=args.seq)
+    if args.model == "small":
+        overrides.update(dim=128, n_layers=2, n_heads=4, ffn_dim=352)
+    init = Llama(llama_config("tiny", **overrides))
+    data = load_text(4_000_000)
+    split = int(0.95 * len(data))
+    train = batches(data[:split], args.steps, args.batch, args.seq, args.seed + 1)
+    held_out = batches(data[split:], 8, args.batch, args.seq, args.seed + 2)
+    n_params = sum(p.numel() for p in init.parameters())
+    print(f"model {args.model}: {n_params / 1e6:.2f}M params, {args.steps} steps of {args.batch}x{args.seq} bytes, "
+          f"{'FP4 GeMMs + bf16 autocast' if args.fp4 else 'fp32'}, FP8 moment rounding: {args.rounding}")
+
+    sr = args.rounding == "stochastic"
+    results = [run(name, init, train, held_out, args.lr, args.fp4, sr) for name in ("adamw", "fp8", "fp16")]
+    if args.noise:
+        other = batches(data[:split], args.steps, args.batch, args.seq, args.seed + 3)
+        noise = run("adamw", init, other, held_out, args.lr, args.fp4)
+        noise["optimizer"] = "adamw (other batch order)"
+        results.append(noise)
+    ref = results[0]["held_out_loss"]
+    print(f"{'optimizer':<28}{'state B/param':>14}{'held-out loss':>15}{'gap vs AdamW':>14}{'train loss':>12}{'s':>7}")
+    for r in results:
+        r["gap"] = (r["held_out_loss"] - ref) / ref
+        print(f"{r['optimizer']:<28}{r['bytes_per_param']:>14.3f}{r['held_out_loss']:>15.4f}{r['gap']:>+13.2%}"
+              f"{r['train_loss_last20']:>12.4f}{r['seconds']:>7.1f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "n_params": n_params, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
