@@ -56,6 +56,13 @@ class FP4DDPStrategy(DDPStrategy):
         precision_plugin: any Lightning precision plugin (e.g. ``FP4Precision()``).
         **kwargs: everything else goes to :class:`~lightning.pytorch.strategies.DDPStrategy`
             (``process_group_backend``, ``start_method``, ``static_graph``, ``bucket_cap_mb``, ...).
+
+    Attributes:
+        last_step_bytes: bytes this rank sent for gradient sync in the latest training batch
+            (what ``comm/bytes_sent`` logs).
+        total_bytes_sent: running total for this rank.
+        nonfinite_steps: training batches whose synchronised gradient was inf/NaN.
+        comm_state: the :class:`~fp4lightning.comm.CommState` the hook works with.
     """
 
     strategy_name = "fp4_ddp"
@@ -103,6 +110,8 @@ class FP4DDPStrategy(DDPStrategy):
         self.log_bytes = log_bytes
         self.last_step_bytes = 0
         self.nonfinite_steps = 0
+        self._batch_bytes = 0
+        self._batch_nonfinite = False
         self._hook_registered = False
 
     @property
@@ -118,6 +127,13 @@ class FP4DDPStrategy(DDPStrategy):
         self._hook_registered = True
         log.debug("FP4DDPStrategy: registered %s gradient communication hook", self.grad_format)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Counters cover one training batch: in manual optimisation several optimizer steps can follow
+        # one backward, and all of them must see the same non-finite decision.
+        self._batch_bytes = 0
+        self._batch_nonfinite = False
+        super().on_train_batch_start(batch, batch_idx)
+
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -132,18 +148,20 @@ class FP4DDPStrategy(DDPStrategy):
             result = closure()
             # Read the hook's counters right after backward, before the optimizer can act on them.
             step_bytes, saw_nonfinite = self.comm_state.pop_step()
-            self.last_step_bytes = step_bytes
-            if saw_nonfinite:
+            self._batch_bytes += step_bytes
+            self.last_step_bytes = self._batch_bytes
+            if saw_nonfinite and not self._batch_nonfinite:
+                self._batch_nonfinite = True
                 self.nonfinite_steps += 1
-                if self.nonfinite == "skip" and not has_scaler:
-                    rank_zero_warn(
-                        "FP4DDPStrategy: non-finite synchronised gradient; skipping this optimizer step on all ranks."
-                    )
-                    # Optimizers skip parameters whose grad is None; every rank holds the same NaN, so
-                    # every rank drops the same step. (A loss scaler instead sees the NaN and backs off.)
-                    for group in optimizer.param_groups:
-                        for p in group["params"]:
-                            p.grad = None
+            if self._batch_nonfinite and self.nonfinite == "skip" and not has_scaler:
+                rank_zero_warn(
+                    "FP4DDPStrategy: non-finite synchronised gradient; skipping this optimizer step on all ranks."
+                )
+                # Optimizers skip parameters whose grad is None; every rank holds the same NaN, so
+                # every rank drops the same step. (A loss scaler instead sees the NaN and backs off.)
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
             return result
 
         out = super().optimizer_step(optimizer, closure_with_sync_check, model, **kwargs)
