@@ -203,6 +203,7 @@ class FP4Precision(Precision):
                 "without losing range)")
         self.weights_dtype = weights_dtype
         self.device = device
+        self._resolved_device: str | None = None  # where connect() found the parameters
         if scaler is not None and self.compute_dtype != torch.float16:
             raise ValueError("FP4Precision: a loss scaler is only used with compute_dtype='fp16'; bf16 has fp32's "
                              "range and needs none")
@@ -250,6 +251,8 @@ class FP4Precision(Precision):
     def _device_type(self) -> str:
         if self.device is not None:
             return self.device
+        if self._resolved_device is not None:
+            return self._resolved_device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     # ------------------------------------------------------------------ optimizers
@@ -257,10 +260,9 @@ class FP4Precision(Precision):
     def connect(self, model: nn.Module, optimizers: list[Optimizer],
                 lr_schedulers: list[Any]) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Resolve the autocast device, check the dtype runs there, swap in reduced-precision AdamW."""
-        if self.device is None:
-            param = next(iter(model.parameters()), None)
-            if param is not None and param.device.type != "meta":
-                self.device = param.device.type
+        param = next(iter(model.parameters()), None)
+        if param is not None and param.device.type != "meta":
+            self._resolved_device = param.device.type
         self._check_compute_dtype(self._device_type())
         if self.optimizer_states is not None:
             optimizers = [self._swap_optimizer(opt, lr_schedulers) for opt in optimizers]
