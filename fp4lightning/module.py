@@ -1,0 +1,161 @@
+"""LightningModule for LLaMA pretraining with the paper's optimiser and schedule.
+
+arXiv 2501.17116, section 7: AdamW with betas (0.9, 0.95), eps 1e-8, weight decay 0.1,
+peak LR 3e-4, linear warmup over the first 5% of steps, cosine decay to 10% of the peak.
+Gradient clipping is the Trainer's (``gradient_clip_val``).
+
+The model is built in ``configure_model`` so that strategies that shard it (FSDP) can
+build it on the meta device; FP4 conversion happens there too when ``fp4`` is given
+(``{"preset": name, "overrides": {...}}``, see ``fp4lightning.train._precision_setup``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics.aggregation import MeanMetric
+
+from fp4lightning.models.llama import Llama, LlamaConfig
+
+__all__ = ["LlamaLightningModule", "warmup_cosine", "fp4_config_from_spec"]
+
+
+def warmup_cosine(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1 over ``warmup_steps``, then cosine to ``min_lr_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps  # (step + 1): the first step already moves the weights
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def fp4_config_from_spec(spec: dict[str, Any]):
+    """``FP4Config`` from ``{"preset": name, "overrides": {field: value}}``."""
+    from fp4lightning.config import FP4Config
+
+    return FP4Config.from_preset(spec["preset"], **dict(spec.get("overrides") or {}))
+
+
+class LlamaLightningModule(L.LightningModule):
+    """Next-token cross-entropy pretraining of :class:`~fp4lightning.models.llama.Llama`.
+
+    Args:
+        model: the :class:`LlamaConfig` fields as a dict.
+        lr, beta1, beta2, eps, weight_decay: AdamW settings.
+        max_steps, warmup_fraction, min_lr_ratio: the warmup + cosine schedule.
+        fp4: ``None`` for a high-precision model, else ``{"preset": ..., "overrides": {...}}``
+            applied with ``convert_to_fp4`` after the model is built.
+        recipe: the resolved recipe (plain dict), kept in the checkpoint's hyperparameters.
+        tokenizer_json: the tokenizer, stored in every checkpoint (``checkpoint["tokenizer"]``).
+    Batches are ``(B, T + 1)`` int64 token windows.
+    """
+
+    def __init__(
+        self,
+        model: dict[str, Any],
+        lr: float = 3e-4,
+        beta1: float = 0.9,
+        beta2: float = 0.95,
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        max_steps: int = 1000,
+        warmup_fraction: float = 0.05,
+        min_lr_ratio: float = 0.1,
+        fp4: dict[str, Any] | None = None,
+        recipe: dict[str, Any] | None = None,
+        tokenizer_json: str | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["tokenizer_json"])
+        self.model_config = LlamaConfig(**model)
+        self.tokenizer_json = tokenizer_json
+        self.model: Llama | None = None
+        self.val_loss = MeanMetric()
+        self._step_loss_sum = 0.0
+        self._step_batches = 0
+        self._step_tokens = 0
+        self._t_last: float | None = None
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        # called once per fit/validate; inside the strategy's init context (meta device for FSDP)
+        if self.model is not None:
+            return
+        model = Llama(self.model_config)
+        if self.hparams.fp4 is not None:
+            from fp4lightning.convert import convert_to_fp4
+
+            convert_to_fp4(model, fp4_config_from_spec(self.hparams.fp4))
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        x, y = batch[:, :-1], batch[:, 1:]
+        logits = self.model(x)  # (B, T, V)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self._step_loss_sum = self._step_loss_sum + loss.detach()  # stays on device: no sync per micro-batch
+        self._step_batches += 1
+        self._step_tokens += batch[:, 1:].numel()
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            # one optimizer step ends here: log the mean over its micro-batches
+            self.log("train/loss", self._step_loss_sum / self._step_batches, prog_bar=True)
+            now = time.perf_counter()
+            if self._t_last is not None:
+                tps = self._step_tokens * self.trainer.world_size / (now - self._t_last)
+                self.log("train/tokens_per_sec", tps, prog_bar=True)
+            self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+            self._t_last = now
+            self._step_loss_sum, self._step_batches, self._step_tokens = 0.0, 0, 0
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._t_last = None
+
+    def on_validation_epoch_start(self) -> None:
+        self._t_last = None  # validation time must not count against throughput
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.val_loss.update(loss, weight=batch[:, 1:].numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # token-weighted mean, synced across ranks
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss), sync_dist=False)
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizers(self):
+        hp = self.hparams
+        # no weight decay on the RMSNorm gains (1-D), as in LLaMA / GPT-style training
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=(hp.beta1, hp.beta2),
+            eps=hp.eps,
+        )
+        warmup = max(1, math.ceil(hp.warmup_fraction * hp.max_steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: warmup_cosine(s, hp.max_steps, warmup, hp.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokenizer"] = self.tokenizer_json
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokenizer_json = checkpoint.get("tokenizer", self.tokenizer_json)

@@ -1,0 +1,308 @@
+"""Recipe schema: YAML + ``key=value`` overrides -> a frozen :class:`RecipeConfig`.
+
+Config flows one way: ``OmegaConf.merge(structured schema, recipe YAML, command-line
+dotlist)`` -> plain frozen dataclasses. This is the only module that imports OmegaConf.
+Unknown keys, wrong types and invalid choices fail before anything is built, with a
+:class:`RecipeError` naming the dotted key (``model.n_layers``) and the valid choices.
+
+The schema defaults are the ``tiny`` recipe (``recipes/tiny.yaml`` spells them out), so
+``fp4lightning train`` without a recipe trains the tiny model. The paper's settings
+(arXiv 2501.17116, section 7) live in ``recipes/llama2-{1.3b,7b,13b}.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from fp4lightning.models.llama import LLAMA_CONFIGS, LlamaConfig
+
+__all__ = [
+    "RecipeConfig",
+    "RecipeError",
+    "ModelSection",
+    "DataSection",
+    "OptimizerSection",
+    "ScheduleSection",
+    "TrainerSection",
+    "FP4Section",
+    "load_recipe",
+    "recipe_to_dict",
+    "recipe_to_yaml",
+    "recipe_from_dict",
+    "PRECISIONS",
+    "STRATEGIES",
+    "FP4_PRESETS",
+]
+
+PRECISIONS = ("fp4", "bf16-mixed", "32-true")
+STRATEGIES = ("auto", "ddp", "fsdp")
+FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ")
+
+
+class RecipeError(ValueError):
+    """A recipe or override is invalid; the message names the dotted key."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """A named LLaMA config plus per-field overrides (``None`` keeps the named value)."""
+
+    name: str = "tiny"
+    vocab_size: Optional[int] = None
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    rope_theta: Optional[float] = None
+    norm_eps: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
+    init_std: Optional[float] = None
+
+    def to_llama_config(self) -> LlamaConfig:
+        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+        base = LLAMA_CONFIGS[self.name]
+        return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class DataSection:
+    source: str = "builtin"
+    dir: str = "data/builtin"
+    vocab_size: int = 4096
+    val_fraction: float = 0.02
+    max_tokens: Optional[int] = None
+    text_key: str = "text"
+    seq_len: int = 256
+    micro_batch_size: int = 16
+    global_batch_size: int = 16
+    val_batches: int = 4
+    num_workers: int = 0
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    max_steps: int = 160
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    precision: str = "fp4"
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    val_every_n_steps: int = 40
+    log_every_n_steps: int = 5
+    checkpoint_every_n_steps: int = 40
+    num_threads: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class FP4Section:
+    preset: str = "paper"
+    overrides: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """A whole training run. ``out_dir`` defaults to ``runs/<name>``."""
+
+    name: str = "tiny"
+    out_dir: str = "runs/${name}"
+    seed: int = 1234
+    ckpt_path: Optional[str] = None
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    fp4: FP4Section = field(default_factory=FP4Section)
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.devices * self.trainer.num_nodes
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        return self.data.global_batch_size // (self.data.micro_batch_size * self.world_size)
+
+    def llama_config(self) -> LlamaConfig:
+        return self.model.to_llama_config()
+
+
+# ----------------------------------------------------------------------------- loading
+def _section_keys(dotted: str) -> list[str]:
+    """Valid keys in the section that holds ``dotted`` (for 'did you mean')."""
+    obj: Any = RecipeConfig()
+    for part in dotted.split(".")[:-1]:
+        obj = getattr(obj, part, None)
+    return [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else []
+
+
+def _field_type(dotted: str) -> str | None:
+    obj: Any = RecipeConfig()
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part, None)
+    if not dataclasses.is_dataclass(obj):
+        return None
+    return {f.name: str(f.type) for f in dataclasses.fields(obj)}.get(leaf)
+
+
+def _omegaconf_error(e: Exception, origin: str) -> RecipeError:
+    from omegaconf.errors import ConfigKeyError
+
+    key = getattr(e, "full_key", None)
+    msg = str(getattr(e, "msg", None) or e).splitlines()[0]
+    if isinstance(e, ConfigKeyError) and key:
+        valid = _section_keys(key)
+        leaf = key.split(".")[-1]
+        hint = difflib.get_close_matches(leaf, valid, n=1)
+        section = key.rsplit(".", 1)[0] if "." in key else "the top level"
+        text = f"unknown recipe key `{key}` ({origin})"
+        if hint:
+            text += f"; did you mean `{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{hint[0]}`?"
+        return RecipeError(f"{text}\nvalid keys in {section}: {', '.join(valid)}")
+    if key:
+        expected = _field_type(key)
+        return RecipeError(f"recipe key `{key}` ({origin}){f' expects {expected}' if expected else ''}: {msg}")
+    return RecipeError(f"invalid recipe ({origin}): {msg}")
+
+
+def _check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise RecipeError(f"recipe key `{key}` = {value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def _positive(key: str, value: Any, zero_ok: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not zero_ok)):
+        raise RecipeError(f"recipe key `{key}` must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def _validate(cfg: RecipeConfig) -> None:
+    _check_choice("model.name", cfg.model.name, sorted(LLAMA_CONFIGS))
+    _check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
+    _check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
+    _check_choice("fp4.preset", cfg.fp4.preset, FP4_PRESETS)
+    for section in ("model", "data", "schedule", "trainer"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            v = getattr(getattr(cfg, section), f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and f.name not in ("num_workers",):
+                _positive(f"{section}.{f.name}", v)
+    _positive("data.num_workers", cfg.data.num_workers, zero_ok=True)
+    _positive("optimizer.lr", cfg.optimizer.lr)
+    _positive("optimizer.weight_decay", cfg.optimizer.weight_decay, zero_ok=True)
+    _positive("optimizer.grad_clip", cfg.optimizer.grad_clip, zero_ok=True)
+    for key in ("data.val_fraction", "schedule.warmup_fraction", "schedule.min_lr_ratio"):
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if not 0.0 <= v < 1.0 or (key == "data.val_fraction" and v == 0.0):
+            raise RecipeError(f"recipe key `{key}` must be in {'(0, 1)' if key == 'data.val_fraction' else '[0, 1)'}, got {v}")
+    try:
+        llama = cfg.llama_config()
+    except (ValueError, TypeError) as e:
+        raise RecipeError(f"recipe section `model`: {e}") from e
+    if cfg.data.seq_len > llama.max_seq_len:
+        raise RecipeError(
+            f"recipe key `data.seq_len` = {cfg.data.seq_len} exceeds the model's max_seq_len "
+            f"{llama.max_seq_len}; lower it or set `model.max_seq_len`"
+        )
+    per_step = cfg.data.micro_batch_size * cfg.world_size
+    if cfg.data.global_batch_size % per_step:
+        raise RecipeError(
+            f"recipe key `data.global_batch_size` = {cfg.data.global_batch_size} must be a multiple of "
+            f"`data.micro_batch_size` x `trainer.devices` x `trainer.num_nodes` = {per_step} "
+            "(the rest is gradient accumulation)"
+        )
+    if cfg.fp4.overrides:
+        try:
+            from fp4lightning.config import FP4Config
+        except ImportError:  # pragma: no cover - the config module ships with the package
+            return
+        valid = [f.name for f in dataclasses.fields(FP4Config)]
+        for k in cfg.fp4.overrides:
+            if k not in valid:
+                raise RecipeError(f"unknown recipe key `fp4.overrides.{k}`; valid keys: {', '.join(valid)}")
+        try:
+            FP4Config.from_preset(cfg.fp4.preset, **cfg.fp4.overrides)
+        except (ValueError, TypeError) as e:
+            raise RecipeError(f"recipe key `fp4.overrides`: {e}") from e
+
+
+def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Merge the schema defaults, the YAML at ``path`` (optional) and ``key=value`` overrides.
+
+    Raises :class:`RecipeError` naming the file or the dotted key on any problem.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    layers = [OmegaConf.structured(RecipeConfig)]
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe file {path} not found")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:
+            raise RecipeError(f"recipe file {path} is not valid YAML: {e}") from e
+        if not OmegaConf.is_dict(loaded):
+            raise RecipeError(f"recipe file {path} must be a mapping of sections (model:, data:, ...)")
+        layers.append((loaded, f"in {path}"))
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise RecipeError(f"overrides must look like key=value (e.g. schedule.max_steps=100); got {bad}")
+    if overrides:
+        layers.append((OmegaConf.from_dotlist(list(overrides)), "on the command line"))
+    merged = layers[0]
+    for layer, origin in layers[1:]:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, origin) from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _omegaconf_error(e, "while resolving") from None
+    _validate(cfg)
+    return cfg
+
+
+def recipe_to_dict(cfg: RecipeConfig) -> dict[str, Any]:
+    """Plain nested dict (for checkpoints and loggers)."""
+    return dataclasses.asdict(cfg)
+
+
+def recipe_to_yaml(cfg: RecipeConfig) -> str:
+    """The resolved recipe as YAML (printed and saved beside the checkpoints)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(cfg)))
+
+
+def recipe_from_dict(d: dict[str, Any]) -> RecipeConfig:
+    """Rebuild a :class:`RecipeConfig` from :func:`recipe_to_dict` output (e.g. a checkpoint's)."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.create(d)))
+    except Exception as e:
+        raise RecipeError(f"stored recipe does not match this version's schema: {e}") from e

@@ -1,0 +1,190 @@
+"""Data pipeline: prepare real text (local files, JSONL, Parquet), shards, tokenizer, sampling."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fp4lightning.data import (
+    DataNotPreparedError,
+    DataSourceError,
+    PreparedData,
+    PositionSampler,
+    TokenDataModule,
+    WindowDataset,
+    feistel_permute,
+    prepare,
+)
+from fp4lightning.tokenizer import Tokenizer
+
+# Real English text that ships with every Python: the standard library's docstrings and
+# the interpreter's licence (no download at test time).
+STDLIB_MODULES = (
+    "argparse", "json/__init__", "pathlib", "functools", "textwrap", "string", "datetime",
+    "decimal", "fractions", "statistics", "random", "heapq", "bisect", "logging/__init__",
+    "doctest", "inspect", "typing", "dataclasses", "enum", "contextlib", "subprocess",
+    "threading", "tarfile", "zipfile", "csv", "configparser", "difflib", "pprint", "shutil",
+    "tempfile", "calendar", "pickle", "copy", "gettext", "locale", "optparse", "pydoc",
+    "ast", "traceback", "warnings", "unittest/case", "email/message", "http/client", "urllib/parse",
+)
+TEST_VOCAB = 512
+
+
+def stdlib_docs(module: str) -> str:
+    path = Path(os.__file__).parent / f"{module}.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = (n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+    return "\n\n".join(d for d in map(ast.get_docstring, nodes) if d)
+
+
+def write_text_corpus(root: Path) -> Path:
+    """~430 KB of real English prose as .txt files (one per stdlib module) plus LICENSE.txt."""
+    root.mkdir(parents=True, exist_ok=True)
+    for m in STDLIB_MODULES:
+        (root / f"{m.replace('/', '_')}.txt").write_text(stdlib_docs(m), encoding="utf-8")
+    licence = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt"
+    if licence.is_file():
+        (root / "LICENSE.txt").write_text(licence.read_text(encoding="utf-8"), encoding="utf-8")
+    return root
+
+
+def prepared_test_corpus(tmp_path_factory) -> Path:
+    """Prepare the stdlib-docs corpus once per test session (prepare() is idempotent)."""
+    base = tmp_path_factory.getbasetemp()
+    src = base / "stdlib_text"
+    if not src.exists():
+        write_text_corpus(src)
+    return prepare(str(src), base / "stdlib_prepared", vocab_size=TEST_VOCAB, val_fraction=0.05)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return prepared_test_corpus(tmp_path_factory)
+
+
+def test_prepare_local_text(corpus, tmp_path_factory, capsys):
+    data = PreparedData(corpus)
+    meta = data.meta
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == TEST_VOCAB
+    assert data.num_tokens("train") > 50_000 and data.num_tokens("val") > 1_000
+    # the split is held out: val documents' tokens are not in train
+    assert 0.01 < data.num_tokens("val") / (data.num_tokens("train") + data.num_tokens("val")) < 0.15
+    tok = data.tokenizer
+    for split in ("train", "val"):
+        arr = np.concatenate(data.shards(split))
+        assert arr.max() < tok.vocab_size
+        # every document is BOS ... EOS
+        assert arr[0] == tok.bos_id and arr[-1] == tok.eos_id
+        assert (arr == tok.bos_id).sum() == (arr == tok.eos_id).sum()
+    # decoding the shards gives back the real text
+    text = tok.decode(np.concatenate(data.shards("train"))[:2000].tolist())
+    assert " the " in text
+    # idempotent: a second call reports up to date and rewrites nothing
+    mtime = (corpus / "meta.json").stat().st_mtime_ns
+    capsys.readouterr()
+    prepare(str(tmp_path_factory.getbasetemp() / "stdlib_text"), corpus, vocab_size=TEST_VOCAB, val_fraction=0.05)
+    assert "up to date" in capsys.readouterr().out
+    assert (corpus / "meta.json").stat().st_mtime_ns == mtime
+
+
+def test_tokenizer_roundtrip(corpus):
+    tok = Tokenizer.from_file(corpus / "tokenizer.json")
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    text = stdlib_docs("textwrap")[:3000] + "\nnon-ASCII: naïve café — ünïcödé ✓"
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids) == text  # byte-level: exact round trip, no unknown tokens
+    # BPE compresses real English: fewer tokens than bytes
+    assert len(ids) < 0.6 * len(text.encode())
+    assert Tokenizer.from_str(tok.to_str()).encode(text) == tok.encode(text)
+
+
+@pytest.mark.slow
+def test_prepare_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [stdlib_docs(m) for m in STDLIB_MODULES[:12]]
+    paras = [p for d in docs for p in d.split("\n\n") if len(p) > 40]
+    (tmp_path / "src").mkdir()
+    with open(tmp_path / "src" / "a.jsonl", "w") as f:
+        for p in paras[: len(paras) // 2]:
+            f.write(json.dumps({"content": p}) + "\n")
+    pq.write_table(pa.table({"content": paras[len(paras) // 2:]}), tmp_path / "src" / "b.parquet")
+    out = prepare(str(tmp_path / "src"), tmp_path / "out", vocab_size=300, val_fraction=0.1, text_key="content")
+    data = PreparedData(out)
+    n_docs = data.meta["documents"]
+    assert n_docs == len(paras)
+    total = data.num_tokens("train") + data.num_tokens("val")
+    arr = np.concatenate(data.shards("train") + data.shards("val"))
+    assert len(arr) == total and (arr == data.tokenizer.bos_id).sum() == n_docs
+
+    # a JSONL line without the field is an error naming the file, line and option
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataSourceError, match=r"x\.jsonl:2.*--text-key"):
+        prepare(str(tmp_path / "bad"), tmp_path / "bad_out", vocab_size=300)
+
+
+def test_missing_data_dir_names_prepare_command(tmp_path):
+    with pytest.raises(DataNotPreparedError) as e:
+        TokenDataModule(tmp_path / "nothing_here", seq_len=32, micro_batch_size=2, train_batches=4, source="builtin")
+    msg = str(e.value)
+    assert "fp4lightning data prepare --source builtin --out" in msg and "nothing_here" in msg
+
+
+def test_unknown_source_is_clear(tmp_path):
+    with pytest.raises(DataSourceError, match="neither 'builtin', 'hf:NAME' nor an existing path"):
+        prepare(str(tmp_path / "does_not_exist"), tmp_path / "out")
+
+
+def test_hf_source_offline_names_dataset(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataSourceError, match=r"(?s)mlfoundations/dclm-baseline-1\.0.*hub"):
+        prepare("hf:mlfoundations/dclm-baseline-1.0", tmp_path / "dclm", max_tokens=1000)
+    assert not (tmp_path / "dclm").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1000, 12345])
+def test_feistel_is_a_permutation(n):
+    key = int(torch.randint(0, 2**31, ()).item())
+    perm = [feistel_permute(i, n, key) for i in range(n)]
+    assert sorted(perm) == list(range(n))
+    if n >= 64:  # actually shuffled
+        assert sum(p == i for i, p in enumerate(perm)) < n // 8
+
+
+def test_sampling_deterministic_epochs_and_ranks(corpus):
+    data = PreparedData(corpus)
+    ds = WindowDataset(data.shards("train"), seq_len=32, seed=7)
+    n = len(ds)
+    # one epoch visits every window exactly once: starts are offset + k * seq_len, all distinct
+    starts = [ds.locate(p) for p in range(n)]
+    offset = starts[0][1] % 32
+    assert sorted(starts) == [(0, offset + k * 32) for k in range(n)]
+    assert starts != sorted(starts)  # shuffled
+    flat = np.concatenate(data.shards("train"))
+    assert ds[0].shape == (33,) and ds[0].dtype == torch.int64
+    # same seed, same samples; other seed or epoch, other order
+    ds2 = WindowDataset(data.shards("train"), seq_len=32, seed=7)
+    assert all(torch.equal(ds[p], ds2[p]) for p in range(0, 3 * n, 97))
+    assert not torch.equal(torch.stack([ds[p] for p in range(8)]), torch.stack([ds[n + p] for p in range(8)]))
+    assert not torch.equal(ds[0], WindowDataset(data.shards("train"), 32, seed=8)[0])
+    # windows are real slices of the shard
+    w = ds[3].numpy()
+    hits = np.flatnonzero(flat[:-33] == w[0])
+    assert any((flat[h:h + 33] == w).all() for h in hits)
+    # two ranks partition the positions; skip() resumes mid-epoch
+    r0, r1 = PositionSampler(10, 0, 2), PositionSampler(10, 1, 2)
+    assert sorted(list(r0) + list(r1)) == list(range(20))
+    r0.skip(4)
+    assert list(r0) == [8, 10, 12, 14, 16, 18] and len(r0) == 10
+    assert list(r0)[:2] == [0, 2]  # the skip applies to the next iteration only
