@@ -108,7 +108,7 @@ def _hook_checks(rank: int, seed: int) -> dict:
     out: dict = {}
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     # gradient-like bucket: tensors of very different magnitudes, two tiny ones, N not a multiple of W
-    sizes = [4097, 2048, 30000, 1000, 3000, 999, 7, 1]
+    sizes = [4097, 2048, 30000, 1000, 3000, 999, 7, 2]
     magnitudes = [1e-4, 3e-2, 1.0, 1e2, 5.0, 2e-3, 1.0, 0.5]
     # SQNR of a 7- or 1-element tensor is too noisy to threshold; the tiny ones only join the total
     big = [i for i, n in enumerate(sizes) if n >= 999]
@@ -129,7 +129,15 @@ def _hook_checks(rank: int, seed: int) -> dict:
     out["n_total"] = n_total
     out["n_tensors"] = len(sizes)
 
-    # --- bytes for a bucket whose size is not a multiple of W, single scale
+    # --- a bf16 bucket (bf16 parameters): same algorithm, result written back in bf16
+    x = _random_bucket(gen, sizes, magnitudes).bfloat16()
+    ref = _exact_mean(x.float())
+    y = comm.fp8_all_reduce_mean_(x, sizes, comm.CommState("e4m3"))
+    out["bf16_bucket_dtype"] = str(y.dtype)
+    out["sqnr_bf16_bucket"] = sqnr(y.float(), ref)
+    out["digest_bf16_bucket"] = _digest([y])
+
+    # --- bytes for another bucket size, one scale for the whole bucket
     state = comm.CommState("e4m3")
     comm.fp8_all_reduce_mean_(torch.randn(1001, generator=gen), None, state)
     out["bytes_1001_single_scale"] = state.step_bytes
@@ -213,9 +221,13 @@ def test_fp8_hook_numerics_bytes_nonfinite(tmp_path):
             assert r[f"sqnr_min_tensor_{key}"] > floor, (key, r[f"sqnr_min_tensor_{key}"])
         assert r0[f"digest_{key}"] == r1[f"digest_{key}"], f"{key}: ranks disagree on the synchronised gradient"
     assert r0["sqnr_e4m3_reduce_scatter"] > r0["sqnr_e5m2_reduce_scatter"] + 3.0  # one more mantissa bit
+    for r in (r0, r1):
+        assert r["bf16_bucket_dtype"] == "torch.bfloat16" and r["sqnr_bf16_bucket"] > SQNR_E4M3_DB
+    assert r0["digest_bf16_bucket"] == r1["digest_bf16_bucket"]
 
     # bytes: payload 2*ceil(N/W)*(W-1), amax vector (one fp32 per tensor + flag) as a ring all-reduce
     n, t = r0["n_total"], r0["n_tensors"]
+    assert n % W != 0  # the padding path is exercised
     amax_bytes = 2 * (W - 1) * math.ceil((t + 1) / W) * 4
     assert r0["bytes_e4m3_reduce_scatter"] == 2 * math.ceil(n / W) * (W - 1) + amax_bytes
     assert abs(r0["bytes_e4m3_reduce_scatter"] - 2 * n * (W - 1) / W) <= amax_bytes + 2 * (W - 1)
