@@ -192,7 +192,7 @@ class FP4LightningLM(TemplateLM):
         if kwargs:
             log.warning("fp4lightning model: ignoring unknown model_args %s", sorted(kwargs))
         self._batch_size = _parse_batch_size(batch_size)
-        self._device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._device = _pick_device(device)
         self._autocast_dtype = _DTYPES[str(dtype)]
         self.add_bos_token = _as_bool(add_bos_token)
         self.logits_cache = _as_bool(logits_cache)
@@ -439,6 +439,17 @@ class FP4LightningLM(TemplateLM):
                 pbar.update(1)
         pbar.close()
         return re_ords.get_original(res)
+
+
+def _pick_device(device: str | None) -> torch.device:
+    # lm-eval's CLI passes device="cuda" by default; like its hf model, fall back to the CPU
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        log.warning("device %s requested but CUDA is not available: running on the CPU", device)
+        return torch.device("cpu")
+    return dev
 
 
 def _parse_batch_size(batch_size: int | str) -> int:

@@ -163,6 +163,11 @@ def _offline_task_dir(data_dir: Path) -> Path:
     return build_offline_tasks(data_dir)
 
 
+# the TaskManager that loaded the tasks goes on to simple_evaluate, which would otherwise
+# build one indexing all ~14k built-in YAMLs (seconds) only to pass our Task objects through
+_TASK_MANAGERS: list = []
+
+
 def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool) -> dict:
     """``{name: lm-eval Task}``; hub tasks that cannot load fail together, with advice."""
     offline = set(_offline_tasks())
@@ -199,6 +204,7 @@ def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool) ->
             failed.append((name, e))
             continue
         tasks[name] = loaded["tasks"][name]
+    _TASK_MANAGERS.append(tm)
     if failed:
         why = "\n".join(f"  {n}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" for n, e in failed)
         where = ("the hub answered but the dataset could not be loaded" if hub_reachable
@@ -354,6 +360,7 @@ def evaluate_checkpoint(
     hub_names = [n for n in names if n not in offline]
     reachable = prepare_hf_environment(bool(hub_names))
     t0 = time.perf_counter()
+    _TASK_MANAGERS.clear()
     task_objs = {}
     if hub_names:
         task_objs.update(_load_tasks(hub_names, None, reachable))
@@ -369,7 +376,8 @@ def evaluate_checkpoint(
     if offline_names:
         task_objs.update(_load_tasks(offline_names, data_dir.resolve(), reachable))
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=[task_objs[n] for n in names], limit=limit, bootstrap_iters=bootstrap_iters,
+        model=lm, tasks=[task_objs[n] for n in names], task_manager=_TASK_MANAGERS.pop(),
+        limit=limit, bootstrap_iters=bootstrap_iters,
         log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
         fewshot_random_seed=seed,
     )

@@ -67,7 +67,8 @@ SEED = 20250129  # fixed: the tasks are a pure function of the held-out text
 # A last word: letters (inner apostrophes/hyphens allowed), then sentence-final
 # punctuation and optional closing quotes/brackets, which are cut from the passage.
 _LAST_WORD = re.compile(r"([A-Za-z][A-Za-z'\-]*[A-Za-z])[.!?]+[\"')\]\u2019\u201d]*")
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]\u2019\u201d]*\s+")
+# a sentence ends at . ! or ?, optionally followed by one closing quote or bracket
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"')\]\u2019\u201d])\s+")
 
 
 def offline_tasks_dir(data_dir: str | Path) -> Path:
