@@ -223,15 +223,15 @@ def headline_metrics(results: dict) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for task, res in results.get("results", {}).items():
         wanted = _HEADLINE.get(task)
-        metrics = {}
+        found = {}
         for key, value in res.items():
             if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
                 continue
             metric, filt = key.split(",", 1)
-            if filt != "none":
-                continue
-            if wanted is None or metric in [m for m, _ in wanted]:
-                metrics[metric] = float(value)
+            if filt == "none":
+                found[metric] = float(value)
+        order = [m for m, _ in wanted] if wanted else list(found)
+        metrics = {m: found[m] for m in order if m in found}
         if metrics:
             out[task] = metrics
     return out
@@ -312,7 +312,7 @@ def _fmt_delta(d: float, kind: str) -> str:
         return f"{100 * d:+.2f}"
     if kind == "bpb":
         return f"{d:+.4f}"
-    return f"{d:+.2f}"
+    return f"{d:+.2f}" if abs(d) < 1e6 else f"{d:+.3g}"
 
 
 def _json_default(o):
@@ -453,10 +453,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--data-dir", default=None,
                         help="prepared data directory whose held-out split the offline tasks come from "
-                             "(default: data/builtin)")
+                             "(default: data.dir of the run's recipe, else data/builtin)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead of the checkpoint's")
     parser.add_argument("--out", default=None,
-                        help="output folder for results.json / results.md (default: <checkpoint dir>/eval/<stem>)")
+                        help="output folder for results.json / results.md (default: <checkpoint dir>/eval/<stem>-<linear>; "
+                             "with --compare, DIR/a, DIR/b and DIR/compare.md)")
     parser.add_argument("--bootstrap-iters", type=int, default=0,
                         help="lm-eval bootstrap iterations for standard errors (default: 0, none)")
     parser.add_argument("--seed", type=int, default=1234, help="random seed (OCC sampling, lm-eval) (default: 1234)")

@@ -25,9 +25,11 @@ from fp4lightning.eval.tasks import OFFLINE_TASKS, build_offline_tasks, heldout_
 # relative; HF's LlamaForCausalLM on the exported weights agrees bitwise here (measured)
 LOGLIK_RTOL = 1e-4
 LOGLIK_ATOL = 1e-3
-# FP4 (linear=fp4) scores depend on the batch through OCC's tensor-wide quantiles; measured
-# batched/unbatched gaps on the tiny model were < 1% of the log-likelihood
-FP4_BATCH_RTOL = 0.05
+# FP4 (linear=fp4) scores depend on the batch through OCC's tensor-wide quantiles. Measured on
+# the tiny model: batched vs unbatched FP4 <= 0.22% (<= 0.2 nats), FP4 vs the same weights in
+# high precision <= 0.2% (<= 0.25 nats); thresholds ~10x and 2x above
+FP4_RTOL = 0.02
+FP4_ATOL = 0.5
 
 TINY_MODEL = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_dim=176, max_seq_len=128)
 
@@ -112,8 +114,10 @@ def _requests(tasks_dir: Path, n: int = 12) -> list[tuple[str, str]]:
 
 
 # ----------------------------------------------------------------------------- offline tasks
-def test_offline_tasks_from_heldout_text(data_dir, tasks_dir):
+def test_offline_tasks_from_heldout_text(data_dir, tasks_dir, monkeypatch):
     from pydoc_data.topics import topics
+
+    import fp4lightning.eval.tasks as eval_tasks
 
     assert tasks_dir == offline_tasks_dir(data_dir)
     manifest = json.loads((tasks_dir / "manifest.json").read_text())
@@ -122,6 +126,8 @@ def test_offline_tasks_from_heldout_text(data_dir, tasks_dir):
     sources = [t.replace("\r\n", "\n") for t in topics.values()]
     docs = list(heldout_documents(data_dir))
     assert docs and all(any(d in s for s in sources) for d in docs)
+    monkeypatch.setattr(eval_tasks, "_SCAN_TOKENS", 999)  # documents straddling read chunks
+    assert list(heldout_documents(data_dir)) == docs
     for name in OFFLINE_TASKS:
         cfg = (tasks_dir / f"{name}.yaml").read_text()
         data_file = Path(cfg.split("test: ", 1)[1].split("\n", 1)[0])
@@ -151,6 +157,7 @@ def test_offline_tasks_need_prepared_data(tmp_path):
 
 
 # ----------------------------------------------------------------------------- scoring
+@pytest.mark.slow
 def test_batched_and_unbatched_loglikelihoods_agree(bf16_ckpt, tasks_dir):
     reqs = _instances("loglikelihood", _requests(tasks_dir))
     one = _lm(bf16_ckpt, batch_size=1, logits_cache=False).loglikelihood(reqs, disable_tqdm=True)
@@ -198,6 +205,7 @@ def _direct_rolling_logprob(model, bos: int, toks: list[int], window: int) -> fl
     return total
 
 
+@pytest.mark.slow
 def test_rolling_perplexity_matches_direct_computation(bf16_ckpt, data_dir):
     doc = next(heldout_documents(data_dir))
     short = doc[:200]
@@ -243,6 +251,7 @@ def test_generate_until_is_greedy_and_stops(bf16_ckpt):
 
 
 # ----------------------------------------------------------------------------- FP4 / high precision
+@pytest.mark.slow
 def test_linear_modes(fp4_ckpt, bf16_ckpt, tasks_dir):
     from fp4lightning.checkpoint import load_checkpoint
     from fp4lightning.linear import FP4Linear
@@ -259,11 +268,10 @@ def test_linear_modes(fp4_ckpt, bf16_ckpt, tasks_dir):
     ll_fp4 = torch.tensor([x for x, _ in fp4.loglikelihood(reqs, disable_tqdm=True)])
     ll_high = torch.tensor([x for x, _ in high.loglikelihood(reqs, disable_tqdm=True)])
     assert not torch.allclose(ll_fp4, ll_high, rtol=1e-4)  # the FP4 GeMMs really ran
-    # FP4 quantization noise on a 2-step model moves scores by a few percent at most
-    torch.testing.assert_close(ll_fp4, ll_high, rtol=0.1, atol=1.0)
+    torch.testing.assert_close(ll_fp4, ll_high, rtol=FP4_RTOL, atol=FP4_ATOL)
     fp4_batched = _lm(fp4_ckpt, batch_size=8)
     ll_fp4_b = torch.tensor([x for x, _ in fp4_batched.loglikelihood(reqs, disable_tqdm=True)])
-    torch.testing.assert_close(ll_fp4_b, ll_fp4, rtol=FP4_BATCH_RTOL, atol=0.5)
+    torch.testing.assert_close(ll_fp4_b, ll_fp4, rtol=FP4_RTOL, atol=FP4_ATOL)
     # a BF16 run scored with FP4 GeMMs (paper recipe)
     bf16_as_fp4 = _lm(bf16_ckpt, linear="fp4")
     assert bf16_as_fp4.linear == "fp4" and not bf16_as_fp4.trained_fp4
