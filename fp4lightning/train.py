@@ -117,8 +117,6 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     from fp4lightning.module import LlamaLightningModule
 
     ckpt_path = _resolve_ckpt(cfg, resume)
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
     out = Path(cfg.out_dir)
     accum = cfg.accumulate_grad_batches
     llama = cfg.llama_config()
@@ -237,6 +235,8 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     Returns the :class:`TrainResult` on rank 0 (None on other ranks). Re-raises the
     ``KeyboardInterrupt`` / ``SystemExit`` of an interrupted run after reporting it.
     """
+    import torch
+
     trainer, module, dm, ckpt_path = build(cfg, resume, callbacks)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:
@@ -247,7 +247,10 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         if ckpt_path:
             print(f"resuming from {ckpt_path}", flush=True)
     interrupted, result = False, None
+    threads = torch.get_num_threads()
     try:
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     except (KeyboardInterrupt, SystemExit):
         # Lightning turns SIGTERM into SIGTERMException and Ctrl-C into sys.exit(1), after
@@ -259,6 +262,7 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
                   file=sys.stderr, flush=True)
         raise
     finally:
+        torch.set_num_threads(threads)
         if trainer.is_global_zero:
             result = _report(trainer, out, interrupted)
     return result
