@@ -103,7 +103,10 @@ def load_model_and_tokenizer(
             "as pretrained=... (lm-eval) or CKPT (fp4lightning eval)"
         )
     tok_override = _load_tokenizer(tokenizer) if tokenizer is not None else None
-    model, tok, recipe = load_checkpoint(path, map_location=map_location, fp4=True)
+    with warnings.catch_warnings():
+        # an FP4 run keeps lm_head in high precision by design; not worth a warning per load
+        warnings.filterwarnings("ignore", message="convert_to_fp4: keeping")
+        model, tok, recipe = load_checkpoint(path, map_location=map_location, fp4=True)
     tok = tok_override or tok
     if tok is None:
         raise FileNotFoundError(
@@ -224,7 +227,10 @@ class FP4LightningLM(TemplateLM):
         self.model = model.to(self._device).eval()
         self.tokenizer = tok
         cfg = getattr(model, "config", None)
-        self._max_length = int(max_length) if max_length else int(getattr(cfg, "max_seq_len", 2048))
+        model_max = int(getattr(cfg, "max_seq_len", 2048))
+        self._max_length = int(max_length) if max_length else model_max
+        if not 1 < self._max_length <= model_max:
+            raise ValueError(f"max_length={max_length} must be in [2, {model_max}] (the model's max_seq_len)")
         self.vocab_size = tok.vocab_size
 
     # ------------------------------------------------------------------ properties lm-eval uses
