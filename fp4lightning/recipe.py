@@ -97,7 +97,7 @@ class OptimizerSection:
 
 @dataclass(frozen=True)
 class ScheduleSection:
-    max_steps: int = 160
+    max_steps: int = 150
     warmup_fraction: float = 0.05
     min_lr_ratio: float = 0.1
 
@@ -109,9 +109,9 @@ class TrainerSection:
     devices: int = 1
     num_nodes: int = 1
     strategy: str = "auto"
-    val_every_n_steps: int = 40
+    val_every_n_steps: int = 50
     log_every_n_steps: int = 5
-    checkpoint_every_n_steps: int = 40
+    checkpoint_every_n_steps: int = 50
     num_threads: Optional[int] = None
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
 
-__all__ = ["train", "build", "TrainResult", "add_arguments", "run", "plot_losses"]
+__all__ = ["train", "build", "make_module", "TrainResult", "add_arguments", "run", "plot_losses"]
 
 HELP = "pretrain a LLaMA from a recipe YAML"
 LAST_CKPT = "last.ckpt"
@@ -102,6 +102,26 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
     return str(path)
 
 
+def make_module(cfg: RecipeConfig, fp4_spec: dict[str, Any] | None, tokenizer_json: str | None = None):
+    """The LightningModule for ``cfg`` (the model itself is built later, in ``configure_model``)."""
+    from fp4lightning.module import LlamaLightningModule
+
+    return LlamaLightningModule(
+        model=dataclasses.asdict(cfg.llama_config()),
+        lr=cfg.optimizer.lr,
+        beta1=cfg.optimizer.beta1,
+        beta2=cfg.optimizer.beta2,
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+        max_steps=cfg.schedule.max_steps,
+        warmup_fraction=cfg.schedule.warmup_fraction,
+        min_lr_ratio=cfg.schedule.min_lr_ratio,
+        fp4=fp4_spec,
+        recipe=recipe_to_dict(cfg),
+        tokenizer_json=tokenizer_json,
+    )
+
+
 def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None):
     """(trainer, module, datamodule, ckpt_path) for ``cfg``; no training happens.
 
@@ -114,7 +134,6 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from fp4lightning.data import TokenDataModule
-    from fp4lightning.module import LlamaLightningModule
 
     ckpt_path = _resolve_ckpt(cfg, resume)
     out = Path(cfg.out_dir)
@@ -139,20 +158,7 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         )
     precision, plugins, fp4_spec = _precision_setup(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = LlamaLightningModule(
-        model=dataclasses.asdict(llama),
-        lr=cfg.optimizer.lr,
-        beta1=cfg.optimizer.beta1,
-        beta2=cfg.optimizer.beta2,
-        eps=cfg.optimizer.eps,
-        weight_decay=cfg.optimizer.weight_decay,
-        max_steps=cfg.schedule.max_steps,
-        warmup_fraction=cfg.schedule.warmup_fraction,
-        min_lr_ratio=cfg.schedule.min_lr_ratio,
-        fp4=fp4_spec,
-        recipe=recipe_to_dict(cfg),
-        tokenizer_json=dm.tokenizer.to_str(),
-    )
+    module = make_module(cfg, fp4_spec, tokenizer_json=dm.tokenizer.to_str())
     checkpoint = ModelCheckpoint(
         dirpath=out / "checkpoints",
         filename="step={step:06d}",

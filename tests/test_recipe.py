@@ -1,0 +1,152 @@
+"""Recipe schema: every shipped recipe parses and documents every key; the paper-scale
+recipes build on the meta device; bad keys, types and choices fail naming the dotted key."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
+from fp4lightning.train import _precision_setup, make_module
+
+RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+PAPER = {"llama2-1.3b": 32, "llama2-7b": 64, "llama2-13b": 128}  # recipe -> gradient accumulation
+
+
+def test_recipes_are_shipped():
+    assert {p.stem for p in RECIPES} >= {"tiny", *PAPER}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_parses(path):
+    cfg = load_recipe(path)
+    assert isinstance(cfg, RecipeConfig)
+    assert cfg.out_dir == f"runs/{cfg.name}"  # interpolation resolved
+    assert recipe_from_dict(recipe_to_dict(cfg)) == cfg  # what checkpoints store round-trips
+
+
+def test_tiny_is_the_embedded_default():
+    assert load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml") == load_recipe()
+
+
+def _schema_fields() -> dict[str, dataclasses.Field]:
+    out = {}
+    for f in dataclasses.fields(RecipeConfig):
+        if dataclasses.is_dataclass(f.default_factory() if callable(f.default_factory) else None):
+            for g in dataclasses.fields(f.default_factory()):
+                out[f"{f.name}.{g.name}"] = g
+        else:
+            out[f.name] = f
+    return out
+
+
+def _render_default(f: dataclasses.Field) -> str:
+    v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return "{}" if isinstance(v, dict) else str(v)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_key_has_a_type_and_default_comment(path):
+    fields = _schema_fields()
+    lines = path.read_text().splitlines()
+    seen, section = set(), None
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z_]\w*):", line)
+        if not m:
+            continue
+        indent, key = m.groups()
+        if not indent and line.rstrip().endswith(":"):
+            section = key
+            continue
+        dotted = f"{section}.{key}" if indent else key
+        if not indent:
+            section = None
+        assert dotted in fields, f"{path.name}:{i + 1}: {dotted} is not in the schema"
+        comment = lines[i - 1].strip()
+        c = re.search(r"\(type: (.+), default: (.*)\)$", comment)
+        assert comment.startswith("#") and c, f"{path.name}:{i + 1}: no '(type: ..., default: ...)' comment above {dotted}"
+        f = fields[dotted]
+        assert c.group(1) == str(f.type), f"{path.name}: {dotted} documented as {c.group(1)}, schema says {f.type}"
+        assert c.group(2) == _render_default(f), f"{path.name}: {dotted} default documented as {c.group(2)}"
+        seen.add(dotted)
+    assert seen == set(fields), f"{path.name} does not spell out {sorted(set(fields) - seen)}"
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_recipes_build_on_meta_device(name):
+    cfg = load_recipe(Path(__file__).parents[1] / "recipes" / f"{name}.yaml")
+    # the paper's settings (arXiv 2501.17116, section 7)
+    assert cfg.data.seq_len == 2048 and cfg.data.global_batch_size * cfg.data.seq_len == 2048 * 2048
+    assert cfg.data.source.startswith("hf:") and "dclm" in cfg.data.source
+    assert (cfg.optimizer.lr, cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.weight_decay) == (3e-4, 0.9, 0.95, 0.1)
+    assert (cfg.schedule.warmup_fraction, cfg.schedule.min_lr_ratio) == (0.05, 0.1)
+    assert cfg.trainer.precision == "fp4" and cfg.fp4.preset == "paper"
+    assert cfg.trainer.strategy == ("ddp" if name == "llama2-1.3b" else "fsdp")
+    assert cfg.accumulate_grad_batches == PAPER[name]
+    # the LightningModule builds (and FP4-converts) the model on the meta device: no memory
+    precision, _, fp4_spec = _precision_setup(cfg)
+    module = make_module(cfg, fp4_spec)
+    with torch.device("meta"):
+        module.configure_model()
+    params = list(module.model.parameters())
+    assert all(p.is_meta for p in params)
+    assert sum(p.numel() for p in params) == cfg.llama_config().num_params()
+    from fp4lightning.linear import FP4Linear
+
+    n_fp4 = sum(isinstance(m, FP4Linear) for m in module.model.modules())
+    assert n_fp4 == 7 * cfg.llama_config().n_layers  # q, k, v, o, gate, up, down; lm_head stays high precision
+    assert not isinstance(module.model.lm_head, FP4Linear)
+
+
+def test_overrides_win_over_the_file(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("name: mine\nschedule:\n  max_steps: 7\nfp4:\n  preset: fp4-no-occ\n")
+    cfg = load_recipe(f, ["schedule.max_steps=9", "fp4.overrides.occ_alpha=0.999", "model.n_kv_heads=2"])
+    assert (cfg.name, cfg.out_dir, cfg.schedule.max_steps) == ("mine", "runs/mine", 9)
+    assert cfg.fp4.preset == "fp4-no-occ" and cfg.fp4.overrides == {"occ_alpha": 0.999}
+    assert cfg.llama_config().kv_heads == 2
+
+
+@pytest.mark.parametrize(
+    "overrides,pattern",
+    [
+        (["model.n_layer=3"], r"unknown recipe key `model\.n_layer`.*did you mean `model\.n_layers`"),
+        (["trainer.precison=fp4"], r"`trainer\.precison`.*valid keys in trainer: .*precision"),
+        (["schedule.max_steps=ten"], r"`schedule\.max_steps`.*expects int"),
+        (["optimizer.lr=fast"], r"`optimizer\.lr`.*expects float"),
+        (["trainer.precision=fp8"], r"`trainer\.precision` = 'fp8'.*choose one of: fp4, bf16-mixed, 32-true"),
+        (["model.name=llama2-70b"], r"`model\.name`.*llama2-13b.*tiny"),
+        (["fp4.preset=nvfp4"], r"`fp4\.preset`.*paper, w4a4-direct, fp4-no-dge, fp4-no-occ"),
+        (["fp4.overrides.occ_alhpa=0.9"], r"`fp4\.overrides\.occ_alhpa`.*occ_alpha"),
+        (["trainer.strategy=deepspeed"], r"`trainer\.strategy`.*auto, ddp, fsdp"),
+        (["data.global_batch_size=24"], r"`data\.global_batch_size` = 24 must be a multiple"),
+        (["data.seq_len=4096"], r"`data\.seq_len` = 4096 exceeds"),
+        (["schedule.max_steps=0"], r"`schedule\.max_steps` must be > 0"),
+        (["max_steps"], r"key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, pattern):
+    with pytest.raises(RecipeError, match=f"(?s){pattern}"):
+        load_recipe(None, overrides)
+
+
+def test_bad_recipe_files(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file .*missing.yaml not found"):
+        load_recipe(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: tiny\n  n_layer: 2\n")
+    with pytest.raises(RecipeError, match=r"(?s)`model\.n_layer` \(in .*bad\.yaml\).*model\.n_layers"):
+        load_recipe(bad)
+    bad.write_text("trainer:\n  devices: two\n")
+    with pytest.raises(RecipeError, match=r"`trainer\.devices` \(in .*bad\.yaml\) expects int"):
+        load_recipe(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(RecipeError, match="must be a mapping"):
+        load_recipe(bad)
