@@ -72,29 +72,39 @@ def _configs(sweep: list[tuple[int, int, int, int, int]], names: tuple[str, str,
             for a, b, kh, s, w in rows]
 
 
-# Forward sweep (BLOCK_M, BLOCK_N, BLOCK_KH, stages, warps). Chosen for H100/H200 FP8
-# wgmma: the output tile sizes cuBLAS and the Triton FP8 matmul tutorial use on Hopper
-# (128x256 / 128x128 with 8 or 4 warps, 3-4 stages), a 64-row tile for skinny M, and
-# 64 packed bytes (128 codes) of K per step - two dots of K=64 each, the FP8 wgmma K
-# granularity being 32. The decode adds register pressure, hence also 32-byte steps.
-# The first row is the untuned default (FP4LIGHTNING_AUTOTUNE=0).
+# How the sweeps were chosen (no GPU was available to time them, see docs/kernels.md):
+# start from the Hopper FP8 tile shapes cuBLAS and the Triton FP8 matmul tutorial use
+# (128x128 / 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny
+# problems), with 64 packed bytes (128 codes) of K per step - two dots of K=64, FP8
+# wgmma's K granularity being 32 - or 32 bytes where the decode's registers are tight.
+# Then every candidate was compiled for sm_90a (triton.compile with a GPUTarget, which
+# needs no GPU) and the ones whose PTX spilled heavily (ptxas stack > ~0.5 KB per thread)
+# were dropped. Each first row is the default used with FP4LIGHTNING_AUTOTUNE=0; it
+# compiles without spills and is cp.async-pipelined.
+
+# Forward: (BLOCK_M, BLOCK_N, BLOCK_KH, stages, warps)
 _FWD_SWEEP = [
-    (128, 256, 64, 3, 8),
     (128, 128, 64, 4, 8),
-    (128, 128, 64, 3, 4),
+    (128, 256, 64, 3, 8),
     (128, 256, 32, 4, 8),
     (64, 128, 64, 4, 4),
     (128, 64, 64, 4, 4),
 ]
-# Backward sweeps (output rows, reduction block, BLOCK_KH, stages, warps). The output
-# tile is rows x 2*BLOCK_KH columns held as two accumulators (even/odd columns), so
-# BLOCK_KH=64 is a 128-column tile; the reduction block is the dot's K (>= 32 for FP8).
-_BWD_SWEEP = [
+# Backward: (output rows, reduction block, BLOCK_KH, stages, warps). The output tile is
+# rows x 2*BLOCK_KH columns held as two accumulators (even/odd columns), so BLOCK_KH=64
+# is a 128-column tile; the reduction block is the dot's K (>= 32 for FP8).
+_DGRAD_SWEEP = [
     (128, 64, 64, 4, 8),
     (128, 128, 64, 3, 8),
-    (128, 64, 128, 3, 8),
     (64, 64, 64, 4, 4),
     (128, 128, 32, 4, 4),
+]
+# wgrad carries the DGE epilogue, which needs more registers: no 128-row tiles with a
+# 64-deep reduction (they spilled) and no 256-column tiles.
+_WGRAD_SWEEP = [
+    (128, 128, 64, 3, 8),
+    (128, 128, 32, 4, 4),
+    (64, 64, 64, 4, 4),
 ]
 
 
@@ -122,7 +132,10 @@ def _fp4_gemm_kernel(
     a_ptrs = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_am + offs_kh[None, :]
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_kh[None, :]
 
-    # --- main loop: packed bytes -> two dots (even k on low nibbles, odd k on high)
+    # --- main loop: packed bytes -> two dots (even k on low nibbles, odd k on high).
+    # Written as a plain loop on purpose: Triton's software pipeliner then streams the
+    # packed bytes through shared memory with cp.async (num_stages deep). Hand-written
+    # register double buffering defeats that and spills (checked in the sm_90 PTX).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kh0 in range(0, KH, BLOCK_KH):
         k_ok = (offs_kh < KH - kh0)[None, :]
@@ -212,7 +225,15 @@ def _check_grad(g: torch.Tensor, g_scale: torch.Tensor, n_scale: int, what: str)
     check_vector("g_scale", g_scale, n_scale, (torch.float32,), what)
 
 
-@triton.autotune(configs=_configs(_BWD_SWEEP, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
+def _loadable_grad(g: torch.Tensor) -> torch.Tensor:
+    """Triton cannot even load FP8 E4M3 before sm_89; there it is widened to fp16 (exact)."""
+    if (g.dtype == torch.float8_e4m3fn and not INTERPRET and g.device.type == "cuda"
+            and torch.cuda.get_device_capability(g.device) < (8, 9)):
+        return g.to(torch.float16)
+    return g
+
+
+@triton.autotune(configs=_configs(_DGRAD_SWEEP, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
                  key=["M", "N", "KH", "DOT"])
 @triton.jit
 def _fp4_dgrad_kernel(
@@ -272,6 +293,7 @@ def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k:
     check_out_dtype(out_dtype)
     check_same_device(g=g, g_scale=g_scale, w_packed=w_packed)
     m = g.shape[0]
+    g = _loadable_grad(g)
     y = torch.empty(m, k, dtype=out_dtype, device=g.device)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     _fp4_dgrad_kernel[grid](
@@ -297,7 +319,7 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
     return tl.where(a <= 6.0, d, 0.0)  # beyond the grid (and NaN weights): 0
 
 
-@triton.autotune(configs=_configs(_BWD_SWEEP, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
+@triton.autotune(configs=_configs(_WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
                  key=["M", "N", "KH", "DOT", "HAS_DGE", "HAS_ADDEND"])
 @triton.jit
 def _fp4_wgrad_kernel(
@@ -332,22 +354,43 @@ def _fp4_wgrad_kernel(
         g_ptrs += BLOCK_M * stride_gm
         a_ptrs += BLOCK_M * stride_am
 
-    # --- epilogue: interleave, divide by the per-column dY scale, add, DGE factor
-    out = tl.join(acc_even, acc_odd).reshape(BLOCK_N, 2 * BLOCK_KH)
+    # --- epilogue: divide by the per-column dY scale, add, DGE factor. With the DGE math
+    # (or an addend) the even and odd columns are finished one half at a time: the
+    # joined tile's temporaries spill registers on sm_90 (checked in the PTX).
+    # A multiply by the (IEEE) reciprocal of the scale, within an ulp of the reference's
+    # division: a full IEEE division per element spills registers here.
     n_ok = offs_n < N
     sg = tl.load(sg_ptr + offs_n, mask=n_ok, other=1.0)
-    out = tl.math.div_rn(out, sg[:, None])
-    offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
-    mask = n_ok[:, None] & (offs_k < K)[None, :]
-    if HAS_ADDEND:
-        c_ptrs = c_ptr + offs_n.to(tl.int64)[:, None] * stride_cn + offs_k.to(tl.int64)[None, :] * stride_ck
-        out += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DGE:
-        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+    inv_sg = tl.math.div_rn(tl.full(sg.shape, 1.0, tl.float32), sg)
+    if HAS_DGE or HAS_ADDEND:
         sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
+        col = pid_k * 2 * BLOCK_KH + 2 * tl.arange(0, BLOCK_KH)
+        _wgrad_epilogue_half(acc_even, inv_sg, sw, offs_n, n_ok, col, K, c_ptr, stride_cn, stride_ck,
+                             w_ptr, stride_wn, y_ptr, stride_yn, HAS_ADDEND, HAS_DGE, DGE_INV_K, DGE_POW, DGE_CLAMP)
+        _wgrad_epilogue_half(acc_odd, inv_sg, sw, offs_n, n_ok, col + 1, K, c_ptr, stride_cn, stride_ck,
+                             w_ptr, stride_wn, y_ptr, stride_yn, HAS_ADDEND, HAS_DGE, DGE_INV_K, DGE_POW, DGE_CLAMP)
+    else:
+        out = tl.join(acc_even, acc_odd).reshape(BLOCK_N, 2 * BLOCK_KH) * inv_sg[:, None]
+        offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
+        y_ptrs = y_ptr + offs_n.to(tl.int64)[:, None] * stride_yn + offs_k[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_k < K)[None, :])
+
+
+@triton.jit
+def _wgrad_epilogue_half(acc, inv_sg, sw, offs_n, n_ok, col, K, c_ptr, stride_cn, stride_ck, w_ptr, stride_wn,
+                         y_ptr, stride_yn, HAS_ADDEND: tl.constexpr, HAS_DGE: tl.constexpr,
+                         DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr):
+    """``(acc / s_g + addend) * f'(W s_w)`` for the output columns ``col`` (every other one)."""
+    mask = n_ok[:, None] & (col < K)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    out = acc * inv_sg[:, None]
+    if HAS_ADDEND:
+        out += tl.load(c_ptr + rows * stride_cn + col.to(tl.int64)[None, :] * stride_ck, mask=mask,
+                       other=0.0).to(tl.float32)
+    if HAS_DGE:
+        w = tl.load(w_ptr + rows * stride_wn + col[None, :], mask=mask, other=0.0)
         out = out * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
-    y_ptrs = y_ptr + offs_n.to(tl.int64)[:, None] * stride_yn + offs_k[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows * stride_yn + col[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def fp4_wgrad(
@@ -401,6 +444,7 @@ def fp4_wgrad(
     y = torch.empty(n, k, dtype=out_dtype, device=g.device)
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     has_add = addend is not None
+    g = _loadable_grad(g)
     _fp4_wgrad_kernel[grid](
         g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale,
         addend if has_add else g_scale, y,

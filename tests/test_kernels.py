@@ -10,6 +10,11 @@ sizes.
   against the reference where both compute exactly the same fp32 operations;
 * FP4Linear with FP4LIGHTNING_BACKEND=triton against =reference, end to end.
 """
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -33,6 +38,8 @@ GEMM_SQNR_DB = 80.0
 # FP4Linear, Triton vs reference backend: forward and dA are bit-identical; dW differs
 # only in the DGE factor's power (exp2/log2 in the kernel vs torch.pow), measured ~144 dB.
 LINEAR_WGRAD_DGE_SQNR_DB = 120.0
+# ptxas stack frame (register spills) of the default configs on sm_90a: measured 0-16 bytes.
+COMPILED_STACK_BYTES_MAX = 64
 # bf16 activations: the reference rounds its bf16 matmul's accumulator to bf16 before the
 # epilogue, the kernels round once at the end (and the interpreter truncates bf16 stores);
 # measured ~47-48 dB for y and dA.
@@ -389,6 +396,30 @@ def test_bad_inputs_raise_clear_errors():
     other = torch.device("cpu") if CUDA else torch.device("meta")
     with pytest.raises(ValueError, match="is on"):
         kt.quantize_rows(torch.randn(8, 32, device=other))
+
+
+# --------------------------------------------------------------------------- compiled path, no GPU
+@pytest.mark.slow
+def test_kernels_compile_for_hopper_and_ampere():
+    # Triton's real compiler runs without a GPU: every kernel's default configuration
+    # must compile for sm_90a (FP8 wgmma, cp.async pipeline, no spills to speak of) and
+    # the fp16 fallback for sm_80. Run in a subprocess: this process uses the interpreter.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "fp4lightning.kernels.compile_check", "--json"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["arch"] for r in results} == {"sm_90", "sm_80"}
+    for r in results:
+        assert r["ok"], r
+        if "gemm" in r["kernel"] or "grad" in r["kernel"]:
+            assert r["cp_async"] > 0, r  # software-pipelined loads
+            if r["arch"] == "sm_90":
+                assert r["wgmma"] > 0, r
+            if r["arch"] == "sm_90" and ("fp8" in r["kernel"] or "e5m2" in r["kernel"]):
+                assert r["fp8_mma"], r  # FP8 tensor cores, not an upcast
+        if r["stack_bytes"] is not None:
+            assert r["stack_bytes"] <= COMPILED_STACK_BYTES_MAX, r
 
 
 # --------------------------------------------------------------------------- GPU, realistic sizes
