@@ -33,7 +33,7 @@ _FP8_DOT = {torch.float8_e4m3fn: DOT_FP8E4, torch.float8_e5m2: DOT_FP8E5}
 #: as DeepSeek-V3 and TransformerEngine do; FP4LIGHTNING_FP8_FAST_ACCUM=1 trades that
 #: for speed.
 FP8_FAST_ACCUM = os.environ.get("FP4LIGHTNING_FP8_FAST_ACCUM", "0") == "1"
-#: FP4LIGHTNING_AUTOTUNE=0 keeps only the first (default) GeMM config: no tuning runs.
+#: FP4LIGHTNING_AUTOTUNE=0 keeps only the default GeMM config of the GPU's family.
 AUTOTUNE = os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0"
 
 

@@ -43,7 +43,11 @@ def _meta(sweep_row, names):
 
 
 def _cases():
-    """(name, arch, kernel, arg types, constexprs, num_warps, num_stages) of every kernel."""
+    """(name, arch, kernel, arg types, constexprs, num_warps, num_stages) of every kernel.
+
+    sm_90 cases use the default (first) config of the Hopper sweeps, sm_80 ones that of
+    the mma.sync sweeps (``gemm._*_SWEEP_MMA``), as ``gemm._prune`` picks them at run time.
+    """
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
                    M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I)
     q_meta = dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=1, BLOCK_KH=2048)
@@ -59,6 +63,9 @@ def _cases():
     fwd, fw, fs = _meta(gemm._FWD_SWEEP[0], ("BLOCK_M", "BLOCK_N"))
     dgr, dw, ds = _meta(gemm._DGRAD_SWEEP[0], ("BLOCK_M", "BLOCK_N"))
     wgr, ww, ws = _meta(gemm._WGRAD_SWEEP[0], ("BLOCK_N", "BLOCK_M"))
+    fwd8, fw8, fs8 = _meta(gemm._FWD_SWEEP_MMA[0], ("BLOCK_M", "BLOCK_N"))
+    dgr8, dw8, ds8 = _meta(gemm._DGRAD_SWEEP_MMA[0], ("BLOCK_M", "BLOCK_N"))
+    wgr8, ww8, ws8 = _meta(gemm._WGRAD_SWEEP_MMA[0], ("BLOCK_N", "BLOCK_M"))
     dge = dict(HAS_DGE=True, DGE_INV_K=0.2, DGE_POW=-0.8, DGE_CLAMP=3.0)
     cases = [
         ("quantize_fp4 one pass", 90, quantize._quantize_fp4_kernel, q_types,
@@ -77,8 +84,12 @@ def _cases():
          dict(dgr, DOT=DOT_BF16, PRECISE_ACC=True), dw, ds),
         ("fp4_wgrad e5m2 dY + DGE + addend", 90, gemm._fp4_wgrad_kernel, w_types,
          dict(wgr, DOT=DOT_FP8E5, PRECISE_ACC=True, HAS_ADDEND=True, **dge), ww, ws),
+        ("fp4_gemm fp16 decode (no FP8 MMA)", 80, gemm._fp4_gemm_kernel, f_types,
+         dict(fwd8, DOT=DOT_FP16, HAS_BIAS=True, PRECISE_ACC=True), fw8, fs8),
         ("fp4_dgrad e5m2 dY via fp16 (no FP8 MMA)", 80, gemm._fp4_dgrad_kernel, d_types,
-         dict(dgr, DOT=DOT_FP16, PRECISE_ACC=True), dw, ds),
+         dict(dgr8, DOT=DOT_FP16, PRECISE_ACC=True), dw8, ds8),
+        ("fp4_wgrad bf16 dY + DGE + addend", 80, gemm._fp4_wgrad_kernel, dict(w_types, g_ptr="*bf16"),
+         dict(wgr8, DOT=DOT_BF16, PRECISE_ACC=True, HAS_ADDEND=True, **dge), ww8, ws8),
     ]
     return cases
 

@@ -61,56 +61,64 @@ GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.flo
 
 
 # --------------------------------------------------------------------------- autotune configs
-def _configs(sweep: list[tuple[int, int, int, int, int]], names: tuple[str, str, str]) -> list[triton.Config]:
-    """``triton.Config`` list from ``(tile_a, tile_b, BLOCK_KH, num_stages, num_warps)`` rows."""
+# How the sweeps were chosen (no GPU was available to time them, see docs/kernels.md):
+# start from the tile shapes cuBLAS and the Triton matmul tutorials use (128x128 /
+# 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny problems),
+# with 64 packed bytes (128 codes) of K per step - two dots of K=64, FP8 wgmma's K
+# granularity being 32 - or 32 bytes where the decode's registers are tight. Then every
+# candidate was compiled ahead of time (kernels/compile_check.py; triton.compile with a
+# GPUTarget needs no GPU) and the ones ptxas spilled heavily (stack > ~0.5 KB per
+# thread) were dropped. Hopper (wgmma, operands from shared memory) and older GPUs
+# (mma.sync, operands in registers) spill on different tiles, hence two families; the
+# first row of each compiles without spills and is the default (FP4LIGHTNING_AUTOTUNE=0).
+# Rows: (output rows, second tile dim, BLOCK_KH, stages, warps).
+
+# Forward: (BLOCK_M, BLOCK_N, ...)
+_FWD_SWEEP = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (128, 256, 32, 4, 8), (64, 128, 64, 4, 4),
+              (128, 64, 64, 4, 4)]
+_FWD_SWEEP_MMA = [(128, 128, 32, 4, 8), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                  (128, 256, 32, 3, 8)]
+# Backward: (output rows, reduction block, ...). The output tile is rows x 2*BLOCK_KH
+# columns held as two accumulators (even/odd columns), so BLOCK_KH=64 is a 128-column
+# tile; the reduction block is the dot's K (>= 32 for FP8).
+_DGRAD_SWEEP = [(128, 64, 64, 4, 8), (128, 128, 64, 3, 8), (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)]
+_DGRAD_SWEEP_MMA = [(128, 64, 64, 4, 8), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (128, 64, 64, 3, 8)]
+# wgrad carries the DGE epilogue, which needs more registers: smaller tiles.
+_WGRAD_SWEEP = [(128, 128, 64, 3, 8), (128, 128, 32, 4, 4), (64, 64, 64, 4, 4)]
+_WGRAD_SWEEP_MMA = [(128, 64, 32, 4, 8), (64, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 3, 4)]
+
+_FAMILY: dict[int, str] = {}  # id(config) -> "wgmma" | "mma"
+
+
+def _configs(sweep, sweep_mma, names: tuple[str, str, str]) -> list[triton.Config]:
+    """``triton.Config`` lists of both families; ``_prune`` keeps the device's family."""
     if INTERPRET:
         # The interpreter runs one program at a time in numpy: tuning is pointless and slow,
         # and 64x64 tiles with 32 bytes (64 codes) of K keep the mask paths exercised.
         return [triton.Config({names[0]: 64, names[1]: 64, names[2]: 32, "GROUP": 4}, num_warps=4, num_stages=1)]
-    rows = sweep if AUTOTUNE else sweep[:1]
-    return [triton.Config({names[0]: a, names[1]: b, names[2]: kh, "GROUP": 8}, num_stages=s, num_warps=w)
-            for a, b, kh, s, w in rows]
+    out = []
+    for family, rows in (("wgmma", sweep), ("mma", sweep_mma)):
+        for a, b, kh, s, w in rows:
+            cfg = triton.Config({names[0]: a, names[1]: b, names[2]: kh, "GROUP": 8}, num_stages=s, num_warps=w)
+            _FAMILY[id(cfg)] = family
+            out.append(cfg)
+    return out
 
 
-# How the sweeps were chosen (no GPU was available to time them, see docs/kernels.md):
-# start from the Hopper FP8 tile shapes cuBLAS and the Triton FP8 matmul tutorial use
-# (128x128 / 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny
-# problems), with 64 packed bytes (128 codes) of K per step - two dots of K=64, FP8
-# wgmma's K granularity being 32 - or 32 bytes where the decode's registers are tight.
-# Then every candidate was compiled for sm_90a (triton.compile with a GPUTarget, which
-# needs no GPU) and the ones whose PTX spilled heavily (ptxas stack > ~0.5 KB per thread)
-# were dropped. Each first row is the default used with FP4LIGHTNING_AUTOTUNE=0; it
-# compiles without spills and is cp.async-pipelined.
+def _prune(configs, named_args, **kwargs):
+    """The configs of this GPU's family (all of them, or the default with AUTOTUNE off)."""
+    dev = next(v.device for v in named_args.values() if isinstance(v, torch.Tensor))
+    family = "wgmma" if torch.cuda.get_device_capability(dev) >= (9, 0) else "mma"
+    keep = [c for c in configs if _FAMILY.get(id(c)) == family]
+    return keep if AUTOTUNE else keep[:1]
 
-# Forward: (BLOCK_M, BLOCK_N, BLOCK_KH, stages, warps)
-_FWD_SWEEP = [
-    (128, 128, 64, 4, 8),
-    (128, 256, 64, 3, 8),
-    (128, 256, 32, 4, 8),
-    (64, 128, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-]
-# Backward: (output rows, reduction block, BLOCK_KH, stages, warps). The output tile is
-# rows x 2*BLOCK_KH columns held as two accumulators (even/odd columns), so BLOCK_KH=64
-# is a 128-column tile; the reduction block is the dot's K (>= 32 for FP8).
-_DGRAD_SWEEP = [
-    (128, 64, 64, 4, 8),
-    (128, 128, 64, 3, 8),
-    (64, 64, 64, 4, 4),
-    (128, 128, 32, 4, 4),
-]
-# wgrad carries the DGE epilogue, which needs more registers: no 128-row tiles with a
-# 64-deep reduction (they spilled) and no 256-column tiles.
-_WGRAD_SWEEP = [
-    (128, 128, 64, 3, 8),
-    (128, 128, 32, 4, 4),
-    (64, 64, 64, 4, 4),
-]
+
+_PRUNE = {"early_config_prune": _prune}
 
 
 # --------------------------------------------------------------------------- forward
-@triton.autotune(configs=_configs(_FWD_SWEEP, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT", "HAS_BIAS"])
+@triton.autotune(configs=_configs(_FWD_SWEEP, _FWD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
+                 key=["M", "N", "KH", "DOT", "HAS_BIAS"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_gemm_kernel(
     # pointers
@@ -233,8 +241,8 @@ def _loadable_grad(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
-@triton.autotune(configs=_configs(_DGRAD_SWEEP, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT"])
+@triton.autotune(configs=_configs(_DGRAD_SWEEP, _DGRAD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
+                 key=["M", "N", "KH", "DOT"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_dgrad_kernel(
     # pointers
@@ -319,8 +327,8 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
     return tl.where(a <= 6.0, d, 0.0)  # beyond the grid (and NaN weights): 0
 
 
-@triton.autotune(configs=_configs(_WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT", "HAS_DGE", "HAS_ADDEND"])
+@triton.autotune(configs=_configs(_WGRAD_SWEEP, _WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
+                 key=["M", "N", "KH", "DOT", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_wgrad_kernel(
     # pointers (c_ptr: optional addend, any strides)
