@@ -13,7 +13,8 @@ offline, no download). ``--fp4`` trains the model through ``FP4Precision``'s con
 autocast instead of in fp32; ``--noise`` adds an AdamW run on another batch order, to compare the
 gap with run-to-run noise.
 
-    .venv/bin/python benchmarks/bench_optim.py                 # ~1 min on 2 CPU cores
+    .venv/bin/python benchmarks/bench_optim.py                 # ~4 min on 2 busy CPU cores
+    .venv/bin/python benchmarks/bench_optim.py --seeds 0 1 2 3 --variants adamw fp8 fp8-nearest fp16
     .venv/bin/python benchmarks/bench_optim.py --model tiny --steps 300 --fp4
 """
 from __future__ import annotations
@@ -64,17 +65,26 @@ def lm_loss(model: torch.nn.Module, chunk: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
 
 
+#: optimizer variants: name -> LowPrecisionAdamW keyword arguments (None: torch.optim.AdamW)
+VARIANTS: dict[str, dict | None] = {
+    "adamw": None,
+    "fp8": dict(exp_avg_format="fp8"),
+    "fp8-nearest": dict(exp_avg_format="fp8", stochastic_rounding=False),
+    "fp16": dict(exp_avg_format="fp16"),
+}
+
+
 def run(name: str, init: torch.nn.Module, train: list[torch.Tensor], held_out: list[torch.Tensor],
-        lr: float, fp4: bool, stochastic_rounding: bool = True) -> dict:
+        lr: float, fp4: bool) -> dict:
     model = copy.deepcopy(init)
     plugin = FP4Precision() if fp4 else None
     if plugin is not None:
         plugin.convert_module(model)
-    if name == "adamw":
+    kwargs = VARIANTS[name]
+    if kwargs is None:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     else:
-        opt = LowPrecisionAdamW(model.parameters(), lr=lr, weight_decay=0.1, exp_avg_format=name,
-                                stochastic_rounding=stochastic_rounding)
+        opt = LowPrecisionAdamW(model.parameters(), lr=lr, weight_decay=0.1, **kwargs)
     warmup = max(1, len(train) // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / len(train), 1.0))))
@@ -110,45 +120,56 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every variant per seed")
+    ap.add_argument("--variants", nargs="+", default=["adamw", "fp8", "fp16"],
+                    help=f"optimizers to compare, the first is the reference; choose from {list(VARIANTS)}")
     ap.add_argument("--fp4", action="store_true", help="train through FP4Precision (FP4 GeMMs, bf16 autocast)")
-    ap.add_argument("--noise", action="store_true", help="also run AdamW on another batch order")
-    ap.add_argument("--rounding", default="stochastic", choices=("stochastic", "nearest"),
-                    help="rounding of the FP8 first moment")
+    ap.add_argument("--noise", action="store_true", help="also run the reference on another batch order")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.model not in ("small", "tiny"):
         ap.error(f"--model {args.model!r}: choose 'small' or 'tiny'")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants {unknown}: choose from {list(VARIANTS)}")
 
-    torch.manual_seed(args.seed)
     overrides = dict(vocab_size=256, max_seq_len=args.seq)
     if args.model == "small":
         overrides.update(dim=128, n_layers=2, n_heads=4, ffn_dim=352)
-    init = Llama(llama_config("tiny", **overrides))
     data = load_text(4_000_000)
     split = int(0.95 * len(data))
-    train = batches(data[:split], args.steps, args.batch, args.seq, args.seed + 1)
-    held_out = batches(data[split:], 8, args.batch, args.seq, args.seed + 2)
-    n_params = sum(p.numel() for p in init.parameters())
-    print(f"model {args.model}: {n_params / 1e6:.2f}M params, {args.steps} steps of {args.batch}x{args.seq} bytes, "
-          f"{'FP4 GeMMs + bf16 autocast' if args.fp4 else 'fp32'}, FP8 moment rounding: {args.rounding}")
-
-    sr = args.rounding == "stochastic"
-    results = [run(name, init, train, held_out, args.lr, args.fp4, sr) for name in ("adamw", "fp8", "fp16")]
-    if args.noise:
-        other = batches(data[:split], args.steps, args.batch, args.seq, args.seed + 3)
-        noise = run("adamw", init, other, held_out, args.lr, args.fp4)
-        noise["optimizer"] = "adamw (other batch order)"
-        results.append(noise)
-    ref = results[0]["held_out_loss"]
-    print(f"{'optimizer':<28}{'state B/param':>14}{'held-out loss':>15}{'gap vs AdamW':>14}{'train loss':>12}{'s':>7}")
-    for r in results:
-        r["gap"] = (r["held_out_loss"] - ref) / ref
-        print(f"{r['optimizer']:<28}{r['bytes_per_param']:>14.3f}{r['held_out_loss']:>15.4f}{r['gap']:>+13.2%}"
-              f"{r['train_loss_last20']:>12.4f}{r['seconds']:>7.1f}")
+    ref_name = args.variants[0]
+    all_results = []
+    for seed in args.seeds:
+        torch.manual_seed(seed)
+        init = Llama(llama_config("tiny", **overrides))
+        train = batches(data[:split], args.steps, args.batch, args.seq, seed + 1)
+        held_out = batches(data[split:], 8, args.batch, args.seq, seed + 2)
+        n_params = sum(p.numel() for p in init.parameters())
+        print(f"seed {seed}: model {args.model}, {n_params / 1e6:.2f}M params, {args.steps} steps of "
+              f"{args.batch}x{args.seq} bytes, {'FP4 GeMMs + bf16 autocast' if args.fp4 else 'fp32'}")
+        results = [run(name, init, train, held_out, args.lr, args.fp4) for name in args.variants]
+        if args.noise:
+            other = batches(data[:split], args.steps, args.batch, args.seq, seed + 3)
+            noise = run(ref_name, init, other, held_out, args.lr, args.fp4)
+            noise["optimizer"] = f"{ref_name} (other batch order)"
+            results.append(noise)
+        ref = results[0]["held_out_loss"]
+        print(f"{'optimizer':<28}{'state B/param':>14}{'held-out loss':>15}{'gap':>10}{'train loss':>12}{'s':>7}")
+        for r in results:
+            r["seed"] = seed
+            r["gap"] = (r["held_out_loss"] - ref) / ref
+            print(f"{r['optimizer']:<28}{r['bytes_per_param']:>14.3f}{r['held_out_loss']:>15.4f}{r['gap']:>+9.2%}"
+                  f"{r['train_loss_last20']:>12.4f}{r['seconds']:>7.1f}")
+        all_results += results
+    if len(args.seeds) > 1:
+        print(f"mean held-out gap to {ref_name} over seeds {args.seeds}:")
+        for name in dict.fromkeys(r["optimizer"] for r in all_results):
+            gaps = [r["gap"] for r in all_results if r["optimizer"] == name]
+            print(f"  {name:<28}{sum(gaps) / len(gaps):>+8.2%}  (min {min(gaps):+.2%}, max {max(gaps):+.2%})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "n_params": n_params, "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "results": all_results}, f, indent=1)
 
 
 if __name__ == "__main__":
