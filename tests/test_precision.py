@@ -226,6 +226,31 @@ def test_fp16_clips_unscaled_gradients_at_gradient_clip_val():
     assert delta.item() == pytest.approx(clip, rel=1e-3)
 
 
+def test_fp16_manual_optimization_scales_and_unscales():
+    class Manual(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            loss = nn.functional.cross_entropy(self(x), y)
+            self.losses.append(loss.item())
+            opt.zero_grad()
+            self.manual_backward(loss)
+            self.grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in self.parameters())).item()
+            opt.step()
+
+    model = Manual()
+    plugin = FP4Precision(compute_dtype="fp16")
+    L.Trainer(plugins=[plugin], max_steps=40, **QUIET).fit(model, _data())
+    _assert_fp4_layout(model)
+    _assert_learned(model)
+    # manual_backward went through the scaler: the gradient seen right after it was still scaled
+    assert model.grad_norm > 1e3 and plugin.scaler.skipped_steps == 0
+
+
 def test_loss_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     plugin = FP4Precision(compute_dtype="fp16", scaler=DynamicLossScaler(init_scale=2.0**8, growth_interval=2))
     trainer = L.Trainer(plugins=[plugin], max_steps=5, **QUIET)
