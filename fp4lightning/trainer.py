@@ -91,6 +91,14 @@ def _world_size(accelerator: Any, devices: Any, num_nodes: Any) -> Optional[int]
         return None
 
 
+def _is_fsdp(strategy: Any) -> bool:
+    if isinstance(strategy, str):
+        return strategy.startswith("fsdp")
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(strategy, FSDPStrategy)
+
+
 def _fp4_ddp_strategy(plugin: FP4Precision, strategy_kwargs: dict[str, Any]) -> Optional[Strategy]:
     try:
         from .strategy import FP4DDPStrategy
@@ -132,6 +140,12 @@ class Trainer(pl.Trainer):
         else:
             fp4_plugin = next((p for p in plugin_list if isinstance(p, FP4Precision)), None)
 
+        if fp4_plugin is not None and _is_fsdp(strategy):
+            raise ValueError(
+                "fp4lightning.Trainer: Lightning's FSDP strategy only accepts its own FSDPPrecision plugin, so "
+                "FP4Precision cannot drive it. For FSDP use precision='bf16-mixed' and convert the model in "
+                "LightningModule.configure_model with fp4lightning.convert_to_fp4(model, config) (as "
+                "fp4lightning.train does), or use strategy='ddp' for FP4 with FP8 gradient communication")
         if fp4_plugin is not None and isinstance(strategy, str) and strategy in _DDP_STRATEGIES:
             world = _world_size(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"),
                                 kwargs.get("num_nodes", 1))

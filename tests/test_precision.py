@@ -131,6 +131,8 @@ def test_unknown_precision_lists_the_valid_ones():
         FP4Precision("nope")
     with pytest.raises(ValueError, match="compute_dtype='fp8'"):
         FP4Precision(compute_dtype="fp8")
+    with pytest.raises(ValueError, match="FSDP.*configure_model"):
+        fp4_trainer.Trainer(precision="fp4", strategy="fsdp", **QUIET)
 
 
 def test_fp16_where_autocast_cannot_run_says_so():
