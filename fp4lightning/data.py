@@ -312,11 +312,20 @@ class _ShardWriter:
             self._f = None
 
 
+def _shards_intact(out_dir: Path, meta: dict) -> bool:
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    shards = [s for split in meta["splits"].values() for s in split["shards"]]
+    return (out_dir / meta["tokenizer"]).is_file() and all(
+        (out_dir / s["file"]).is_file() and (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize
+        for s in shards
+    )
+
+
 def prepare(
     source: str = "builtin",
     out_dir: str | Path | None = None,
     vocab_size: int = 4096,
-    val_fraction: float = 0.01,
+    val_fraction: float = 0.02,
     max_tokens: int | None = None,
     tokenizer_train_chars: int = 200_000_000,
     text_key: str = "text",
@@ -346,11 +355,11 @@ def prepare(
     meta_path = out_dir / META_FILE
     if meta_path.is_file() and not force:
         meta = json.loads(meta_path.read_text())
-        if meta.get("args") == args:
+        if meta.get("args") == args and _shards_intact(out_dir, meta):
             _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
                  f"{meta['splits']['val']['tokens']:,} val tokens); nothing to do (--force redoes it)")
             return out_dir
-        _log(f"{out_dir} was prepared with different arguments; preparing again")
+        _log(f"{out_dir} was prepared with different arguments or has missing files; preparing again")
     # reach the source before touching out_dir: downloads, hub access and paths fail here
     next(iter_documents(source, cache_dir, text_key), None)
     out_dir.mkdir(parents=True, exist_ok=True)

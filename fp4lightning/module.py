@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any
 
 import lightning as L
@@ -89,7 +90,10 @@ class LlamaLightningModule(L.LightningModule):
         if self.hparams.fp4 is not None:
             from fp4lightning.convert import convert_to_fp4
 
-            convert_to_fp4(model, fp4_config_from_spec(self.hparams.fp4))
+            with warnings.catch_warnings():
+                # keeping the output head in high precision is the method, not news
+                warnings.filterwarnings("ignore", message=r"convert_to_fp4: keeping lm_head ")
+                convert_to_fp4(model, fp4_config_from_spec(self.hparams.fp4))
         self.model = model
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

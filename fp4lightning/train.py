@@ -27,10 +27,18 @@ import dataclasses
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from fp4lightning.data import TokenDataModule
+from fp4lightning.module import LlamaLightningModule
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
 
 __all__ = ["train", "build", "make_module", "TrainResult", "add_arguments", "run", "plot_losses"]
@@ -66,7 +74,6 @@ def _precision_setup(cfg: RecipeConfig) -> tuple[str, list, dict[str, Any] | Non
 def _strategy(cfg: RecipeConfig):
     if cfg.trainer.strategy != "fsdp":
         return cfg.trainer.strategy
-    import torch
     from lightning.pytorch.strategies import FSDPStrategy
 
     from fp4lightning.models.llama import Block, init_weights_
@@ -102,10 +109,37 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
     return str(path)
 
 
+class LinePrinter(L.Callback):
+    """One line every ``every`` steps, for logs (stdout not a terminal) instead of a progress bar."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.t0 = time.perf_counter()
+
+    def on_train_start(self, trainer, pl_module):
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if not trainer.is_global_zero or step % self.every or (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        m = trainer.callback_metrics
+        parts = [f"step {step}/{trainer.max_steps}"]
+        for key, fmt in (("train/loss", "loss {:.4f}"), ("train/tokens_per_sec", "{:.0f} tok/s"), ("train/lr", "lr {:.2e}")):
+            if key in m:
+                parts.append(fmt.format(float(m[key])))
+        parts.append(f"{time.perf_counter() - self.t0:.0f}s")
+        print("  ".join(parts), flush=True)
+
+    def on_validation_end(self, trainer, pl_module):
+        m = trainer.callback_metrics
+        if trainer.is_global_zero and not trainer.sanity_checking and "val/loss" in m:
+            print(f"step {trainer.global_step}: val loss {float(m['val/loss']):.4f}  ppl {float(m['val/ppl']):.1f}",
+                  flush=True)
+
+
 def make_module(cfg: RecipeConfig, fp4_spec: dict[str, Any] | None, tokenizer_json: str | None = None):
     """The LightningModule for ``cfg`` (the model itself is built later, in ``configure_model``)."""
-    from fp4lightning.module import LlamaLightningModule
-
     return LlamaLightningModule(
         model=dataclasses.asdict(cfg.llama_config()),
         lr=cfg.optimizer.lr,
@@ -128,13 +162,6 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     ``callbacks`` are added to the Trainer's own (tests use this to record losses).
     Raises ``DataNotPreparedError`` naming ``fp4lightning data prepare ...`` if the data is missing.
     """
-    import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    from fp4lightning.data import TokenDataModule
-
     ckpt_path = _resolve_ckpt(cfg, resume)
     out = Path(cfg.out_dir)
     accum = cfg.accumulate_grad_batches
@@ -170,6 +197,9 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
         save_on_exception=True,  # Ctrl-C / SIGTERM leave a resumable checkpoint
     )
+    # Lightning's progress bar on a terminal; plain lines in logs (make, CI, nohup)
+    interactive = sys.stdout.isatty()
+    progress = [] if interactive else [LinePrinter(cfg.trainer.log_every_n_steps)]
     loggers = [
         CSVLogger(save_dir=out / "logs", name="csv"),
         TensorBoardLogger(save_dir=out / "logs", name="tensorboard", default_hp_metric=False),
@@ -189,7 +219,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
-        callbacks=[checkpoint, *(callbacks or [])],
+        callbacks=[checkpoint, *progress, *(callbacks or [])],
+        enable_progress_bar=interactive,
         logger=loggers,
         use_distributed_sampler=False,  # the DataModule shards positions by rank itself
         default_root_dir=out,
@@ -241,8 +272,6 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     Returns the :class:`TrainResult` on rank 0 (None on other ranks). Re-raises the
     ``KeyboardInterrupt`` / ``SystemExit`` of an interrupted run after reporting it.
     """
-    import torch
-
     trainer, module, dm, ckpt_path = build(cfg, resume, callbacks)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:

@@ -110,6 +110,37 @@ def test_interrupt_and_resume_matches_uninterrupted(full_run, corpus, tmp_path, 
         assert resumed[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-6), step
 
 
+class MicroBatchRecorder(L.Callback):
+    """Loss of every micro-batch, keyed by its index in the run; SIGTERM after optimizer step ``stop_at``."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.losses: dict[int, float] = {}
+        self.stop_at = stop_at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[batch_idx] = outputs["loss"].item()
+        at_boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if self.stop_at is not None and at_boundary and trainer.global_step == self.stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_resume_with_gradient_accumulation(corpus, tmp_path):
+    extra = ("data.global_batch_size=8", "schedule.max_steps=8", "trainer.checkpoint_every_n_steps=100")
+    full = MicroBatchRecorder()
+    train(load_recipe(None, tiny_overrides(corpus, tmp_path / "full", *extra)), callbacks=[full])
+    assert sorted(full.losses) == list(range(16))  # 8 steps x 2 micro-batches
+    cfg = load_recipe(None, tiny_overrides(corpus, tmp_path / "cut", *extra))
+    first = MicroBatchRecorder(stop_at=3)
+    with pytest.raises(SystemExit):
+        train(cfg, callbacks=[first])
+    second = MicroBatchRecorder()
+    train(cfg, resume=True, callbacks=[second])
+    assert sorted(first.losses) == list(range(6)) and sorted(second.losses) == list(range(6, 16))
+    resumed = {**first.losses, **second.losses}
+    for i in range(16):
+        assert resumed[i] == pytest.approx(full.losses[i], rel=1e-6, abs=1e-6), i
+
+
 def test_load_checkpoint_and_export_hf(full_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     _, _, out = full_run

@@ -15,7 +15,7 @@ Named configs (``LLAMA_CONFIGS``):
 ========== ====== ======== ======= ========== ===== =======================================
 name        dim   n_layers n_heads n_kv_heads  ffn   params (vocab 32000)
 ========== ====== ======== ======= ========== ===== =======================================
-tiny        256       4       4        4        688   ~5.3M with its 4096-token vocabulary
+tiny        192       4       3        3        512   3.3M with its 4096-token vocabulary
 llama2-1.3b 2048     24      16       16       5504   1.35B (no published LLaMA-2 1.3B: the
                                                       LLaMA-2 recipe at OPT/GPT-3 1.3B width)
 llama2-7b   4096     32      32       32      11008   6.74B (published LLaMA-2 7B)
@@ -40,12 +40,12 @@ class LlamaConfig:
     """Shape of a LLaMA-2 model. ``n_kv_heads=None`` means multi-head attention."""
 
     vocab_size: int = 4096
-    dim: int = 256
+    dim: int = 192
     n_layers: int = 4
-    n_heads: int = 4
+    n_heads: int = 3
     n_kv_heads: int | None = None
     # SwiGLU hidden width; LLaMA uses ~8/3 * dim rounded up to a multiple of 256 (7B: 11008)
-    ffn_dim: int = 688
+    ffn_dim: int = 512
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -81,7 +81,7 @@ class LlamaConfig:
 
 
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, ffn_dim=688, max_seq_len=256),
+    "tiny": LlamaConfig(vocab_size=4096, dim=192, n_layers=4, n_heads=3, ffn_dim=512, max_seq_len=256),
     "llama2-1.3b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=24, n_heads=16, ffn_dim=5504, max_seq_len=2048),
     "llama2-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
     "llama2-13b": LlamaConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, max_seq_len=4096),
