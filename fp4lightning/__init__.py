@@ -2,7 +2,10 @@
 
 Implements "Optimizing Large Language Model Training Using FP4 Quantization"
 (Wang et al., arXiv 2501.17116). The numerics core lives in ``formats``, ``quantize``,
-``dge``, ``occ``, ``ops``, ``linear`` and ``convert``.
+``dge``, ``occ``, ``ops``, ``linear`` and ``convert``; the Lightning side in
+``precision`` (``FP4Precision``), ``trainer`` (``Trainer``), ``strategy``
+(``FP4DDPStrategy``) and ``optim`` (``LowPrecisionAdamW``), imported lazily so that
+``import fp4lightning`` does not pull in Lightning.
 """
 from .config import PRESETS, FP4Config
 from .convert import convert_to_fp4, fp4_modules
@@ -31,4 +34,28 @@ __all__ = [
     "quantize",
     "dequantize",
     "fake_quantize",
+    "FP4Precision",
+    "DynamicLossScaler",
+    "Trainer",
+    "FP4DDPStrategy",
+    "LowPrecisionAdamW",
+    "state_bytes_per_param",
 ]
+
+_LAZY = {
+    "FP4Precision": ".precision",
+    "DynamicLossScaler": ".precision",
+    "Trainer": ".trainer",
+    "FP4DDPStrategy": ".strategy",
+    "LowPrecisionAdamW": ".optim",
+    "state_bytes_per_param": ".optim",
+}
+
+
+def __getattr__(name):
+    # Lightning is imported only when its side of the package is used
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'fp4lightning' has no attribute {name!r}")

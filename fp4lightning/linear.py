@@ -35,8 +35,7 @@ from torch import nn
 
 from . import ops
 from .config import FP4Config
-from .dge import dge_derivative
-from .occ import occ_bounds, occ_clamp
+from .occ import occ_bounds
 
 __all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape"]
 
@@ -67,25 +66,34 @@ class _FP4LinearFn(torch.autograd.Function):
         k = weight.shape[1]
         x2d = x.reshape(-1, k)
         with torch.autocast(x.device.type, enabled=False):
-            # --- OCC: clamp the activation, keep the residual
-            resid = None
+            # --- OCC clamp fused with the activation quantizer; keep the residual
+            resid = r = None
+            per_tensor_a = cfg.act_granularity == "per_tensor"
             if cfg.occ:
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-                xc, r = occ_clamp(x2d, bounds)
+                a_codes, a_scale, a_vals, r = ops.quantize_fp4_clamped(x2d, bounds, cfg.scale_mode, per_tensor_a)
                 if cfg.occ_compensation:
-                    resid = _sparse_residual(r)
+                    resid = _sparse_residual(r)  # what backward keeps: ~2% non-zeros
+                else:
+                    r = None
             else:
-                xc = x2d
-            # --- quantize both operands
-            a_codes, a_scale, a_vals = ops.quantize_fp4(xc, cfg.scale_mode, cfg.act_granularity == "per_tensor")
+                a_codes, a_scale, a_vals = ops.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a)
             w_codes, w_scale, _ = ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor")
-            # --- the FP4 GeMM, then the compensation in high precision
-            y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32 if resid is not None else out_dtype,
-                             bias=bias, a_values=a_vals)
-            if resid is not None:
+            # --- the FP4 GeMM plus the compensation product R Wdq^T
+            if r is not None and a_vals is not None:
+                # Reference path: the GeMM already runs on decoded values, so fold the
+                # residual into the operand, Y = ((A_q + s_a R) W_q^T) / (s_a s_w), one dense
+                # product instead of a sparse one (CPU sparse kernels are as slow as the
+                # dense GeMM). Only the ~2% outlier entries of the operand change, and they
+                # are held in the compute dtype: bf16 under autocast, like nn.Linear.
+                a_vals = a_vals.add_(r.float().mul_(a_scale[:, None]))
+                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals)
+            elif r is not None:
+                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias)
                 w_dq = _dequant_weight(w_codes, w_scale, k, torch.float32)
-                y = y + torch.sparse.mm(resid, w_dq.t()).float()
-                y = y.to(out_dtype)
+                y = y.add_(torch.sparse.mm(resid, w_dq.t())).to(out_dtype)
+            else:
+                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals)
         ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, resid)
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -105,18 +113,14 @@ class _FP4LinearFn(torch.autograd.Function):
                 grad_x = ops.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
             if ctx.needs_input_grad[1]:
                 g2, s_g2 = ops.quantize_fp8(dyf / a_scale[:, None], dim=0, fmt=cfg.grad_format)
-                if resid is None:
-                    grad_w = ops.fp4_wgrad(
-                        g2, s_g2, a_codes, k, torch.float32,
-                        dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
-                        dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp,
-                    )
-                else:
-                    # DGE multiplies the whole dL/dW_q, compensation term included
-                    grad_w = ops.fp4_wgrad(g2, s_g2, a_codes, k, torch.float32)
-                    grad_w = grad_w + torch.sparse.mm(_csr_transpose(resid), dyf).t()
-                    if cfg.dge:
-                        grad_w = grad_w * dge_derivative(weight.float() * w_scale[:, None], cfg.dge_k, cfg.dge_clamp)
+                # OCC compensation's share dY^T R, added before the DGE factor: DGE
+                # multiplies the whole dL/dW_q
+                comp = None if resid is None else torch.sparse.mm(_csr_transpose(resid), dyf).t()
+                grad_w = ops.fp4_wgrad(
+                    g2, s_g2, a_codes, k, torch.float32,
+                    dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
+                    dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp,
+                )
                 grad_w = grad_w.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dyf.sum(0).to(weight.dtype)

@@ -338,8 +338,13 @@ def test_fp4linear_triton_matches_reference(preset, dtype, monkeypatch):
         for name, t, r in (("y", y_t, y_r), ("dx", dx_t, dx_r), ("dw", dw_t, dw_r)):
             assert sqnr(t, r) >= LINEAR_BF16_SQNR_DB, name
         return
-    # same codes, same exact accumulations, same IEEE epilogues
-    assert torch.equal(y_t, y_r)
+    # same codes, same exact accumulations, same IEEE epilogues; with OCC compensation the
+    # reference folds the residual into the GeMM operand while the kernel path adds a
+    # sparse product, so only the rounding order of the outlier terms differs
+    if cfg.occ and cfg.occ_compensation:
+        assert sqnr(y_t, y_r) >= LINEAR_WGRAD_DGE_SQNR_DB
+    else:
+        assert torch.equal(y_t, y_r)
     assert torch.equal(dx_t, dx_r)
     assert torch.equal(db_t, db_r)
     assert sqnr(dw_t, dw_r) >= LINEAR_WGRAD_DGE_SQNR_DB
