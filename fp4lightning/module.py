@@ -5,8 +5,9 @@ peak LR 3e-4, linear warmup over the first 5% of steps, cosine decay to 10% of t
 Gradient clipping is the Trainer's (``gradient_clip_val``).
 
 The model is built in ``configure_model`` so that strategies that shard it (FSDP) can
-build it on the meta device; FP4 conversion happens there too when ``fp4`` is given
-(``{"preset": name, "overrides": {...}}``, see ``fp4lightning.train._precision_setup``).
+build it on the meta device. FP4 conversion is done by the ``FP4Precision`` plugin, or
+here right after building the model where that plugin cannot be used (FSDP); see
+``fp4lightning.train._precision_setup``.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ class LlamaLightningModule(L.LightningModule):
         model: the :class:`LlamaConfig` fields as a dict.
         lr, beta1, beta2, eps, weight_decay: AdamW settings.
         max_steps, warmup_fraction, min_lr_ratio: the warmup + cosine schedule.
-        fp4: ``None`` for a high-precision model, else ``{"preset": ..., "overrides": {...}}``
-            applied with ``convert_to_fp4`` after the model is built.
+        fp4: ``None`` for a high-precision run, else ``{"preset": ..., "overrides": {...}}``
+            (kept in the checkpoint; ``load_checkpoint(fp4=True)`` uses it).
+        fp4_in_module: apply ``fp4`` with ``convert_to_fp4`` right after building the model
+            (FSDP); False when the Trainer's ``FP4Precision`` plugin converts it instead.
         recipe: the resolved recipe (plain dict), kept in the checkpoint's hyperparameters.
         tokenizer_json: the tokenizer, stored in every checkpoint (``checkpoint["tokenizer"]``).
     Batches are ``(B, T + 1)`` int64 token windows.
@@ -67,6 +70,7 @@ class LlamaLightningModule(L.LightningModule):
         warmup_fraction: float = 0.05,
         min_lr_ratio: float = 0.1,
         fp4: dict[str, Any] | None = None,
+        fp4_in_module: bool = True,
         recipe: dict[str, Any] | None = None,
         tokenizer_json: str | None = None,
     ):
@@ -87,7 +91,7 @@ class LlamaLightningModule(L.LightningModule):
         if self.model is not None:
             return
         model = Llama(self.model_config)
-        if self.hparams.fp4 is not None:
+        if self.hparams.fp4 is not None and self.hparams.fp4_in_module:
             from fp4lightning.convert import convert_to_fp4
 
             with warnings.catch_warnings():
@@ -136,8 +140,9 @@ class LlamaLightningModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted mean, synced across ranks
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(loss), sync_dist=False)
+        # already synced by torchmetrics; sync_dist=True only averages equal values (and keeps Lightning quiet)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self):

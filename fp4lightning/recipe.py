@@ -87,7 +87,7 @@ class DataSection:
 
 @dataclass(frozen=True)
 class OptimizerSection:
-    lr: float = 1e-3
+    lr: float = 2e-3
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

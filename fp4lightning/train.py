@@ -38,10 +38,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from fp4lightning.data import TokenDataModule
-from fp4lightning.module import LlamaLightningModule
+from fp4lightning.module import LlamaLightningModule, fp4_config_from_spec
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
+from fp4lightning.trainer import Trainer
 
-__all__ = ["train", "build", "make_module", "TrainResult", "add_arguments", "run", "plot_losses"]
+__all__ = ["train", "build", "make_module", "PrecisionSetup", "TrainResult", "add_arguments", "run", "plot_losses"]
 
 HELP = "pretrain a LLaMA from a recipe YAML"
 LAST_CKPT = "last.ckpt"
@@ -57,18 +58,35 @@ class TrainResult:
     interrupted: bool
 
 
-def _precision_setup(cfg: RecipeConfig) -> tuple[str, list, dict[str, Any] | None]:
-    """How ``trainer.precision`` is realised: (Trainer precision, Trainer plugins, FP4 spec).
+@dataclass(frozen=True)
+class PrecisionSetup:
+    """How ``trainer.precision`` is realised (see :func:`_precision_setup`)."""
 
-    The FP4 spec goes to the LightningModule, whose ``configure_model`` applies
-    ``convert_to_fp4(model, FP4Config.from_preset(...))``; the non-GeMM parts run in
-    bf16 autocast (the paper's mixed precision around the FP4 GeMMs, section 6).
-    This is the one place to change when the ``FP4Precision`` plugin replaces it:
-    return ``(None, [FP4Precision(config)], None)`` instead.
+    trainer_precision: str | None  # Lightning's precision string (None when a plugin decides)
+    plugins: tuple  # Trainer plugins
+    fp4: dict[str, Any] | None  # FP4 spec {"preset", "overrides"}, recorded in checkpoints
+    convert_in_module: bool  # True: LlamaLightningModule.configure_model applies convert_to_fp4
+
+
+def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
+    """The one place that decides how FP4 enters the Trainer.
+
+    * ``fp4`` with ``auto``/``ddp``: :class:`~fp4lightning.precision.FP4Precision` as a Trainer
+      plugin (it converts the linear layers and runs bf16 autocast around them, section 6);
+      ``fp4lightning.Trainer`` adds FP8 gradient communication when there are several devices.
+    * ``fp4`` with ``fsdp``: Lightning's FSDP accepts only its own precision plugin, so the
+      Trainer runs ``bf16-mixed`` and the LightningModule converts the model in
+      ``configure_model`` with ``convert_to_fp4`` (before sharding).
+    * ``bf16-mixed`` / ``32-true``: Lightning's own.
     """
-    if cfg.trainer.precision == "fp4":
-        return "bf16-mixed", [], {"preset": cfg.fp4.preset, "overrides": dict(cfg.fp4.overrides)}
-    return cfg.trainer.precision, [], None
+    if cfg.trainer.precision != "fp4":
+        return PrecisionSetup(cfg.trainer.precision, (), None, False)
+    spec = {"preset": cfg.fp4.preset, "overrides": dict(cfg.fp4.overrides)}
+    if cfg.trainer.strategy == "fsdp":
+        return PrecisionSetup("bf16-mixed", (), spec, True)
+    from fp4lightning.precision import FP4Precision
+
+    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec)),), spec, False)
 
 
 def _strategy(cfg: RecipeConfig):
@@ -138,8 +156,9 @@ class LinePrinter(L.Callback):
                   flush=True)
 
 
-def make_module(cfg: RecipeConfig, fp4_spec: dict[str, Any] | None, tokenizer_json: str | None = None):
+def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, tokenizer_json: str | None = None):
     """The LightningModule for ``cfg`` (the model itself is built later, in ``configure_model``)."""
+    precision = precision or _precision_setup(cfg)
     return LlamaLightningModule(
         model=dataclasses.asdict(cfg.llama_config()),
         lr=cfg.optimizer.lr,
@@ -150,7 +169,8 @@ def make_module(cfg: RecipeConfig, fp4_spec: dict[str, Any] | None, tokenizer_js
         max_steps=cfg.schedule.max_steps,
         warmup_fraction=cfg.schedule.warmup_fraction,
         min_lr_ratio=cfg.schedule.min_lr_ratio,
-        fp4=fp4_spec,
+        fp4=precision.fp4,
+        fp4_in_module=precision.convert_in_module,
         recipe=recipe_to_dict(cfg),
         tokenizer_json=tokenizer_json,
     )
@@ -183,9 +203,9 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
             f"{llama.vocab_size}; set model.vocab_size={dm.tokenizer.vocab_size} or prepare the data with "
             f"--vocab-size {llama.vocab_size}"
         )
-    precision, plugins, fp4_spec = _precision_setup(cfg)
+    precision = _precision_setup(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = make_module(cfg, fp4_spec, tokenizer_json=dm.tokenizer.to_str())
+    module = make_module(cfg, precision, tokenizer_json=dm.tokenizer.to_str())
     checkpoint = ModelCheckpoint(
         dirpath=out / "checkpoints",
         filename="step={step:06d}",
@@ -204,13 +224,13 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         CSVLogger(save_dir=out / "logs", name="csv"),
         TensorBoardLogger(save_dir=out / "logs", name="tensorboard", default_hp_metric=False),
     ]
-    trainer = L.Trainer(
+    trainer = Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
         num_nodes=cfg.trainer.num_nodes,
         strategy=_strategy(cfg),
-        precision=precision,
-        plugins=plugins or None,
+        precision=precision.trainer_precision,
+        plugins=list(precision.plugins) or None,
         max_steps=cfg.schedule.max_steps,
         gradient_clip_val=cfg.optimizer.grad_clip or None,
         accumulate_grad_batches=accum,

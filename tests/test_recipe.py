@@ -91,10 +91,14 @@ def test_paper_recipes_build_on_meta_device(name):
     assert cfg.trainer.strategy == ("ddp" if name == "llama2-1.3b" else "fsdp")
     assert cfg.accumulate_grad_batches == PAPER[name]
     # the LightningModule builds (and FP4-converts) the model on the meta device: no memory
-    precision, _, fp4_spec = _precision_setup(cfg)
-    module = make_module(cfg, fp4_spec)
+    precision = _precision_setup(cfg)
+    module = make_module(cfg, precision)
+    if not precision.convert_in_module:  # DDP: the FP4Precision plugin converts the model
+        (plugin,) = precision.plugins
     with torch.device("meta"):
         module.configure_model()
+        if not precision.convert_in_module:
+            plugin.convert_module(module.model)
     params = list(module.model.parameters())
     assert all(p.is_meta for p in params)
     assert sum(p.numel() for p in params) == cfg.llama_config().num_params()
@@ -108,10 +112,10 @@ def test_paper_recipes_build_on_meta_device(name):
 def test_overrides_win_over_the_file(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("name: mine\nschedule:\n  max_steps: 7\nfp4:\n  preset: fp4-no-occ\n")
-    cfg = load_recipe(f, ["schedule.max_steps=9", "fp4.overrides.occ_alpha=0.999", "model.n_kv_heads=2"])
+    cfg = load_recipe(f, ["schedule.max_steps=9", "fp4.overrides.occ_alpha=0.999", "model.n_kv_heads=1"])
     assert (cfg.name, cfg.out_dir, cfg.schedule.max_steps) == ("mine", "runs/mine", 9)
     assert cfg.fp4.preset == "fp4-no-occ" and cfg.fp4.overrides == {"occ_alpha": 0.999}
-    assert cfg.llama_config().kv_heads == 2
+    assert cfg.llama_config().kv_heads == 1
 
 
 @pytest.mark.parametrize(

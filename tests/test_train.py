@@ -48,6 +48,11 @@ class LossRecorder(L.Callback):
         self.losses: dict[int, float] = {}
         self.stop_at, self.sig = stop_at, sig
 
+    def on_train_start(self, trainer, pl_module):
+        from fp4lightning.convert import fp4_modules
+
+        self.fp4_layers = fp4_modules(pl_module.model)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = outputs["loss"].item()
         if self.stop_at is not None and trainer.global_step == self.stop_at:
@@ -65,6 +70,8 @@ def full_run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     rec = LossRecorder()
     result = train(load_recipe(None, tiny_overrides(corpus, out)), callbacks=[rec])
+    # it trained in FP4: every linear layer but the output head
+    assert len(rec.fp4_layers) == 7 * 2 and "lm_head" not in rec.fp4_layers
     return result, rec.losses, out
 
 
