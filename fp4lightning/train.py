@@ -295,7 +295,10 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     trainer, module, dm, ckpt_path = build(cfg, resume, callbacks)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:
+        llama = cfg.llama_config()
         print(f"resolved recipe:\n{recipe_to_yaml(cfg)}", flush=True)
+        print(f"model: {llama} = {llama.num_params() / 1e6:.1f}M parameters; "
+              f"gradient accumulation {cfg.accumulate_grad_batches}", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(recipe_to_yaml(cfg))
         shutil.copyfile(dm.data.dir / "tokenizer.json", out / "tokenizer.json")
