@@ -109,11 +109,20 @@ def default_data_dir(source: str) -> Path:
     return Path("data") / Path(source).stem
 
 
-def prepare_command(source: str, out_dir: str | Path, vocab_size: int | None = None) -> str:
-    """The shell command that prepares ``out_dir`` (used in error messages)."""
+def prepare_command(
+    source: str,
+    out_dir: str | Path,
+    vocab_size: int | None = None,
+    val_fraction: float | None = None,
+    max_tokens: int | None = None,
+    text_key: str | None = None,
+) -> str:
+    """The shell command that prepares ``out_dir`` (used in error messages); defaults are left out."""
     cmd = f"fp4lightning data prepare --source {source} --out {out_dir}"
-    if vocab_size is not None:
-        cmd += f" --vocab-size {vocab_size}"
+    for flag, value, default in (("--vocab-size", vocab_size, None), ("--val-fraction", val_fraction, 0.02),
+                                 ("--max-tokens", max_tokens, None), ("--text-key", text_key, "text")):
+        if value is not None and value != default:
+            cmd += f" {flag} {value}"
     return cmd
 
 
@@ -440,16 +449,19 @@ def prepare(
 
 # ----------------------------------------------------------------------------- reading
 class PreparedData:
-    """A prepared data directory: ``tokenizer``, ``meta`` and memory-mapped ``shards(split)``."""
+    """A prepared data directory: ``tokenizer``, ``meta`` and memory-mapped ``shards(split)``.
 
-    def __init__(self, data_dir: str | Path, source: str | None = None, vocab_size: int | None = None):
+    A missing directory raises :class:`DataNotPreparedError` showing ``prepare_hint`` (the
+    command that prepares it; default: the builtin corpus).
+    """
+
+    def __init__(self, data_dir: str | Path, prepare_hint: str | None = None):
         self.dir = Path(data_dir)
         meta_path = self.dir / META_FILE
         if not meta_path.is_file():
-            src = source or "builtin"
             raise DataNotPreparedError(
                 f"no prepared data in {self.dir} ({META_FILE} missing). Prepare it first with:\n"
-                f"  {prepare_command(src, self.dir, vocab_size)}"
+                f"  {prepare_hint or prepare_command('builtin', self.dir)}"
             )
         self.meta = json.loads(meta_path.read_text())
         self.tokenizer = Tokenizer.from_file(self.dir / self.meta["tokenizer"])
@@ -603,8 +615,8 @@ class TokenDataModule(L.LightningDataModule):
 
     ``train_batches`` is the number of micro-batches each rank trains on (max_steps x
     gradient accumulation): the train loader is exactly that long, one epoch per run.
-    Raises :class:`DataNotPreparedError` (naming the prepare command) if ``data_dir`` is not
-    prepared; ``source`` and ``vocab_size`` only make that command exact.
+    Raises :class:`DataNotPreparedError` (naming the prepare command, ``prepare_hint``) if
+    ``data_dir`` is not prepared.
     """
 
     def __init__(
@@ -616,11 +628,10 @@ class TokenDataModule(L.LightningDataModule):
         val_batches: int = 8,
         seed: int = 1234,
         num_workers: int = 0,
-        source: str | None = None,
-        vocab_size: int | None = None,
+        prepare_hint: str | None = None,
     ):
         super().__init__()
-        self.data = PreparedData(data_dir, source, vocab_size)
+        self.data = PreparedData(data_dir, prepare_hint)
         self.tokenizer = self.data.tokenizer
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.train_batches, self.val_batches = train_batches, val_batches

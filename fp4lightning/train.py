@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from fp4lightning.data import TokenDataModule
+from fp4lightning.data import TokenDataModule, prepare_command
 from fp4lightning.module import LlamaLightningModule, fp4_config_from_spec
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
 from fp4lightning.trainer import Trainer
@@ -194,8 +194,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         val_batches=cfg.data.val_batches,
         seed=cfg.seed,
         num_workers=cfg.data.num_workers,
-        source=cfg.data.source,
-        vocab_size=cfg.data.vocab_size,
+        prepare_hint=prepare_command(cfg.data.source, cfg.data.dir, cfg.data.vocab_size, cfg.data.val_fraction,
+                                     cfg.data.max_tokens, cfg.data.text_key),
     )
     if dm.tokenizer.vocab_size > llama.vocab_size:
         raise RecipeError(

@@ -198,6 +198,11 @@ def test_cli_bad_input(corpus, tmp_path, capsys):
     assert cli_main(["train", f"data.dir={tmp_path / 'no_data'}", f"out_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert f"fp4lightning data prepare --source builtin --out {tmp_path / 'no_data'}" in err
+    # ... with the recipe's own data settings, so the prepared folder matches the recipe
+    assert cli_main(["train", str(Path(__file__).parents[1] / "recipes" / "llama2-7b.yaml"),
+                     f"data.dir={tmp_path / 'dclm'}"]) == 2
+    assert (f"fp4lightning data prepare --source hf:mlfoundations/dclm-baseline-1.0 --out {tmp_path / 'dclm'} "
+            "--vocab-size 32000 --val-fraction 0.0005 --max-tokens 100000000000") in capsys.readouterr().err
     # --resume without a checkpoint
     assert cli_main(["train", *tiny_overrides(corpus, tmp_path / "fresh"), "--resume"]) == 2
     assert "last.ckpt does not exist" in capsys.readouterr().err
