@@ -367,6 +367,7 @@ def prepare(
         if meta.get("args") == args and _shards_intact(out_dir, meta):
             _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
                  f"{meta['splits']['val']['tokens']:,} val tokens); nothing to do (--force redoes it)")
+            _build_eval_tasks(out_dir)
             return out_dir
         _log(f"{out_dir} was prepared with different arguments or has missing files; preparing again")
     # reach the source before touching out_dir: downloads, hub access and paths fail here
@@ -444,7 +445,15 @@ def prepare(
     _log(f"done in {time.perf_counter() - t0:.1f}s: {n_docs:,} documents, {n_chars / 1e6:.1f}M characters -> "
          f"{writers['train'].total:,} train / {writers['val'].total:,} val tokens "
          f"({n_chars / max(1, writers['train'].total + writers['val'].total):.2f} chars/token) in {out_dir}")
+    _build_eval_tasks(out_dir)
     return out_dir
+
+
+def _build_eval_tasks(out_dir: Path) -> None:
+    """The offline zero-shot tasks built from the held-out split (docs/evaluation.md)."""
+    from fp4lightning.eval.tasks import build_offline_tasks
+
+    build_offline_tasks(out_dir, strict=False)  # too little held-out text warns, not fails
 
 
 # ----------------------------------------------------------------------------- reading
