@@ -20,6 +20,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("train", "fp4lightning.train"),
     ("export-hf", "fp4lightning.models.hf"),
     ("eval", "fp4lightning.eval.run"),
+    ("compare", "fp4lightning.compare"),
 ]
 
 
