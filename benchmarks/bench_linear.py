@@ -22,6 +22,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning import FP4Config, FP4Linear  # noqa: E402
+from fp4lightning.analysis import saved_tensor_bytes  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 
 DEFAULT_SHAPES = "2048x1024x2816,2048x2816x1024,2048x2048x2048"
@@ -46,20 +47,10 @@ def _time(fn, dev, iters, warmup=2):
 
 
 def saved_bytes(module, x, dev):
-    params = {p.data_ptr() for p in module.parameters()}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        parts = (t.crow_indices(), t.col_indices(), t.values()) if t.layout == torch.sparse_csr else (t,)
-        for p in parts:
-            if p.data_ptr() not in params:
-                total += p.numel() * p.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(dev.type, dtype=torch.bfloat16):
-        module(x)
-    return total
+    def run():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            module(x)
+    return saved_tensor_bytes(module, run)
 
 
 def bench_shape(m, k, n, dev, iters):

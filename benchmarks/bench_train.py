@@ -24,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning import FP4Config, LowPrecisionAdamW, convert_to_fp4  # noqa: E402
+from fp4lightning.analysis import saved_tensor_bytes  # noqa: E402
 from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
 from fp4lightning.optim import state_bytes_per_param  # noqa: E402
 
@@ -40,21 +41,11 @@ def _batch(vocab, b, t, dev):
 
 
 def _saved_bytes(model, x, dev):
-    params = {p.data_ptr() for p in model.parameters()}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        parts = (t.crow_indices(), t.col_indices(), t.values()) if t.layout == torch.sparse_csr else (t,)
-        for p in parts:
-            if p.data_ptr() not in params:
-                total += p.numel() * p.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(dev.type, dtype=torch.bfloat16):
-        logits = model(x[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-    return total
+    def run():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = model(x[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+    return saved_tensor_bytes(model, run)
 
 
 def main():

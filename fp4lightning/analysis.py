@@ -20,7 +20,7 @@ from .linear import FP4Linear
 from .occ import occ_bounds, occ_clamp
 from .quantize import fake_quantize
 
-__all__ = ["capture_linear_inputs", "occ_fidelity", "occ_fidelity_report", "format_occ_table"]
+__all__ = ["capture_linear_inputs", "occ_fidelity", "occ_fidelity_report", "format_occ_table", "saved_tensor_bytes"]
 
 #: (label, alpha or None, compensate) rows of the report, in the paper's order
 VARIANTS = (
@@ -110,3 +110,25 @@ def format_occ_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['variant']} | {100 * r['cosine']:.2f}% | {r['mse']:.4g} | {r['snr_db']:.2f} |")
     return "\n".join(lines)
+
+
+def saved_tensor_bytes(module: nn.Module, run) -> int:
+    """Bytes autograd saves for backward while ``run()`` executes, parameters excluded.
+
+    Parameters are referenced, not copied, by autograd, so they are not counted; sparse
+    CSR tensors (OCC's residual) count their three buffers.
+    """
+    params = {p.data_ptr() for p in module.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        parts = (t.crow_indices(), t.col_indices(), t.values()) if t.layout == torch.sparse_csr else (t,)
+        for p in parts:
+            if p.data_ptr() not in params:
+                total += p.numel() * p.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total

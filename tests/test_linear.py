@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Config, FP4Linear
+from fp4lightning.analysis import saved_tensor_bytes
 from fp4lightning.dge import dge_derivative
 from fp4lightning.occ import occ_bounds, occ_clamp
 from fp4lightning.ops import quantize_fp8_reference
@@ -109,24 +110,10 @@ def test_autocast_dtypes_follow_nn_linear():
 
 
 def _saved_bytes(module, x):
-    params = {p.data_ptr() for p in module.parameters()}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        if t.layout == torch.sparse_csr:
-            parts = (t.crow_indices(), t.col_indices(), t.values())
-        else:
-            parts = (t,)
-        for p in parts:
-            if p.data_ptr() not in params:  # parameters are referenced, not copied
-                total += p.numel() * p.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def run():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             module(x)
-    return total
+    return saved_tensor_bytes(module, run)
 
 
 def test_saves_quantized_activation_not_input():
