@@ -28,6 +28,7 @@ __all__ = [
     "decode_e2m1",
     "pack_fp4",
     "unpack_fp4",
+    "decode_packed_fp4",
     "cast_to_fp8",
 ]
 
@@ -124,7 +125,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
     Element ``2j`` goes to the low nibble of byte ``j``, element ``2j+1`` to the high
     nibble. An odd last dimension is padded with a zero code, so ``unpack_fp4``
-    needs the original length back.
+    needs the original length back. Codes must be < 16.
     """
     if codes.dtype != torch.uint8:
         raise TypeError(f"pack_fp4 expects uint8 codes, got {codes.dtype}")
@@ -132,7 +133,8 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     if k % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
     pairs = codes.reshape(*codes.shape[:-1], -1, 2)
-    return (pairs[..., 0] & 0xF) | (pairs[..., 1] << 4)
+    # one fused-ish pass: lo + 16 * hi (no & needed: codes are 4-bit)
+    return torch.add(pairs[..., 0], pairs[..., 1], alpha=16)
 
 
 def unpack_fp4(packed: torch.Tensor, k: int | None = None) -> torch.Tensor:
@@ -146,6 +148,27 @@ def unpack_fp4(packed: torch.Tensor, k: int | None = None) -> torch.Tensor:
         raise ValueError(f"unpack_fp4: {packed.shape[-1]} bytes hold {full - 1} or {full} codes, not k={k}")
     out = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], full)
     return out[..., :k] if k != full else out
+
+
+def decode_packed_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``decode_e2m1(unpack_fp4(packed, k), dtype)`` in one table look-up per byte.
+
+    A 256 x 2 table maps each byte to its two values, so decoding is one gather
+    instead of an unpack (several integer passes) and a gather.
+    """
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"decode_packed_fp4 expects uint8 bytes, got {packed.dtype}")
+    key = (packed.device, dtype, "pairs")
+    if key not in _LUT_CACHE:
+        lut = _lut(packed.device, torch.float32)
+        b = torch.arange(256, device=packed.device)
+        _LUT_CACHE[key] = torch.stack((lut[b & 0xF], lut[b >> 4]), dim=1).to(dtype)  # (256, 2)
+    pairs = torch.index_select(_LUT_CACHE[key], 0, packed.reshape(-1).int())
+    out = pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    full = out.shape[-1]
+    if not (full - 1 <= k <= full):
+        raise ValueError(f"decode_packed_fp4: {packed.shape[-1]} bytes hold {full - 1} or {full} codes, not k={k}")
+    return out if k == full else out[..., :k]
 
 
 def cast_to_fp8(x: torch.Tensor, fmt: str = "e5m2") -> torch.Tensor:

@@ -78,7 +78,7 @@ class _FP4LinearFn(torch.autograd.Function):
                     r = None
             else:
                 a_codes, a_scale, a_vals = ops.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a)
-            w_codes, w_scale, _ = ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor")
+            w_codes, w_scale, w_vals = ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor")
             # --- the FP4 GeMM plus the compensation product R Wdq^T
             if r is not None and a_vals is not None:
                 # Reference path: the GeMM already runs on decoded values, so fold the
@@ -87,13 +87,15 @@ class _FP4LinearFn(torch.autograd.Function):
                 # dense GeMM). Only the ~2% outlier entries of the operand change, and they
                 # are held in the compute dtype: bf16 under autocast, like nn.Linear.
                 a_vals = a_vals.add_(r.float().mul_(a_scale[:, None]))
-                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals)
+                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
+                                 w_values=w_vals)
             elif r is not None:
                 y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias)
                 w_dq = _dequant_weight(w_codes, w_scale, k, torch.float32)
                 y = y.add_(torch.sparse.mm(resid, w_dq.t())).to(out_dtype)
             else:
-                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals)
+                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
+                                 w_values=w_vals)
         ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, resid)
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -163,7 +165,7 @@ def _csr_transpose(a: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant_weight(w_codes: torch.Tensor, w_scale: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    vals = ops.decode_e2m1(ops.unpack_fp4(w_codes, k), torch.float32)
+    vals = ops.decode_packed_fp4(w_codes, k, torch.float32)
     return (vals / w_scale[:, None]).to(dtype)
 
 

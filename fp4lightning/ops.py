@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from .formats import F8E4M3_MAX, F8E5M2_MAX, cast_to_fp8, decode_e2m1, unpack_fp4
+from .formats import F8E4M3_MAX, F8E5M2_MAX, cast_to_fp8, decode_e2m1, decode_packed_fp4, unpack_fp4
 from .occ import occ_clamp
 from .quantize import AMAX_EPS, quantize_rows
 
@@ -138,11 +138,14 @@ def quantize_fp8_reference(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
     if fmax is None:
         raise ValueError(f"unknown gradient format {fmt!r}; choose one of {GRAD_FORMATS}")
     xf = x2d.float()
-    amax = xf.abs().amax(dim=dim)
+    amax = torch.linalg.vector_norm(xf, float("inf"), dim=dim)  # one pass, NaN propagates
     scale = fmax / amax.clamp(min=AMAX_EPS)
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    finite = torch.isfinite(amax)
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     scaled = xf * (scale[:, None] if dim == 1 else scale[None, :])
-    return cast_to_fp8(torch.nan_to_num(scaled, nan=0.0), fmt), scale
+    if not bool(finite.all()):  # only non-finite rows/columns produce NaN here
+        scaled = torch.nan_to_num(scaled, nan=0.0)
+    return cast_to_fp8(scaled, fmt), scale
 
 
 def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
@@ -155,7 +158,7 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 # --------------------------------------------------------------------------- GeMMs (reference)
 def _fp4_values(packed: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    return decode_e2m1(unpack_fp4(packed, k), dtype)
+    return decode_packed_fp4(packed, k, dtype)
 
 
 def fp4_gemm_reference(
@@ -167,14 +170,16 @@ def fp4_gemm_reference(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
     a_values: torch.Tensor | None = None,
+    w_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Y = (A_q W_q^T) / (s_a s_w^T) + bias`` on E2M1 values in ``out_dtype``'s compute dtype.
 
-    ``a_values`` (the decoded A_q, when the caller still has it) skips one unpack.
+    ``a_values`` / ``w_values`` (the decoded operands, when the caller still has them)
+    skip a decode of the packed codes.
     """
     cd = _compute_dtype(out_dtype, a_packed.device)
     a = a_values.to(cd) if a_values is not None else _fp4_values(a_packed, k, cd)
-    w = _fp4_values(w_packed, k, cd)
+    w = w_values.to(cd) if w_values is not None else _fp4_values(w_packed, k, cd)
     y = (a @ w.t()).float()
     y.div_(a_scale[:, None]).div_(w_scale[None, :])  # in place: the output is the big tensor
     if bias is not None:
@@ -222,10 +227,11 @@ def fp4_wgrad_reference(
 
 
 # --------------------------------------------------------------------------- GeMMs (dispatch)
-def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, a_values=None):
+def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, a_values=None,
+             w_values=None):
     if backend_for(a_packed.device) == "triton":
         return _triton_kernels().fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
-    return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values)
+    return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values, w_values)
 
 
 def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):

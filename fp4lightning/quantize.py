@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from .formats import E2M1_MAX, _magnitude_index, decode_e2m1, pack_fp4, unpack_fp4
+from .formats import E2M1_MAX, _magnitude_index, decode_e2m1, decode_packed_fp4, pack_fp4, unpack_fp4
 
 __all__ = [
     "Granularity",
@@ -150,7 +150,7 @@ def quantize(
 
 def dequantize(q: QuantizedFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``decode(codes) / scale`` in fp32, cast to ``dtype``, with the original shape."""
-    vals = decode_e2m1(q.unpacked_codes(), torch.float32)
+    vals = decode_packed_fp4(q.codes, q.k) if q.packed else decode_e2m1(q.codes, torch.float32)
     return (vals / q.scale[:, None]).to(dtype).reshape(q.shape)
 
 

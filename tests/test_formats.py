@@ -10,6 +10,7 @@ from fp4lightning.formats import (
     E2M1_VALUES,
     cast_to_fp8,
     decode_e2m1,
+    decode_packed_fp4,
     encode_e2m1,
     pack_fp4,
     round_to_e2m1,
@@ -112,3 +113,11 @@ def test_round_is_nearest_on_random_values():
     r = round_to_e2m1(x)
     best = (x[:, None] - grid[None, :]).abs().min(dim=1).values
     assert torch.equal((x - r).abs(), best)
+
+
+@pytest.mark.parametrize("k", [1, 6, 33])
+def test_decode_packed_equals_unpack_then_decode(k):
+    codes = torch.randint(0, 16, (4, k), dtype=torch.uint8)
+    packed = pack_fp4(codes)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(decode_packed_fp4(packed, k, dtype), decode_e2m1(unpack_fp4(packed, k), dtype))
