@@ -45,13 +45,20 @@ def test_sqnr_against_float64_per_granularity():
     assert per_row > pow2  # float scales use the grid fully
 
 
+def _median_row_sqnr(q: torch.Tensor, x: torch.Tensor) -> float:
+    err = (q - x).double().pow(2).sum(1).clamp_min(1e-300)
+    return (10 * torch.log10(x.double().pow(2).sum(1) / err)).median().item()
+
+
 def test_per_token_beats_per_tensor_on_heavy_tails():
     # token norms vary by orders of magnitude in real activations; a shared scale
-    # flushes the quiet tokens to zero
+    # flushes the quiet tokens to zero. Judged per token (median row SQNR): a pooled
+    # SQNR is dominated by the loud tokens, which a shared scale serves well.
+    # Measured gap over 40 seeds: 10.6-10.9 dB.
     x = heavy_tailed(256, 512) * torch.exp(1.5 * torch.randn(256, 1))
-    tok = sqnr(fake_quantize(x, "per_token"), x)
-    ten = sqnr(fake_quantize(x, "per_tensor"), x)
-    assert tok > ten + 3.0, (tok, ten)
+    tok = _median_row_sqnr(fake_quantize(x, "per_token"), x)
+    ten = _median_row_sqnr(fake_quantize(x, "per_tensor"), x)
+    assert tok > ten + 6.0, (tok, ten)
 
 
 def test_zero_rows_and_leading_dims():
