@@ -40,3 +40,12 @@ def pytest_runtest_makereport(item, call):
         for k, v in item.user_properties:
             if k == "seed":
                 print(f"\n[fp4lightning] rerun with FP4_TEST_SEED={v} to reproduce")
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors on a shared 2-core machine: extra intra-op threads only add spin-waiting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -29,13 +29,7 @@ TRAJ_MAX_GAP = 0.03
 MAX_BYTES_PER_PARAM = 3.01
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # small tensors on a shared 2-core machine: extra intra-op threads only add spin-waiting
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:

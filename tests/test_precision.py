@@ -24,13 +24,7 @@ QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_
 LOSS_DROP = 0.55
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # small tensors on a shared 2-core machine: extra intra-op threads only add spin-waiting
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(autouse=True)
