@@ -61,7 +61,8 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _FP4LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: FP4Config):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: FP4Config,
+                w_quant: tuple | None = None):
         out_dtype = _out_dtype(x)
         k = weight.shape[1]
         x2d = x.reshape(-1, k)
@@ -78,7 +79,7 @@ class _FP4LinearFn(torch.autograd.Function):
                     r = None
             else:
                 a_codes, a_scale, a_vals = ops.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a)
-            w_codes, w_scale, w_vals = ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor")
+            w_codes, w_scale, w_vals = w_quant if w_quant is not None else _quantize_weight(weight, cfg)
             # --- the FP4 GeMM plus the compensation product R Wdq^T
             if r is not None and a_vals is not None:
                 # Reference path: the GeMM already runs on decoded values, so fold the
@@ -126,7 +127,12 @@ class _FP4LinearFn(torch.autograd.Function):
                 grad_w = grad_w.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dyf.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _quantize_weight(weight: torch.Tensor, cfg: FP4Config):
+    """(packed codes, per-channel scales, decoded values or None) of the weight."""
+    return ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor")
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
@@ -170,7 +176,7 @@ def _dequant_weight(w_codes: torch.Tensor, w_scale: torch.Tensor, k: int, dtype:
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               config: FP4Config | None = None) -> torch.Tensor:
+               config: FP4Config | None = None, w_quant: tuple | None = None) -> torch.Tensor:
     """Functional form of ``FP4Linear`` (``F.linear`` with FP4 GeMMs)."""
     cfg = config or FP4Config()
     if not x.is_floating_point():
@@ -182,7 +188,7 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         )
     if x.numel() == 0:
         return torch.nn.functional.linear(x, weight, bias)
-    return _FP4LinearFn.apply(x, weight, bias, cfg)
+    return _FP4LinearFn.apply(x, weight, bias, cfg, w_quant)
 
 
 class FP4Linear(nn.Linear):
@@ -212,8 +218,26 @@ class FP4Linear(nn.Linear):
         new.train(linear.training)
         return new
 
+    def _weight_quant(self):
+        """The quantized weight, re-quantized only when the weight changed.
+
+        Gradient accumulation and evaluation run many forwards between optimizer steps;
+        every in-place update of the weight bumps its ``_version``, which invalidates this.
+        """
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device, self.config.scale_mode, self.config.weight_granularity)
+        cache = getattr(self, "_wq_cache", None)
+        if cache is None or cache[0] != key:
+            codes, scale, _ = _quantize_weight(w, self.config)
+            # keep only the packed codes (half a byte per weight), not decoded values
+            cache = (key, (codes, scale, None))
+            self._wq_cache = cache
+        return cache[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp4_linear(x, self.weight, self.bias, self.config)
+        if self.weight.is_meta:
+            return fp4_linear(x, self.weight, self.bias, self.config)
+        return fp4_linear(x, self.weight, self.bias, self.config, self._weight_quant())
 
     def extra_repr(self) -> str:
         c = self.config

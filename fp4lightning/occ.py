@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["occ_bounds", "occ_clamp", "residual_to_sparse", "QUANTILE_METHODS"]
+__all__ = ["occ_bounds", "occ_clamp", "QUANTILE_METHODS"]
 
 QUANTILE_METHODS = ("sample", "exact")
 DEFAULT_SAMPLE_SIZE = 65536
@@ -92,10 +92,3 @@ def occ_clamp(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torc
     hi = bounds[1].to(x.dtype)
     xc = torch.clamp(x, lo, hi)
     return xc, x - xc
-
-
-def residual_to_sparse(residual: torch.Tensor) -> torch.Tensor:
-    """2-D dense residual -> CSR with int32 indices (about 2% non-zeros at alpha=0.99)."""
-    return residual.to_sparse_csr().to_sparse_csr() if residual.dim() == 2 else residual.reshape(
-        -1, residual.shape[-1]
-    ).to_sparse_csr()

@@ -144,3 +144,21 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="floating point"):
         layer(torch.ones(4, 32, dtype=torch.int64))
     assert layer(torch.randn(0, 32)).shape == (0, 16)
+
+
+def test_weight_quantization_cached_until_the_weight_changes():
+    layer = FP4Linear(64, 32, config=FP4Config(occ=False))
+    x = torch.randn(8, 64)
+    first = layer._weight_quant()
+    assert layer._weight_quant() is first  # unchanged weight: no re-quantization
+    y0 = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # in-place update (what optimizers do) bumps _version
+    second = layer._weight_quant()
+    assert second is not first
+    torch.testing.assert_close(second[1], first[1] / 2)  # scales follow the new weight
+    torch.testing.assert_close(layer(x) - layer.bias, 2 * (y0 - layer.bias), rtol=1e-5, atol=1e-5)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(x).sum().backward()
+    opt.step()
+    assert layer._weight_quant() is not second
