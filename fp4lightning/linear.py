@@ -24,7 +24,10 @@ an ordinary Linear.
 
 Dtypes follow ``nn.Linear`` under autocast: with autocast on, the output has the
 autocast dtype; otherwise the input's dtype. Non-finite input rows produce NaN
-output rows (NaN in, NaN out) so that loss scaling can see them.
+output rows (NaN in, NaN out) so that loss scaling can see them. Unlike ``nn.Linear``,
+one non-finite value in A makes the *whole* weight gradient NaN, not one column: its
+row's NaN scale enters every column of the per-column FP8 scaling of ``dY / s_a``. Loss
+scaling and the non-finite step check skip such a step either way.
 """
 from __future__ import annotations
 
@@ -218,26 +221,11 @@ class FP4Linear(nn.Linear):
         new.train(linear.training)
         return new
 
-    def _weight_quant(self):
-        """The quantized weight, re-quantized only when the weight changed.
-
-        Gradient accumulation and evaluation run many forwards between optimizer steps;
-        every in-place update of the weight bumps its ``_version``, which invalidates this.
-        """
-        w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device, self.config.scale_mode, self.config.weight_granularity)
-        cache = getattr(self, "_wq_cache", None)
-        if cache is None or cache[0] != key:
-            codes, scale, _ = _quantize_weight(w, self.config)
-            # keep only the packed codes (half a byte per weight), not decoded values
-            cache = (key, (codes, scale, None))
-            self._wq_cache = cache
-        return cache[1]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_meta:
-            return fp4_linear(x, self.weight, self.bias, self.config)
-        return fp4_linear(x, self.weight, self.bias, self.config, self._weight_quant())
+        # The weight is re-quantized on every call, never cached: no cache key sees every
+        # update path (fused AdamW and ``.data`` edits do not bump ``weight._version``), and
+        # a stale weight would silently train the wrong model.
+        return fp4_linear(x, self.weight, self.bias, self.config)
 
     def extra_repr(self) -> str:
         c = self.config

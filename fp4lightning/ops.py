@@ -29,7 +29,7 @@ import torch
 
 from .formats import F8E4M3_MAX, F8E5M2_MAX, cast_to_fp8, decode_e2m1, decode_packed_fp4, unpack_fp4
 from .occ import occ_clamp
-from .quantize import AMAX_EPS, quantize_rows
+from .quantize import quantize_rows
 
 __all__ = [
     "backend_for",
@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "triton")
+#: amax floor of the FP8 scales, 2^-110: ``fmax / amax`` stays finite in fp32 for E5M2
+#: (57344 * 2^110 < 2^126) and E4M3; every normal amax above it is scaled exactly.
+FP8_AMAX_EPS = 2.0**-110
 GRAD_FORMATS = ("e5m2", "e4m3", "bf16")
 
 
@@ -138,8 +141,8 @@ def quantize_fp8_reference(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
     if fmax is None:
         raise ValueError(f"unknown gradient format {fmt!r}; choose one of {GRAD_FORMATS}")
     xf = x2d.float()
-    amax = torch.linalg.vector_norm(xf, float("inf"), dim=dim)  # one pass, NaN propagates
-    scale = fmax / amax.clamp(min=AMAX_EPS)
+    amax = xf.abs().amax(dim)  # exact, NaN propagates (vector_norm(inf, dim=0) is ~8x slower on CPU)
+    scale = fmax / amax.clamp(min=FP8_AMAX_EPS)
     finite = torch.isfinite(amax)
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     scaled = xf * (scale[:, None] if dim == 1 else scale[None, :])
