@@ -167,6 +167,20 @@ def decode_packed_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.f
     return out if k == full else out[..., :k]
 
 
+def _round_e5m2(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` (finite, |y| <= 57344) rounded to the nearest FP8 E5M2 value, ties to even,
+    returned in fp32: the values of ``y.to(torch.float8_e5m2)``, bit for bit (-0.0 included).
+
+    Normal range: round the fp32 mantissa to 2 bits by integer arithmetic on the bit
+    pattern (add half an ulp minus one plus the kept lowest bit, then truncate); below
+    2^-14 (E5M2 subnormals, step 2^-16) round on the fixed grid. Elementwise arithmetic
+    that a compiler vectorizes, unlike the scalar FP8 conversion on CPU.
+    """
+    b = y.view(torch.int32)
+    normal = ((b + 0xFFFFF + ((b >> 21) & 1)) & -0x200000).view(torch.float32)  # -0x200000 == 0xFFE00000
+    return torch.where(y.abs() < 2.0**-14, torch.round(y * 65536.0) / 65536.0, normal)
+
+
 def cast_to_fp8(x: torch.Tensor, fmt: str = "e5m2") -> torch.Tensor:
     """Saturating round-to-nearest-even cast to FP8 (``e4m3`` or ``e5m2``).
 

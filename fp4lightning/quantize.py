@@ -28,7 +28,8 @@ from typing import Literal
 
 import torch
 
-from .formats import E2M1_MAX, _round_index, decode_e2m1, decode_packed_fp4, pack_fp4, unpack_fp4
+from .formats import E2M1_MAX, decode_e2m1, decode_packed_fp4, unpack_fp4
+from .fused import fp4_rows
 
 __all__ = [
     "Granularity",
@@ -98,29 +99,28 @@ def quantize_rows(
     per_tensor: bool = False,
     packed: bool = True,
     return_values: bool = False,
+    values_dtype: torch.dtype = torch.float32,
 ):
     """Row-wise FP4 quantization of a 2-D tensor: the reference for the Triton kernel.
 
     Returns ``(codes, scale)`` or, with ``return_values=True``, ``(codes, scale, q)``
-    where ``q`` (fp32, on the E2M1 grid) saves callers from decoding the codes again.
+    where ``q`` (on the E2M1 grid, in ``values_dtype``) saves callers from decoding the
+    codes again. The passes run fused (``fp4lightning.fused``).
     """
     if x2d.dim() != 2:
         raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x2d.shape)}")
     if x2d.dtype == torch.float64:
         x2d = x2d.float()  # the spec is fp32 arithmetic (bit-exact twin of the Triton kernel)
-    amax = x2d.abs().amax(1).float()  # exact; NaN propagates (faster than vector_norm(inf) on CPU)
-    if per_tensor:
-        amax = amax.amax().expand(x2d.shape[0]).contiguous()
-    scale = compute_scale(amax, scale_mode)
-    y = torch.mul(x2d, scale[:, None])  # promotes to fp32: the rounding decision is made in fp32
-    if not bool(torch.isfinite(scale).all()):
-        # non-finite rows carry a NaN scale; zero their y so the codes stay defined
-        y = torch.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0)
-    idx = _round_index(y.abs()).to(torch.uint8)
-    codes = idx | (torch.signbit(y).view(torch.uint8) << 3)
-    q = decode_e2m1(codes, torch.float32) if return_values else None
-    if packed:
-        codes = pack_fp4(codes)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose one of {SCALE_MODES}")
+    k = x2d.shape[1]
+    if k % 2:  # a zero column changes no amax and packs as the zero padding code
+        x2d = torch.nn.functional.pad(x2d, (0, 1))
+    codes, scale, q, _ = fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype)
+    if k % 2:
+        q = q[:, :k]
+    if not packed:
+        codes = unpack_fp4(codes, k)
     return (codes, scale, q) if return_values else (codes, scale)
 
 

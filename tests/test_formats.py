@@ -148,3 +148,21 @@ def test_round_bitwise_equal_to_exact_table_on_every_bf16_pattern():
     assert torch.equal(torch.signbit(got), torch.signbit(x))
     codes = encode_e2m1(x)
     assert torch.equal(codes & 7, idx.to(torch.uint8))
+
+
+def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
+    """formats._round_e5m2 (the fused CPU path's FP8 rounding) against torch's E5M2 cast, on
+    random fp32 bit patterns of every exponent, ties, subnormals and signed zeros."""
+    from fp4lightning.formats import F8E5M2_MAX, _round_e5m2
+
+    bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[torch.isfinite(x)].clamp(-F8E5M2_MAX, F8E5M2_MAX)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e5m2).float()
+    grid = grid[torch.isfinite(grid)]
+    g = grid.sort().values
+    ties = (g[:-1] + g[1:]) / 2  # every mid-point between neighbouring E5M2 values
+    x = torch.cat([x, grid, ties, torch.tensor([0.0, -0.0, 2.0**-17, -(2.0**-17), 2.0**-14])])
+    got = _round_e5m2(x)
+    want = x.to(torch.float8_e5m2).float()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
