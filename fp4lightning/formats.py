@@ -39,10 +39,6 @@ F8E5M2_MAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
 #: The eight non-negative E2M1 magnitudes, indexed by the 3 low bits of a code.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Decision thresholds between neighbouring magnitudes. Where the upper neighbour has
-# an even index (mantissa bit 0) a tie rounds *up* to it (>=); otherwise down (>).
-_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-
 _LUT_CACHE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -55,44 +51,44 @@ def _lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _LUT_CACHE[key]
 
 
-def _bucket_bounds(device: torch.device) -> torch.Tensor:
-    """fp32 boundaries for ``bucketize(a, b, right=True)`` (counts boundaries <= a).
+def _round_index(a: torch.Tensor) -> torch.Tensor:
+    """Index 0..7 (as a float of ``a``'s dtype) of the nearest E2M1 magnitude to ``a = |x|``.
 
-    A tie that must round *up* (to an even-index neighbour) uses the midpoint itself;
-    a tie that must round *down* uses the next float above the midpoint, so the
-    midpoint does not count as passed.
+    Rounding by arithmetic: the grid has step 0.5 below 2, step 1 on [2, 4) and step 2
+    from 4, so ``round`` (half to even) of ``2a``, ``a`` or ``a/2`` lands on the grid, and
+    the even integer it picks on a tie is the even mantissa (0.25 -> 0, 0.75 -> 1,
+    1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Every operation is exact in any
+    binary float format (scaling by powers of two, rounding to an integer, adding a small
+    integer), so the result equals the exact table bit for bit. +inf saturates to 7;
+    NaN must be removed by the caller.
     """
-    key = (device, "bounds")
-    if key not in _LUT_CACHE:
-        mids = torch.tensor([t for t, _ in _THRESHOLDS], dtype=torch.float32)
-        up = torch.tensor([u for _, u in _THRESHOLDS])
-        _LUT_CACHE[key] = torch.where(up, mids, torch.nextafter(mids, torch.tensor(float("inf")))).to(device)
-    return _LUT_CACHE[key]
+    return torch.where(a < 2.0, torch.round(a * 2.0),
+                       torch.where(a < 4.0, torch.round(a) + 2.0, torch.round(a * 0.5) + 4.0)).clamp_(max=7.0)
 
 
 def _magnitude_index(a: torch.Tensor) -> torch.Tensor:
-    """Index (0..7, int32) of the nearest E2M1 magnitude for ``a = |x|`` (fp32), ties to even.
+    """Index (0..7, int32) of the nearest E2M1 magnitude for ``a = |x|``, ties to even."""
+    return _round_index(a).to(torch.int32)
 
-    One binary search over the 7 decision thresholds (``_THRESHOLDS``); +inf lands on
-    7 (saturation). NaN must be removed by the caller.
-    """
-    return torch.bucketize(a, _bucket_bounds(a.device), right=True, out_int32=True)
+
+def _round_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 magnitude to ``a = |x|`` in ``a``'s dtype (see ``_round_index``); NaN stays NaN."""
+    return torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
+                       torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0)).clamp_(max=E2M1_MAX)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round ``x`` to the nearest E2M1 value (ties to even mantissa), saturating at +/-6.
 
-    Returns a tensor of ``x``'s dtype whose values all lie on the E2M1 grid. NaN
-    propagates; +/-inf saturate to +/-6 (callers that must reject inf check first).
+    Returns a tensor of ``x``'s dtype whose values all lie on the E2M1 grid. The
+    decision is made in ``x``'s own precision (float64 stays float64: no double rounding
+    through fp32; bf16/fp16 widen to fp32 exactly). NaN propagates; +/-inf saturate to
+    +/-6 (callers that must reject inf check first).
     """
     if not x.is_floating_point():
         raise TypeError(f"round_to_e2m1 expects a floating-point tensor, got {x.dtype}")
-    xf = x.float()
-    idx = _magnitude_index(torch.nan_to_num(xf.abs(), nan=0.0))
-    mag = _lut(x.device, torch.float32)[idx.long()]
-    out = torch.copysign(mag, xf)
-    out = torch.where(torch.isnan(xf), xf, out)
-    return out.to(x.dtype)
+    xf = x if x.dtype == torch.float64 else x.float()
+    return torch.copysign(_round_magnitude(xf.abs()), xf).to(x.dtype)
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +99,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """
     if not x.is_floating_point():
         raise TypeError(f"encode_e2m1 expects a floating-point tensor, got {x.dtype}")
-    xf = x.float()
+    xf = x if x.dtype == torch.float64 else x.float()
     if torch.isnan(xf).any():
         raise ValueError("encode_e2m1: input contains NaN, which E2M1 cannot represent; check the input for NaN first")
     idx = _magnitude_index(xf.abs()).to(torch.uint8)
@@ -169,6 +165,20 @@ def decode_packed_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.f
     if not (full - 1 <= k <= full):
         raise ValueError(f"decode_packed_fp4: {packed.shape[-1]} bytes hold {full - 1} or {full} codes, not k={k}")
     return out if k == full else out[..., :k]
+
+
+def _round_e5m2(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` (finite, |y| <= 57344) rounded to the nearest FP8 E5M2 value, ties to even,
+    returned in fp32: the values of ``y.to(torch.float8_e5m2)``, bit for bit (-0.0 included).
+
+    Normal range: round the fp32 mantissa to 2 bits by integer arithmetic on the bit
+    pattern (add half an ulp minus one plus the kept lowest bit, then truncate); below
+    2^-14 (E5M2 subnormals, step 2^-16) round on the fixed grid. Elementwise arithmetic
+    that a compiler vectorizes, unlike the scalar FP8 conversion on CPU.
+    """
+    b = y.view(torch.int32)
+    normal = ((b + 0xFFFFF + ((b >> 21) & 1)) & -0x200000).view(torch.float32)  # -0x200000 == 0xFFE00000
+    return torch.where(y.abs() < 2.0**-14, torch.round(y * 65536.0) / 65536.0, normal)
 
 
 def cast_to_fp8(x: torch.Tensor, fmt: str = "e5m2") -> torch.Tensor:

@@ -24,7 +24,10 @@ an ordinary Linear.
 
 Dtypes follow ``nn.Linear`` under autocast: with autocast on, the output has the
 autocast dtype; otherwise the input's dtype. Non-finite input rows produce NaN
-output rows (NaN in, NaN out) so that loss scaling can see them.
+output rows (NaN in, NaN out) so that loss scaling can see them. Unlike ``nn.Linear``,
+one non-finite value in A makes the *whole* weight gradient NaN, not one column: its
+row's NaN scale enters every column of the per-column FP8 scaling of ``dY / s_a``. Loss
+scaling and the non-finite step check skip such a step either way.
 """
 from __future__ import annotations
 
@@ -69,25 +72,31 @@ class _FP4LinearFn(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             # --- OCC clamp fused with the activation quantizer; keep the residual
             resid = r = None
+            resid_t = False  # resid holds R (Triton path) or R^T (reference path) in CSR form
             per_tensor_a = cfg.act_granularity == "per_tensor"
+            # the reference GeMMs run on decoded values in this dtype (bf16 under autocast)
+            vals_dtype = ops._compute_dtype(out_dtype, x.device)
             if cfg.occ:
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-                a_codes, a_scale, a_vals, r = ops.quantize_fp4_clamped(x2d, bounds, cfg.scale_mode, per_tensor_a)
+                # Reference path: fold the residual into the decoded operand,
+                # Y = ((A_q + s_a R) W_q^T) / (s_a s_w), one dense product instead of a sparse
+                # one (CPU sparse kernels cost as much as the dense GeMM). Only the ~2% outlier
+                # entries of the operand change; they are held in the compute dtype, bf16
+                # under autocast, like nn.Linear's operands.
+                a_codes, a_scale, a_vals, r = ops.quantize_fp4_clamped(
+                    x2d, bounds, cfg.scale_mode, per_tensor_a, fold=cfg.occ_compensation, values_dtype=vals_dtype)
                 if cfg.occ_compensation:
-                    resid = _sparse_residual(r)  # what backward keeps: ~2% non-zeros
+                    # what backward keeps: ~2% non-zeros; R^T when backward runs on CPU sparse
+                    # kernels (saves a transpose there), R for the Triton path's forward product
+                    resid_t = a_vals is not None
+                    resid = _sparse_residual(r.t() if resid_t else r)
                 else:
                     r = None
             else:
-                a_codes, a_scale, a_vals = ops.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a)
-            w_codes, w_scale, w_vals = w_quant if w_quant is not None else _quantize_weight(weight, cfg)
+                a_codes, a_scale, a_vals = ops.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a, values_dtype=vals_dtype)
+            w_codes, w_scale, w_vals = w_quant if w_quant is not None else _quantize_weight(weight, cfg, vals_dtype)
             # --- the FP4 GeMM plus the compensation product R Wdq^T
-            if r is not None and a_vals is not None:
-                # Reference path: the GeMM already runs on decoded values, so fold the
-                # residual into the operand, Y = ((A_q + s_a R) W_q^T) / (s_a s_w), one dense
-                # product instead of a sparse one (CPU sparse kernels are as slow as the
-                # dense GeMM). Only the ~2% outlier entries of the operand change, and they
-                # are held in the compute dtype: bf16 under autocast, like nn.Linear.
-                a_vals = a_vals.add_(r.float().mul_(a_scale[:, None]))
+            if r is not None and a_vals is not None:  # compensation already folded into a_vals
                 y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
             elif r is not None:
@@ -99,6 +108,7 @@ class _FP4LinearFn(torch.autograd.Function):
                                  w_values=w_vals)
         ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, resid)
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
+        ctx.resid_t = resid_t
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -107,32 +117,39 @@ class _FP4LinearFn(torch.autograd.Function):
         cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
         n = weight.shape[0]
         dy2d = dy.reshape(-1, n)
-        dyf = dy2d.float()
         grad_x = grad_w = grad_b = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 # dA = dY diag(1/s_w) W_q : fold the reduction-dim scale into dY first
-                g1, s_g1 = ops.quantize_fp8(dyf / w_scale[None, :], dim=1, fmt=cfg.grad_format)
+                g1, s_g1 = ops.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
+                                                    carrier=ops._compute_dtype(cd, dy.device))
                 grad_x = ops.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
             if ctx.needs_input_grad[1]:
-                g2, s_g2 = ops.quantize_fp8(dyf / a_scale[:, None], dim=0, fmt=cfg.grad_format)
-                # OCC compensation's share dY^T R, added before the DGE factor: DGE
-                # multiplies the whole dL/dW_q
-                comp = None if resid is None else torch.sparse.mm(_csr_transpose(resid), dyf).t()
+                # Under bf16 autocast the wgrad GeMM runs in bf16 like nn.Linear's: its
+                # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
+                gemm_dtype = torch.bfloat16 if cd == torch.bfloat16 else torch.float32
+                g2, s_g2 = ops.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format, carrier=gemm_dtype)
+                # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
+                # factor: DGE multiplies the whole dL/dW_q
+                comp = None
+                if resid is not None:
+                    rt = resid if ctx.resid_t else _csr_transpose(resid)
+                    comp = torch.sparse.mm(rt, dy2d.float()).t()
                 grad_w = ops.fp4_wgrad(
                     g2, s_g2, a_codes, k, torch.float32,
                     dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
-                    dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp,
+                    dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
                 )
                 grad_w = grad_w.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = dyf.sum(0).to(weight.dtype)
+                grad_b = dy2d.float().sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
-def _quantize_weight(weight: torch.Tensor, cfg: FP4Config):
+def _quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32):
     """(packed codes, per-channel scales, decoded values or None) of the weight."""
-    return ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor")
+    return ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
+                            values_dtype=values_dtype)
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
@@ -146,9 +163,8 @@ def _sparse_residual(r: torch.Tensor) -> torch.Tensor:
     sparse kernels take no bf16); int32 indices halve torch's default int64 cost.
     Built from ``nonzero`` (row-major order is CSR order), cheaper than ``to_sparse_csr``.
     """
-    mask = r != 0
-    idx = mask.nonzero()
-    vals = r[mask].float()
+    idx = (r != 0).nonzero()
+    vals = r[idx[:, 0], idx[:, 1]].float()  # a gather; r[mask] would search the mask again
     crow = torch.zeros(r.shape[0] + 1, dtype=torch.int64, device=r.device)
     crow[1:] = torch.bincount(idx[:, 0], minlength=r.shape[0]).cumsum(0)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": known, not actionable
@@ -218,26 +234,11 @@ class FP4Linear(nn.Linear):
         new.train(linear.training)
         return new
 
-    def _weight_quant(self):
-        """The quantized weight, re-quantized only when the weight changed.
-
-        Gradient accumulation and evaluation run many forwards between optimizer steps;
-        every in-place update of the weight bumps its ``_version``, which invalidates this.
-        """
-        w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device, self.config.scale_mode, self.config.weight_granularity)
-        cache = getattr(self, "_wq_cache", None)
-        if cache is None or cache[0] != key:
-            codes, scale, _ = _quantize_weight(w, self.config)
-            # keep only the packed codes (half a byte per weight), not decoded values
-            cache = (key, (codes, scale, None))
-            self._wq_cache = cache
-        return cache[1]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_meta:
-            return fp4_linear(x, self.weight, self.bias, self.config)
-        return fp4_linear(x, self.weight, self.bias, self.config, self._weight_quant())
+        # The weight is re-quantized on every call, never cached: no cache key sees every
+        # update path (fused AdamW and ``.data`` edits do not bump ``weight._version``), and
+        # a stale weight would silently train the wrong model.
+        return fp4_linear(x, self.weight, self.bias, self.config)
 
     def extra_repr(self) -> str:
         c = self.config

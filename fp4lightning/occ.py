@@ -85,8 +85,10 @@ def occ_bounds(
 def occ_clamp(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Clamp ``x`` to ``bounds = [lo, hi]``; return ``(x_clamped, residual)`` (both dense).
 
-    ``x_clamped + residual == x`` exactly: the residual is non-zero only where
-    clamping changed a value.
+    The residual is non-zero only where clamping changed a value. ``x_clamped + residual``
+    gives back ``x`` up to one rounding of ``x - x_clamped`` in x's dtype: exact for most
+    entries, and in fp32 within 2^-24 relative; in bf16 the rounding of the residual can
+    cost up to about 0.4% of an outlier's value (measured up to 0.36% on heavy-tailed data).
     """
     lo = bounds[0].to(x.dtype)
     hi = bounds[1].to(x.dtype)

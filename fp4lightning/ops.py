@@ -27,7 +27,8 @@ import warnings
 
 import torch
 
-from .formats import F8E4M3_MAX, F8E5M2_MAX, cast_to_fp8, decode_e2m1, decode_packed_fp4, unpack_fp4
+from .formats import F8E4M3_MAX, F8E5M2_MAX, decode_packed_fp4
+from . import fused
 from .occ import occ_clamp
 from .quantize import AMAX_EPS, quantize_rows
 
@@ -36,6 +37,7 @@ __all__ = [
     "quantize_fp4",
     "quantize_fp4_clamped",
     "quantize_fp8",
+    "quantize_fp8_divided",
     "fp4_gemm",
     "fp4_dgrad",
     "fp4_wgrad",
@@ -46,6 +48,9 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "triton")
+#: amax floor of the FP8 scales, 2^-110: ``fmax / amax`` stays finite in fp32 for E5M2
+#: (57344 * 2^110 < 2^126) and E4M3; every normal amax above it is scaled exactly.
+FP8_AMAX_EPS = 2.0**-110
 GRAD_FORMATS = ("e5m2", "e4m3", "bf16")
 
 
@@ -93,34 +98,43 @@ def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------- FP4 quantize
-def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False):
+def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False,
+                 values_dtype: torch.dtype = torch.float32):
     """Row-wise FP4 quantization -> ``(packed codes (M, ceil(K/2)) uint8, scale (M,) fp32, values)``.
 
-    ``values`` is the fp32 E2M1-grid tensor when the reference path computed it anyway
-    (it saves the forward GeMM an unpack), else None.
+    ``values`` is the E2M1-grid tensor in ``values_dtype`` (exact in fp32, bf16 and fp16)
+    when the reference path computed it anyway (it saves the forward GeMM a decode), else None.
     """
     if backend_for(x2d.device) == "triton":
         codes, scale = _triton_kernels().quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor)
         return codes, scale, None
-    return quantize_rows(x2d, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
+    return quantize_rows(x2d, scale_mode, per_tensor=per_tensor, packed=True, return_values=True,
+                         values_dtype=values_dtype)
 
 
 def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
-                         per_tensor: bool = False):
+                         per_tensor: bool = False, fold: bool = False, values_dtype: torch.dtype = torch.float32):
     """OCC clamp + row-wise FP4 quantization -> ``(packed, scale, values, residual)``.
 
     Same results as ``occ_clamp(x2d, bounds)`` then ``quantize_fp4`` on the clamped
     tensor (section 3.3): ``residual = x - clamp(x)`` is dense in x's dtype, ``values``
-    as in ``quantize_fp4``. The Triton backend does it in one fused pass over x.
+    as in ``quantize_fp4``. With ``fold`` the reference path returns the values with the
+    residual folded in, ``q + s * residual`` (fp32, then ``values_dtype``): the forward
+    GeMM on them adds the compensation ``R W^T`` (values is None on the Triton path).
+    The Triton backend and the compiled reference do it in one fused pass over x.
     """
     if backend_for(x2d.device) == "triton":
         kern = _triton_kernels()
         if hasattr(kern, "quantize_rows_clamped"):
             codes, scale, resid = kern.quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
             return codes, scale, None, resid
+    if x2d.dtype != torch.float64 and x2d.shape[1] % 2 == 0 and scale_mode in ("float", "pow2"):
+        return fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype, bounds, fold)
     xc, resid = occ_clamp(x2d, bounds)
     codes, scale, values = quantize_rows(xc, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
-    return codes, scale, values, resid
+    if fold:
+        values = values + resid.float() * scale[:, None]
+    return codes, scale, values.to(values_dtype), resid
 
 
 # --------------------------------------------------------------------------- FP8 quantize
@@ -134,18 +148,29 @@ def quantize_fp8_reference(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
     if fmt == "bf16":
         n = x2d.shape[0] if dim == 1 else x2d.shape[1]
         return x2d.to(torch.bfloat16), torch.ones(n, device=x2d.device, dtype=torch.float32)
-    fmax = {"e5m2": F8E5M2_MAX, "e4m3": F8E4M3_MAX}.get(fmt)
-    if fmax is None:
+    n = x2d.shape[1] if dim == 1 else x2d.shape[0]
+    return quantize_fp8_divided(x2d, torch.ones(n, device=x2d.device, dtype=torch.float32), dim, fmt)
+
+
+def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: str = "e5m2",
+                         carrier: torch.dtype | None = None):
+    """``quantize_fp8(x2d.float() / div, dim, fmt)`` with the division fused in on the reference path.
+
+    ``div`` (fp32) divides every row for ``dim=1`` (one value per column) and every column
+    for ``dim=0`` (one value per row): the FP4 scale of the next GeMM's reduction dimension.
+    ``carrier`` (reference path only): return the FP8 values held exactly in this dtype (the
+    reference GeMM's), saving it a conversion pass; the Triton path returns FP8 tensors.
+    """
+    if backend_for(x2d.device) == "triton" and fmt != "bf16":
+        return quantize_fp8(x2d.float() / (div[None, :] if dim == 1 else div[:, None]), dim, fmt)
+    if fmt == "bf16":
+        n = x2d.shape[0] if dim == 1 else x2d.shape[1]
+        g = x2d.float() / (div[None, :] if dim == 1 else div[:, None])
+        return g.to(torch.bfloat16), torch.ones(n, device=x2d.device, dtype=torch.float32)
+    fp8 = {"e5m2": (F8E5M2_MAX, torch.float8_e5m2), "e4m3": (F8E4M3_MAX, torch.float8_e4m3fn)}.get(fmt)
+    if fp8 is None:
         raise ValueError(f"unknown gradient format {fmt!r}; choose one of {GRAD_FORMATS}")
-    xf = x2d.float()
-    amax = torch.linalg.vector_norm(xf, float("inf"), dim=dim)  # one pass, NaN propagates
-    scale = fmax / amax.clamp(min=AMAX_EPS)
-    finite = torch.isfinite(amax)
-    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
-    scaled = xf * (scale[:, None] if dim == 1 else scale[None, :])
-    if not bool(finite.all()):  # only non-finite rows/columns produce NaN here
-        scaled = torch.nan_to_num(scaled, nan=0.0)
-    return cast_to_fp8(scaled, fmt), scale
+    return fused.fp8_scaled(x2d, div, dim, fp8[0], FP8_AMAX_EPS, fp8[1], carrier)
 
 
 def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
@@ -158,6 +183,8 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 # --------------------------------------------------------------------------- GeMMs (reference)
 def _fp4_values(packed: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    if packed.dim() == 2 and 2 * packed.shape[1] == k and fused.compile_enabled(packed.device):
+        return fused.decode_fp4(packed, dtype)  # one fused pass instead of a table gather
     return decode_packed_fp4(packed, k, dtype)
 
 
@@ -180,11 +207,7 @@ def fp4_gemm_reference(
     cd = _compute_dtype(out_dtype, a_packed.device)
     a = a_values.to(cd) if a_values is not None else _fp4_values(a_packed, k, cd)
     w = w_values.to(cd) if w_values is not None else _fp4_values(w_packed, k, cd)
-    y = (a @ w.t()).float()
-    y.div_(a_scale[:, None]).div_(w_scale[None, :])  # in place: the output is the big tensor
-    if bias is not None:
-        y.add_(bias.float())
-    return y.to(out_dtype)
+    return fused.gemm_epilogue(a @ w.t(), a_scale, w_scale, bias, out_dtype)
 
 
 def fp4_dgrad_reference(
@@ -192,8 +215,7 @@ def fp4_dgrad_reference(
 ) -> torch.Tensor:
     """``dA = (G1_q W_q) / s_g1[:, None]``; ``g`` (M x N) FP8 or bf16, W packed along K."""
     cd = _compute_dtype(out_dtype, g.device)
-    acc = (g.to(cd) @ _fp4_values(w_packed, k, cd)).float()
-    return acc.div_(g_scale[:, None]).to(out_dtype)
+    return fused.gemm_epilogue(g.to(cd) @ _fp4_values(w_packed, k, cd), g_scale, None, None, out_dtype)
 
 
 def fp4_wgrad_reference(
@@ -207,23 +229,21 @@ def fp4_wgrad_reference(
     dge_k: float = 5.0,
     dge_clamp: float = 3.0,
     addend: torch.Tensor | None = None,
+    gemm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``dW = (G2_q^T A_q) / s_g2[:, None] + addend``, times ``f'(W s_w)`` when ``dge_weight`` is given.
 
     ``g`` is (M x N) with one scale per column (N), A packed along K; output N x K.
     ``addend`` (N x K, e.g. OCC's compensation term ``(dY^T R)``) is added before the
-    DGE factor, which multiplies the whole weight gradient.
+    DGE factor, which multiplies the whole weight gradient. ``gemm_dtype`` (default: the
+    compute dtype of ``out_dtype``) is the GeMM's operand dtype: both operands are exact in
+    bf16 (E5M2/E4M3 and E2M1 values), so bf16 changes only the rounding of the GeMM's
+    output to bf16 (fp32 accumulation), as in bf16 ``nn.Linear``.
     """
-    from .dge import dge_derivative
-
-    cd = _compute_dtype(out_dtype, g.device)
-    acc = (g.to(cd).t() @ _fp4_values(a_packed, k, cd)).float()
-    dw = acc.div_(g_scale[:, None])
-    if addend is not None:
-        dw.add_(addend.float())
-    if dge_weight is not None:
-        dw.mul_(dge_derivative(dge_weight.float() * dge_weight_scale[:, None], dge_k, dge_clamp))
-    return dw.to(out_dtype)
+    cd = gemm_dtype or _compute_dtype(out_dtype, g.device)
+    acc = g.to(cd).t() @ _fp4_values(a_packed, k, cd)
+    return fused.wgrad_epilogue(acc, g_scale, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
+                                dge_k, dge_clamp, out_dtype)
 
 
 # --------------------------------------------------------------------------- GeMMs (dispatch)
@@ -241,11 +261,11 @@ def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
-              dge_k=5.0, dge_clamp=3.0, addend=None):
+              dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None):
     if backend_for(g.device) == "triton":
         return _triton_kernels().fp4_wgrad(
             g, g_scale, a_packed, k, out_dtype=out_dtype, dge_weight=dge_weight,
             dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp, addend=addend,
         )
     return fp4_wgrad_reference(g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp,
-                               addend)
+                               addend, gemm_dtype)

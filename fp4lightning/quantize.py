@@ -28,7 +28,8 @@ from typing import Literal
 
 import torch
 
-from .formats import E2M1_MAX, _magnitude_index, decode_e2m1, decode_packed_fp4, pack_fp4, unpack_fp4
+from .formats import E2M1_MAX, decode_e2m1, decode_packed_fp4, unpack_fp4
+from .fused import fp4_rows
 
 __all__ = [
     "Granularity",
@@ -47,7 +48,11 @@ ScaleMode = Literal["float", "pow2"]
 GRANULARITIES = ("per_token", "per_channel", "per_tensor")
 SCALE_MODES = ("float", "pow2")
 
-AMAX_EPS = 1e-12  # amax floor: an all-zero row gets a finite scale and codes of 0
+#: amax floor, 2^-124 ~ 4.7e-38: the largest power of two below which 6 / amax would overflow
+#: fp32. Every row with a normal fp32 amax (>= 2^-126 ~ 1.2e-38) above it is scaled exactly
+#: by 6 / amax, however small; an all-zero row gets a finite scale (6 * 2^124) and codes of 0;
+#: rows of fp32 subnormals get that same largest scale (their values land below 6).
+AMAX_EPS = 2.0**-124
 
 
 @dataclass
@@ -94,30 +99,28 @@ def quantize_rows(
     per_tensor: bool = False,
     packed: bool = True,
     return_values: bool = False,
+    values_dtype: torch.dtype = torch.float32,
 ):
     """Row-wise FP4 quantization of a 2-D tensor: the reference for the Triton kernel.
 
     Returns ``(codes, scale)`` or, with ``return_values=True``, ``(codes, scale, q)``
-    where ``q`` (fp32, on the E2M1 grid) saves callers from decoding the codes again.
+    where ``q`` (on the E2M1 grid, in ``values_dtype``) saves callers from decoding the
+    codes again. The passes run fused (``fp4lightning.fused``).
     """
     if x2d.dim() != 2:
         raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x2d.shape)}")
     if x2d.dtype == torch.float64:
         x2d = x2d.float()  # the spec is fp32 arithmetic (bit-exact twin of the Triton kernel)
-    # inf-norm == amax in one pass without an |x| temporary; exact, NaN propagates
-    amax = torch.linalg.vector_norm(x2d, float("inf"), dim=1).float()
-    if per_tensor:
-        amax = amax.amax().expand(x2d.shape[0]).contiguous()
-    scale = compute_scale(amax, scale_mode)
-    y = torch.mul(x2d, scale[:, None])  # promotes to fp32: the rounding decision is made in fp32
-    if not bool(torch.isfinite(scale).all()):
-        # non-finite rows carry a NaN scale; zero their y so the codes stay defined
-        y = torch.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0)
-    idx = _magnitude_index(y.abs()).to(torch.uint8)
-    codes = idx | (torch.signbit(y).view(torch.uint8) << 3)
-    q = decode_e2m1(codes, torch.float32) if return_values else None
-    if packed:
-        codes = pack_fp4(codes)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose one of {SCALE_MODES}")
+    k = x2d.shape[1]
+    if k % 2:  # a zero column changes no amax and packs as the zero padding code
+        x2d = torch.nn.functional.pad(x2d, (0, 1))
+    codes, scale, q, _ = fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype)
+    if k % 2:
+        q = q[:, :k]
+    if not packed:
+        codes = unpack_fp4(codes, k)
     return (codes, scale, q) if return_values else (codes, scale)
 
 

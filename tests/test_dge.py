@@ -9,7 +9,7 @@ from fp4lightning.formats import E2M1_VALUES
 def _analytic_f64(x: torch.Tensor, k: float, clamp: float) -> torch.Tensor:
     """Independent float64 transcription of the paper's formula, interval by interval."""
     out = torch.zeros_like(x, dtype=torch.float64)
-    a = x.double().abs()
+    a = x.double().abs().clamp(max=6.0)  # saturated to the quantizer's range first
     for lo, hi, delta in ((0.0, 2.0, 0.5), (2.0, 4.0, 1.0), (4.0, 6.0, 2.0)):
         sel = (a >= lo) & ((a < hi) if hi < 6 else (a <= hi))
         u = a[sel] - (lo + torch.floor((a[sel] - lo) / delta) * delta)
@@ -33,7 +33,8 @@ def test_grid_points_and_clamp_and_range():
     x = torch.randn(10000) * 4
     d = dge_derivative(x, clamp=2.5)
     assert d.max() <= 2.5 and d.min() >= 0
-    assert torch.all(dge_derivative(torch.tensor([6.01, -7.0, 100.0])) == 0)
+    # beyond +/-6 the magnitude saturates to the grid point 6: derivative 1/k, never 0
+    assert torch.all(dge_derivative(torch.tensor([6.01, -7.0, 100.0])) == torch.tensor(0.2))
 
 
 def test_matches_finite_differences_of_the_smooth_function():
@@ -65,3 +66,47 @@ def test_bad_parameters():
         dge_derivative(torch.zeros(3), k=1.0)
     with pytest.raises(ValueError, match="clamp"):
         dge_derivative(torch.zeros(3), clamp=0)
+
+
+def test_row_maximum_gets_one_over_k_not_zero():
+    """The issue's reproduction: W * s_w of a row's largest weight lands an ulp above 6 in fp32;
+    its derivative must be 1/k (a grid point), so dW = STE value / k there."""
+    from fp4lightning import FP4Config
+    from fp4lightning.linear import fp4_linear
+
+    grads = {}
+    for dge in (True, False):
+        w = torch.nn.Parameter(torch.full((16, 16), 0.01))
+        w.data[:, 0] = 0.37
+        cfg = FP4Config.from_preset("paper", dge=dge)
+        fp4_linear(torch.ones(4, 16), w, None, cfg).sum().backward()
+        grads[dge] = w.grad
+    ste = grads[False][:, 0]
+    assert torch.all(ste != 0)
+    assert torch.equal(grads[True][:, 0], ste * torch.tensor(1.0 / 5.0))
+
+
+@pytest.mark.parametrize("scale_mode", ["float", "pow2"])
+def test_no_finite_weight_gets_zero_derivative(scale_mode):
+    from fp4lightning.quantize import quantize_rows
+
+    w = torch.randn(256, 512) * torch.rand(256, 1)
+    _, s_w = quantize_rows(w, scale_mode)
+    d = dge_derivative(w * s_w[:, None])
+    assert torch.all(d > 0)
+    rows = torch.arange(w.shape[0])
+    top = w.abs().argmax(1)
+    if scale_mode == "float":
+        # the row maximum sits on the grid point 6, give or take an fp32 ulp of W * s_w:
+        # at or above 6 the derivative is exactly 1/k, an ulp below it differs by ~1e-7
+        xs = (w * s_w[:, None])[rows, top].abs()
+        row_max = d[rows, top]
+        assert torch.equal(row_max[xs >= 6], torch.full_like(row_max[xs >= 6], 1.0 / 5.0))
+        assert (xs >= 6).any()  # the case the bug was about does occur
+        torch.testing.assert_close(row_max, torch.full_like(row_max, 1.0 / 5.0), rtol=1e-6, atol=0)
+
+
+def test_nonfinite_inputs_get_zero():
+    d = dge_derivative(torch.tensor([float("nan"), float("inf"), -float("inf"), 6.0, 6.5]))
+    assert d.tolist()[:3] == [0.0, 0.0, 0.0]
+    assert torch.equal(d[3:], torch.full((2,), 1.0 / 5.0))

@@ -121,3 +121,48 @@ def test_decode_packed_equals_unpack_then_decode(k):
     packed = pack_fp4(codes)
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(decode_packed_fp4(packed, k, dtype), decode_e2m1(unpack_fp4(packed, k), dtype))
+
+
+def test_float64_rounds_in_its_own_precision():
+    """A float64 input just past a tie must not be cast to fp32 first (double rounding)."""
+    eps = 1e-12
+    xs = torch.tensor([2.5 + eps, 2.5 - eps, 0.25 + eps, 5.0 + eps, 1.75 - eps, 3.5 - eps], dtype=torch.float64)
+    want = torch.tensor([3.0, 2.0, 0.5, 6.0, 1.5, 3.0], dtype=torch.float64)
+    assert torch.equal(round_to_e2m1(xs), want)
+    assert torch.equal(round_to_e2m1(-xs), -want)
+
+
+def test_round_bitwise_equal_to_exact_table_on_every_bf16_pattern():
+    """Every finite bf16 bit pattern: rounding equals the nearest grid value, ties to even mantissa."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)]
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    a = x.double().abs().clamp(max=6.0)
+    dist = (a[:, None] - grid[None, :]).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    cand = dist == best  # one or two nearest; on a tie take the even code index (even mantissa)
+    idx = torch.where(cand.sum(1) > 1, (cand.int().argmax(1) + 1) // 2 * 2, cand.int().argmax(1))
+    want = torch.copysign(grid[idx], x.double())
+    got = round_to_e2m1(x)
+    assert torch.equal(got.double(), want)
+    assert torch.equal(torch.signbit(got), torch.signbit(x))
+    codes = encode_e2m1(x)
+    assert torch.equal(codes & 7, idx.to(torch.uint8))
+
+
+def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
+    """formats._round_e5m2 (the fused CPU path's FP8 rounding) against torch's E5M2 cast, on
+    random fp32 bit patterns of every exponent, ties, subnormals and signed zeros."""
+    from fp4lightning.formats import F8E5M2_MAX, _round_e5m2
+
+    bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[torch.isfinite(x)].clamp(-F8E5M2_MAX, F8E5M2_MAX)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e5m2).float()
+    grid = grid[torch.isfinite(grid)]
+    g = grid.sort().values
+    ties = (g[:-1] + g[1:]) / 2  # every mid-point between neighbouring E5M2 values
+    x = torch.cat([x, grid, ties, torch.tensor([0.0, -0.0, 2.0**-17, -(2.0**-17), 2.0**-14])])
+    got = _round_e5m2(x)
+    want = x.to(torch.float8_e5m2).float()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

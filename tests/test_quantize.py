@@ -97,3 +97,20 @@ def test_bf16_input_matches_fp32_of_same_values():
     a, sa = quantize_rows(x)
     b, sb = quantize_rows(x.float())
     assert torch.equal(a, b) and torch.equal(sa, sb)
+
+
+@pytest.mark.parametrize("scale_mode", ["float", "pow2"])
+def test_tiny_rows_scale_exactly(scale_mode):
+    """A row multiplied by 2^-e quantizes to the same codes with its scale times 2^e (no amax floor
+    distorting rows with amax ~1e-13 or below), and an all-zero row still gets codes 0, finite scale."""
+    x = torch.randn(6, 64)
+    codes, scale = quantize_rows(x, scale_mode)
+    for e in (40, 43, 46, 100):
+        c2, s2 = quantize_rows(x * 2.0**-e, scale_mode)
+        assert torch.equal(c2, codes), e
+        assert torch.equal(s2, scale * 2.0**e), e
+    z, sz = quantize_rows(torch.zeros(3, 64), scale_mode)
+    assert torch.all(z == 0) and torch.isfinite(sz).all() and torch.all(sz > 0)
+    # amax down to fp32's smallest subnormal: finite scales, dequantized rows finite
+    sub = torch.full((2, 64), 1e-45)
+    assert torch.isfinite(fake_quantize(sub)).all()

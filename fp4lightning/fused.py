@@ -1,0 +1,170 @@
+"""Fused elementwise passes of the PyTorch (CPU) path, compiled with ``torch.compile``.
+
+The reference path of ``fp4lightning.ops`` spends most of its time not in the three GeMMs
+but in elementwise passes around them: the FP4 quantizers (absmax, scale, rounding,
+packing, decoding), the two FP8 casts of dY with their pre-scaling, the GeMM epilogues and
+the DGE factor (arXiv 2501.17116, sections 3.1-3.3). Each function here is one such group
+of passes written once in plain PyTorch; ``torch.compile`` (Inductor, C++ on CPU) fuses it
+into one or two loops over memory. The compiled and the eager evaluation of the same
+function give the same bits (every operation is exact or an IEEE fp32 operation done in the
+same order; ``tests/test_linear.py`` checks it bitwise), so compiling changes speed only.
+
+``FP4LIGHTNING_COMPILE`` selects: ``auto`` (default: compile on CPU), ``1`` (compile on any
+device), ``0`` (eager). Where compiling fails - typically no C++ compiler on the machine -
+a one-line warning says so once and everything runs eagerly with the same numerics.
+Set ``TORCHINDUCTOR_CACHE_DIR`` to keep compiled kernels between processes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from .formats import E2M1_MAX, _round_e5m2, _round_index, _round_magnitude
+
+__all__ = ["compile_enabled", "fp4_rows", "fp8_scaled", "decode_fp4", "gemm_epilogue", "wgrad_epilogue"]
+
+COMPILE_CHOICES = ("auto", "0", "1")
+_FAILED: list[str] = []  # the reason compiling failed, once it has
+
+
+def compile_enabled(device: torch.device) -> bool:
+    """Whether the fused functions run compiled on ``device`` (see the module docstring)."""
+    choice = os.environ.get("FP4LIGHTNING_COMPILE", "auto").lower()
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"FP4LIGHTNING_COMPILE={choice!r} is not one of {COMPILE_CHOICES}")
+    if choice == "0" or _FAILED:
+        return False
+    return choice == "1" or device.type == "cpu"
+
+
+def _fused(fn):
+    """Run ``fn`` compiled where ``compile_enabled``, else (or if compiling fails) eagerly."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        nonlocal compiled
+        if compile_enabled(x.device):
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            try:
+                return compiled(x, *args, **kwargs)
+            except Exception as e:  # no C++ compiler, or Inductor cannot build: same math eagerly
+                if not _FAILED:
+                    _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+                    warnings.warn(f"fp4lightning: torch.compile unavailable ({_FAILED[0][:200]}); running the "
+                                  "FP4 CPU path eagerly (same numerics, slower). Install a C++ compiler (gcc) "
+                                  "to fuse it, or set FP4LIGHTNING_COMPILE=0 to silence this.",
+                                  RuntimeWarning, stacklevel=2)
+        return fn(x, *args, **kwargs)
+
+    wrapper.eager = fn
+    return wrapper
+
+
+def _scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:
+    """fp32 ``fmax / max(amax, eps)`` (or its power-of-two floor), NaN where amax is not finite."""
+    scale = fmax / amax.clamp(min=eps)
+    if pow2:  # exact 2^floor(log2(scale)): keep the exponent bits
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+@_fused
+def fp4_rows(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_dtype: torch.dtype,
+             bounds: torch.Tensor | None = None, fold: bool = False):
+    """Row-wise FP4 quantization of a 2-D ``x`` with an even number of columns.
+
+    Returns ``(packed codes uint8 (M, K/2), scale fp32 (M,), values, residual)``: ``values``
+    are the dequantization's E2M1 grid values in ``values_dtype``. With ``bounds = [lo, hi]``
+    ``x`` is first clamped (OCC, section 3.3) and ``residual = x - clamp(x)`` in x's dtype is
+    returned; with ``fold`` it is also folded into the values as ``q + s * residual`` (fp32,
+    then cast), which is how the reference GeMM adds the compensation ``R W^T``. Without
+    bounds residual is None.
+    """
+    resid = None
+    if bounds is not None:
+        xc = torch.clamp(x, bounds[0].to(x.dtype), bounds[1].to(x.dtype))
+        resid = x - xc
+        x = xc
+    amax = x.abs().amax(1).float()
+    if per_tensor:
+        amax = amax.amax().expand(x.shape[0])
+    scale = _scale_from_amax(amax, E2M1_MAX, eps, pow2)
+    y = torch.mul(x, scale[:, None])  # fp32: the rounding decision is made in fp32
+    y = torch.where(torch.isfinite(scale)[:, None], y, 0.0)  # non-finite rows: codes 0, NaN scale
+    a = y.abs()
+    # code = index + 8 * sign bit, held in fp32 until the final cast: integer uint8 passes
+    # do not vectorize on CPU. copysign sees the sign of -0.0, as signbit does.
+    code = _round_index(a) + (torch.copysign(torch.ones_like(y), y) < 0).float() * 8.0
+    packed = (code[:, 0::2] + code[:, 1::2] * 16.0).to(torch.uint8)
+    q = torch.copysign(_round_magnitude(a), y)
+    if fold:
+        q = q + resid.float() * scale[:, None]
+    return packed, scale, q.to(values_dtype), resid
+
+
+@_fused
+def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: float, fp8_dtype: torch.dtype,
+               carrier: torch.dtype | None = None):
+    """``g = x.float() / div`` (``div`` broadcast over rows for dim=1, over columns for dim=0),
+    then absmax FP8 quantization of g with one scale per row (dim=1) or column (dim=0).
+
+    Returns ``(g_fp8, scale)``, ``g ~ g_fp8 / scale``; a non-finite row/column gets a NaN
+    scale and zero codes. With ``carrier`` (bf16/fp32) the FP8 values come back held in that
+    dtype (exactly: FP8 values are bf16 values), ready for a GeMM that runs in it.
+    """
+    g = x.float() / (div[None, :] if dim == 1 else div[:, None])
+    amax = g.abs().amax(dim)
+    scale = _scale_from_amax(amax, fmax, eps, False)
+    s = scale[:, None] if dim == 1 else scale[None, :]
+    scaled = torch.where(torch.isfinite(s), g * s, 0.0)
+    scaled = scaled.clamp(-fmax, fmax)
+    if carrier is not None and fp8_dtype == torch.float8_e5m2:
+        return _round_e5m2(scaled).to(carrier), scale  # same values as the FP8 cast, vectorized
+    g8 = scaled.to(fp8_dtype)
+    return (g8 if carrier is None else g8.to(carrier)), scale
+
+
+@_fused
+def decode_fp4(packed: torch.Tensor, dtype: torch.dtype):
+    """Packed E2M1 codes (two per byte, low nibble first) -> values in ``dtype``, by arithmetic.
+
+    Same values as ``formats.decode_packed_fp4`` (code 8 is -0.0): index i = code & 7 maps to
+    i/2 for i < 4, i - 2 for i = 4, 5 and 2 (i - 4) for i = 6, 7.
+    """
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    i = (codes & 7).float()
+    mag = torch.where(i < 4, i * 0.5, torch.where(i < 6, i - 2.0, (i - 4.0) * 2.0))
+    return torch.where(codes >= 8, -mag, mag).to(dtype)
+
+
+@_fused
+def gemm_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor | None,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype):
+    """``(acc / row_scale[:, None] / col_scale[None, :] + bias)`` in fp32, cast to ``out_dtype``."""
+    y = acc.float() / row_scale[:, None]
+    if col_scale is not None:
+        y = y / col_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+@_fused
+def wgrad_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, addend: torch.Tensor | None,
+                   weight: torch.Tensor | None, weight_scale: torch.Tensor | None, dge_k: float,
+                   dge_clamp: float, out_dtype: torch.dtype):
+    """``(acc / row_scale[:, None] + addend) * f'(W s_w)`` in fp32 (DGE factor when ``weight``
+    is given, section 3.2; ``fp4lightning.dge.dge_derivative``), cast to ``out_dtype``."""
+    from .dge import dge_derivative
+
+    dw = acc.float() / row_scale[:, None]
+    if addend is not None:
+        dw = dw + addend.float()
+    if weight is not None:
+        dw = dw * dge_derivative(weight.float() * weight_scale[:, None], dge_k, dge_clamp)
+    return dw.to(out_dtype)
