@@ -160,8 +160,13 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{n} is on {t.device} but {items[0][0]} is on {dev0}; put all operands on one device")
 
 
-def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], what: str) -> None:
-    """A 2-D tensor of an allowed dtype whose rows are contiguous (row stride is free)."""
+def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], what: str) -> torch.Tensor:
+    """Check a 2-D tensor of an allowed dtype; return it with contiguous rows.
+
+    The kernels take any row stride but need unit stride along a row (16-byte vector
+    loads). Other layouts (``x.t()``, ``x[:, ::2]``, a gradient of ``y.t()``) are copied
+    once here, as ``nn.Linear`` accepts them too.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2:
@@ -172,10 +177,12 @@ def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], what
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); the kernels need at least one element")
     if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have contiguous rows (stride {t.stride()}); call .contiguous() first")
+        t = t.contiguous()
+    return t
 
 
-def check_vector(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+def check_vector(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...], what: str) -> torch.Tensor:
+    """Check a 1-D tensor of ``n`` elements; return it contiguous (copied if strided)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != (n,):
@@ -183,17 +190,19 @@ def check_vector(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, 
     if t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}; expected {dtypes[0]} ({what})")
     if n > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+        t = t.contiguous()
+    return t
 
 
-def check_packed(name: str, t: torch.Tensor, k: int) -> None:
-    """Packed FP4 codes: uint8 (rows, ceil(k/2)), two codes per byte along K."""
-    check_rows(name, t, (torch.uint8,), "packed FP4 codes, two per byte along K")
+def check_packed(name: str, t: torch.Tensor, k: int) -> torch.Tensor:
+    """Packed FP4 codes: uint8 (rows, ceil(k/2)), two codes per byte along K (returned row-contiguous)."""
+    t = check_rows(name, t, (torch.uint8,), "packed FP4 codes, two per byte along K")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int (the unpacked reduction length), got {k!r}")
     if t.shape[1] != (k + 1) // 2:
         raise ValueError(f"{name} has {t.shape[1]} bytes per row, but k={k} needs {(k + 1) // 2} "
                          "(two FP4 codes per byte; an odd k is padded with a zero code)")
+    return t
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -54,11 +54,11 @@ def _cases():
     f8_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
                     stride_qm=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
-                   M=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
-    d_types = dict(g_ptr="*fp8e5", w_ptr="*u8", sg_ptr="*fp32", y_ptr="*bf16", M=_I, N=_I, K=_I, KH=_I,
+                   M=_I, M_BUCKET=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
+    d_types = dict(g_ptr="*fp8e5", w_ptr="*u8", sg_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I, KH=_I,
                    stride_gm=_I, stride_wn=_I, stride_ym=_I)
     w_types = dict(g_ptr="*fp8e5", a_ptr="*u8", sg_ptr="*fp32", w_ptr="*fp32", sw_ptr="*fp32", c_ptr="*fp32",
-                   y_ptr="*fp32", M=_I, N=_I, K=_I, KH=_I, stride_gm=_I, stride_am=_I, stride_wn=_I, stride_cn=_I,
+                   y_ptr="*fp32", M=_I, M_BUCKET=_I, N=_I, K=_I, KH=_I, stride_gm=_I, stride_am=_I, stride_wn=_I, stride_cn=_I,
                    stride_ck=_I, stride_yn=_I)
     fwd, fw, fs = _meta(gemm._FWD_SWEEP[0], ("BLOCK_M", "BLOCK_N"))
     dgr, dw, ds = _meta(gemm._DGRAD_SWEEP[0], ("BLOCK_M", "BLOCK_N"))

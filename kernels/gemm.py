@@ -54,7 +54,7 @@ from ._common import (
     tile_ids,
 )
 
-__all__ = ["fp4_gemm", "fp4_dgrad", "fp4_wgrad", "GRAD_DTYPES"]
+__all__ = ["fp4_gemm", "fp4_dgrad", "fp4_wgrad", "dge_factor", "GRAD_DTYPES"]
 
 #: Accepted dtypes of the high-precision backward operand (dY).
 GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
@@ -116,15 +116,30 @@ def _prune(configs, named_args, **kwargs):
 _PRUNE = {"early_config_prune": _prune}
 
 
+def _bucket(m: int) -> int:
+    """The autotune key of a token count: the next power of two (at least 16)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def _precise(fast_accum: bool | None) -> bool:
+    """PRECISE_ACC of a launch: promote FP8 partial sums unless fast accumulation is asked for.
+
+    ``fast_accum=None`` follows FP4LIGHTNING_FP8_FAST_ACCUM (default off). Only FP8 dots
+    are affected (Hopper's FP8 MMA accumulates in reduced precision, see _common.mma).
+    """
+    return not (FP8_FAST_ACCUM if fast_accum is None else fast_accum)
+
+
 # --------------------------------------------------------------------------- forward
 @triton.autotune(configs=_configs(_FWD_SWEEP, _FWD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT", "HAS_BIAS"], prune_configs_by=_PRUNE)
+                 key=["M_BUCKET", "N", "KH", "DOT", "HAS_BIAS", "PRECISE_ACC"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_gemm_kernel(
     # pointers
     a_ptr, w_ptr, sa_ptr, sw_ptr, bias_ptr, y_ptr,
-    # sizes (KH: packed bytes per row)
-    M, N, KH,
+    # sizes (KH: packed bytes per row; M_BUCKET: M rounded up to a power of two, the
+    # autotune key, so a new batch size does not re-tune)
+    M, M_BUCKET, N, KH,
     # strides (inner strides are 1)
     stride_am, stride_wn, stride_ym,
     # meta-parameters
@@ -187,6 +202,7 @@ def fp4_gemm(
     bias: torch.Tensor | None = None,
     *,
     decode: str | None = None,
+    fast_accum: bool | None = None,
 ) -> torch.Tensor:
     """Forward FP4 GeMM ``Y = (A_q W_q^T) / (s_a s_w^T) + bias`` -> (M, N) ``out_dtype``.
 
@@ -194,15 +210,16 @@ def fp4_gemm(
     codes per byte along K (pad nibble zero, as every quantizer here writes it);
     ``a_scale`` (M,) and ``w_scale`` (N,) fp32 multipliers; ``bias`` (N,) any float
     dtype. ``decode`` forces the tensor-core type: ``'fp8'`` (E4M3, sm_90+) or
-    ``'fp16'``; default: FP8 where available.
+    ``'fp16'``; default: FP8 where available. ``fast_accum=True`` skips the promotion
+    of FP8 partial sums into the fp32 accumulator (``None``: FP4LIGHTNING_FP8_FAST_ACCUM).
     """
-    check_packed("a_packed", a_packed, k)
-    check_packed("w_packed", w_packed, k)
+    a_packed = check_packed("a_packed", a_packed, k)
+    w_packed = check_packed("w_packed", w_packed, k)
     m, n, kh = a_packed.shape[0], w_packed.shape[0], a_packed.shape[1]
-    check_vector("a_scale", a_scale, m, (torch.float32,), "one fp32 scale per row of A")
-    check_vector("w_scale", w_scale, n, (torch.float32,), "one fp32 scale per row of W")
+    a_scale = check_vector("a_scale", a_scale, m, (torch.float32,), "one fp32 scale per row of A")
+    w_scale = check_vector("w_scale", w_scale, n, (torch.float32,), "one fp32 scale per row of W")
     if bias is not None:
-        check_vector("bias", bias, n, FLOAT_DTYPES, "one value per output feature")
+        bias = check_vector("bias", bias, n, FLOAT_DTYPES, "one value per output feature")
     check_out_dtype(out_dtype)
     check_same_device(a_packed=a_packed, a_scale=a_scale, w_packed=w_packed, w_scale=w_scale, bias=bias)
     dot = _decode_mode(decode, a_packed.device)
@@ -210,8 +227,8 @@ def fp4_gemm(
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
     _fp4_gemm_kernel[grid](
         a_packed, w_packed, a_scale, w_scale, bias if bias is not None else a_scale, y,
-        m, n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=not FP8_FAST_ACCUM,
+        m, _bucket(m), n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=_precise(fast_accum),
     )
     return y
 
@@ -228,9 +245,9 @@ def _grad_dot_mode(g: torch.Tensor) -> int:
     return DOT_FP16
 
 
-def _check_grad(g: torch.Tensor, g_scale: torch.Tensor, n_scale: int, what: str) -> None:
-    check_rows("g", g, GRAD_DTYPES, "dY, M x N, in FP8 E5M2/E4M3 or bf16/fp16")
-    check_vector("g_scale", g_scale, n_scale, (torch.float32,), what)
+def _check_grad(g: torch.Tensor, g_scale: torch.Tensor, n_scale: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = check_rows("g", g, GRAD_DTYPES, "dY, M x N, in FP8 E5M2/E4M3 or bf16/fp16")
+    return g, check_vector("g_scale", g_scale, n_scale, (torch.float32,), what)
 
 
 def _loadable_grad(g: torch.Tensor) -> torch.Tensor:
@@ -242,13 +259,13 @@ def _loadable_grad(g: torch.Tensor) -> torch.Tensor:
 
 
 @triton.autotune(configs=_configs(_DGRAD_SWEEP, _DGRAD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT"], prune_configs_by=_PRUNE)
+                 key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_dgrad_kernel(
     # pointers
     g_ptr, w_ptr, sg_ptr, y_ptr,
-    # sizes
-    M, N, K, KH,
+    # sizes (M_BUCKET: autotune key, see _fp4_gemm_kernel)
+    M, M_BUCKET, N, K, KH,
     # strides
     stride_gm, stride_wn, stride_ym,
     # meta-parameters (BLOCK_N is the reduction block)
@@ -285,16 +302,16 @@ def _fp4_dgrad_kernel(
 
 
 def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k: int,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, *, fast_accum: bool | None = None) -> torch.Tensor:
     """Activation gradient ``dA = (G1 W_q) / s_g1[:, None]`` -> (M, k) ``out_dtype``.
 
     ``g`` (M, N): dY with W's scales folded in, FP8 E5M2/E4M3 (or bf16/fp16), one fp32
     scale per row in ``g_scale`` (M,); ``w_packed`` (N, ceil(k/2)) the forward's packed
-    weight codes (packed along K, the output dimension here).
+    weight codes (packed along K, the output dimension here). ``fast_accum`` as in ``fp4_gemm``.
     """
-    check_packed("w_packed", w_packed, k)
+    w_packed = check_packed("w_packed", w_packed, k)
     n, kh = w_packed.shape
-    _check_grad(g, g_scale, g.shape[0], "one fp32 scale per row of dY")
+    g, g_scale = _check_grad(g, g_scale, g.shape[0], "one fp32 scale per row of dY")
     if g.shape[1] != n:
         raise ValueError(f"g has {g.shape[1]} columns but w_packed has {n} rows (out_features); "
                          "dgrad reduces over that shared dimension")
@@ -305,36 +322,76 @@ def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k:
     y = torch.empty(m, k, dtype=out_dtype, device=g.device)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     _fp4_dgrad_kernel[grid](
-        g, w_packed, g_scale, y, m, n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM,
+        g, w_packed, g_scale, y, m, _bucket(m), n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=_grad_dot_mode(g), PRECISE_ACC=_precise(fast_accum),
     )
     return y
 
 
 @triton.jit
 def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
-    """DGE derivative f'(x) of fp32 scaled weights (fp4lightning.dge.dge_derivative)."""
-    a = tl.abs(x)
+    """DGE derivative f'(x) of fp32 scaled weights (arXiv 2501.17116, section 3.2).
+
+    The interval is taken from the magnitude after the quantizer's saturation,
+    ``a = min(|x|, 6)``: ``W * s_w`` rounded in fp32 lands just above 6 for each row's
+    largest weight (0.37 * (6 / 0.37) = 6.0000005), and that weight quantizes to 6, a
+    grid point, so its derivative is exactly 1/k - never 0. Same formula as
+    ``fp4lightning.dge.dge_derivative``; NaN weights get 0.
+    """
+    a = tl.minimum(tl.abs(x), 6.0)
     # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
     inv_delta = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
     delta = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     left = tl.floor(a * inv_delta) * delta
     t = tl.abs(2.0 * (a - left) * inv_delta - 1.0)
-    # t^POW with POW < 0; t == 0 (an interval mid-point) is +inf, which the clamp caps
+    # t^POW with POW < 0; t == 0 (an interval mid-point) is +inf, which the clamp caps;
+    # t == 1 (a grid point) is exactly 1 (log2(1) = 0), so f' = 1/k exactly there
     safe = tl.where(t > 0.0, t, 1.0)
     d = INV_K * tl.where(t > 0.0, tl.exp2(POW * tl.log2(safe)), float("inf"))
     d = tl.minimum(d, CLAMP)
-    return tl.where(a <= 6.0, d, 0.0)  # beyond the grid (and NaN weights): 0
+    return tl.where(x == x, d, 0.0)  # NaN weights: 0, as the reference
+
+
+@triton.jit
+def _dge_factor_kernel(w_ptr, sw_ptr, y_ptr, N, K, stride_wn, stride_yn,
+                       DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    sw = tl.load(sw_ptr + offs_n, mask=offs_n < N, other=1.0)
+    f = _dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+    tl.store(y_ptr + rows * stride_yn + offs_k[None, :], f, mask=mask)
+
+
+def dge_factor(w: torch.Tensor, w_scale: torch.Tensor, dge_k: float = 5.0, dge_clamp: float = 3.0) -> torch.Tensor:
+    """The DGE factor ``f'(W s_w)`` (N, K) fp32 that ``fp4_wgrad`` fuses into its epilogue.
+
+    The same device function as the wgrad epilogue, so ``fp4_wgrad(..., dge_weight=w)``
+    equals ``fp4_wgrad(...) * dge_factor(w, ...)`` bit for bit; exposed to test the
+    epilogue's math on its own and to precompute the factor once per weight update.
+    """
+    w = check_rows("w", w, FLOAT_DTYPES, "the high-precision weight W, N x K")
+    n, k = w.shape
+    w_scale = check_vector("w_scale", w_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
+    check_same_device(w=w, w_scale=w_scale)
+    y = torch.empty(n, k, dtype=torch.float32, device=w.device)
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
+    _dge_factor_kernel[grid](w, w_scale, y, n, k, w.stride(0), y.stride(0), DGE_INV_K=1.0 / float(dge_k),
+                             DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp), BLOCK_N=32, BLOCK_K=128)
+    return y
 
 
 @triton.autotune(configs=_configs(_WGRAD_SWEEP, _WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
+                 key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_wgrad_kernel(
     # pointers (c_ptr: optional addend, any strides)
     g_ptr, a_ptr, sg_ptr, w_ptr, sw_ptr, c_ptr, y_ptr,
-    # sizes
-    M, N, K, KH,
+    # sizes (M_BUCKET: autotune key, see _fp4_gemm_kernel)
+    M, M_BUCKET, N, K, KH,
     # strides
     stride_gm, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
     # meta-parameters (BLOCK_M is the reduction block)
@@ -412,6 +469,8 @@ def fp4_wgrad(
     dge_k: float = 5.0,
     dge_clamp: float = 3.0,
     addend: torch.Tensor | None = None,
+    *,
+    fast_accum: bool | None = None,
 ) -> torch.Tensor:
     """Weight gradient ``dW = (G2^T A_q) / s_g2[:, None] + addend``, times ``f'(W s_w)`` with DGE -> (N, k).
 
@@ -422,22 +481,22 @@ def fp4_wgrad(
     ``addend`` (N, k, any float dtype and strides; e.g. OCC's compensation term
     ``(R^T dY)^T``) is added in the epilogue before the DGE factor.
     """
-    check_packed("a_packed", a_packed, k)
+    a_packed = check_packed("a_packed", a_packed, k)
     m, kh = a_packed.shape
-    _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
+    g, g_scale = _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
     if g.shape[0] != m:
         raise ValueError(f"g has {g.shape[0]} rows but a_packed has {m} (tokens); wgrad reduces over tokens")
     n = g.shape[1]
     check_out_dtype(out_dtype)
     has_dge = dge_weight is not None
     if has_dge:
-        check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
+        dge_weight = check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
         if tuple(dge_weight.shape) != (n, k):
             raise ValueError(f"dge_weight must have shape ({n}, {k}) = (columns of g, k), "
                              f"got {tuple(dge_weight.shape)}")
         if dge_weight_scale is None:
             raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
-        check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
+        dge_weight_scale = check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
         if not dge_k > 1.0:
             raise ValueError(f"dge_k must be > 1 (the paper uses 5), got {dge_k}")
         if not dge_clamp > 0:
@@ -456,9 +515,9 @@ def fp4_wgrad(
     _fp4_wgrad_kernel[grid](
         g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale,
         addend if has_add else g_scale, y,
-        m, n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0,
+        m, _bucket(m), n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0,
         addend.stride(0) if has_add else 0, addend.stride(1) if has_add else 0, y.stride(0),
-        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM, HAS_ADDEND=has_add, HAS_DGE=has_dge,
+        DOT=_grad_dot_mode(g), PRECISE_ACC=_precise(fast_accum), HAS_ADDEND=has_add, HAS_DGE=has_dge,
         DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
     return y

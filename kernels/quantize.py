@@ -174,7 +174,7 @@ def _fp4_launch_params(kh: int, block_kh: int | None) -> tuple[int, int, bool, i
 
 
 def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
-    check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
+    x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
     check_same_device(x2d=x2d, bounds=bounds)
     if scale_mode not in ("float", "pow2"):
         raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
@@ -342,7 +342,7 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2") -> tuple[torch.
     (``'bf16'`` needs no kernel; the dispatch layer handles it). ``x2d``: fp32/bf16/fp16,
     2-D with contiguous rows.
     """
-    check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
+    x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
     check_same_device(x2d=x2d)
     if fmt not in _FP8:
         raise ValueError(f"unknown FP8 format {fmt!r}; choose 'e4m3' or 'e5m2'")

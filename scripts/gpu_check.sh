@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The one GPU check of the FP4 Triton kernels (docs/perf.md, "FP4 Triton kernels").
+#
+#   bash scripts/gpu_check.sh            # from the repository root of a clone, on a CUDA machine
+#
+# 1. makes `fp4lightning` (with `kernels/` as `fp4lightning.kernels`) importable: uses
+#    an existing install, else `pip install --no-deps -e .` (the README's install,
+#    without touching dependencies);
+# 2. runs the kernel tests on the GPU (compiled kernels, default configs);
+# 3. runs the full benchmark (python -m fp4lightning.kernels.bench), every row printed
+#    as soon as it is measured, kernel-vs-reference checks at the end.
+# Everything goes to stdout and to $OUT/gpu_check.log (when $OUT is set) or
+# /tmp/fp4lightning_gpu_check.log. Exit status: 0 only if every test and check passed.
+# Sized for about 8 minutes on one H100/H200; each step has its own time limit, so a
+# hang in one still leaves the others' output.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
+LOG=${OUT:+$OUT/gpu_check.log}
+LOG=${LOG:-/tmp/fp4lightning_gpu_check.log}
+mkdir -p "$(dirname "$LOG")"
+: > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
+T0=$(date +%s)
+FAIL=()
+step() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+
+step "environment"
+date -u
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null || echo "(no nvidia-smi)"
+"$PY" - <<'EOF' || FAIL+=("environment")
+import sys, torch, triton
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| triton", triton.__version__)
+print("cuda available:", torch.cuda.is_available(),
+      "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+sys.exit(0 if torch.cuda.is_available() else 1)
+EOF
+git log -1 --format='commit %H %s' 2>/dev/null || true
+
+step "install (if fp4lightning.kernels is not importable yet)"
+if ! "$PY" -c "import fp4lightning.kernels.fp4_triton" 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . \
+    || "$PY" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check \
+         --break-system-packages -e .
+fi
+if ! "$PY" -c "import fp4lightning.kernels.fp4_triton as k; print('fp4lightning.kernels from', k.__file__)"; then
+  echo "FATAL: cannot import fp4lightning.kernels (install with: pip install -e .)"
+  exit 2
+fi
+
+step "kernel tests on the GPU (compiled kernels, default configs: FP4LIGHTNING_AUTOTUNE=0)"
+FP4LIGHTNING_AUTOTUNE=0 timeout 240 "$PY" -m pytest -v -p no:cacheprovider -m "not slow" \
+  --durations=8 tests/test_kernels.py -o addopts="" -rfE
+rc=$?
+[ $rc -eq 0 ] || FAIL+=("tests (rc=$rc)")
+
+step "benchmark + kernel checks (python -m fp4lightning.kernels.bench; autotuning on)"
+timeout 330 "$PY" -m fp4lightning.kernels.bench
+rc=$?
+[ $rc -eq 0 ] || FAIL+=("bench (rc=$rc; 124 = ran out of its 330 s)")
+
+step "done in $(( $(date +%s) - T0 )) s"
+if [ ${#FAIL[@]} -eq 0 ]; then
+  echo "GPU CHECK PASSED"
+  exit 0
+fi
+echo "GPU CHECK FAILED: ${FAIL[*]}"
+exit 1
