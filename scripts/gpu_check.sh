@@ -6,9 +6,10 @@
 # 1. makes `fp4lightning` (with `kernels/` as `fp4lightning.kernels`) importable: uses
 #    an existing install, else `pip install --no-deps -e .` (the README's install,
 #    without touching dependencies);
-# 2. runs the kernel tests on the GPU (compiled kernels, default configs);
-# 3. runs the full benchmark (python -m fp4lightning.kernels.bench), every row printed
-#    as soon as it is measured, kernel-vs-reference checks at the end.
+# 2. runs the GPU tests of tests/test_kernels.py (compiled kernels, default configs);
+# 3. runs the full benchmark (python -m fp4lightning.kernels.bench): kernel-vs-reference
+#    checks first, then every timing row printed as soon as it is measured;
+# 4. runs the rest of tests/test_kernels.py compiled on the GPU.
 # Everything goes to stdout and to $OUT/gpu_check.log (when $OUT is set) or
 # /tmp/fp4lightning_gpu_check.log. Exit status: 0 only if every test and check passed.
 # Sized for about 8 minutes on one H100/H200; each step has its own time limit, so a
@@ -50,16 +51,25 @@ if ! "$PY" -c "import fp4lightning.kernels.fp4_triton as k; print('fp4lightning.
   exit 2
 fi
 
-step "kernel tests on the GPU (compiled kernels, default configs: FP4LIGHTNING_AUTOTUNE=0)"
-FP4LIGHTNING_AUTOTUNE=0 timeout 240 "$PY" -m pytest -v -p no:cacheprovider -m "not slow" \
-  --durations=8 tests/test_kernels.py -o addopts="" -rfE
+# Order: the realistic-size GPU tests, then the benchmark (which checks every kernel
+# against its reference before timing), then the rest of the kernel tests (the small
+# odd-shaped cases the CPU suite runs under the interpreter, here compiled).
+step "GPU tests at realistic sizes (pytest -m gpu tests/test_kernels.py; default configs)"
+FP4LIGHTNING_AUTOTUNE=0 timeout 150 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -rfE --durations=5 \
+  -m "gpu" tests/test_kernels.py
 rc=$?
-[ $rc -eq 0 ] || FAIL+=("tests (rc=$rc)")
+[ $rc -eq 0 ] || FAIL+=("gpu tests (rc=$rc; 124 = ran out of its 150 s)")
 
 step "benchmark + kernel checks (python -m fp4lightning.kernels.bench; autotuning on)"
-timeout 330 "$PY" -m fp4lightning.kernels.bench
+timeout 270 "$PY" -m fp4lightning.kernels.bench
 rc=$?
-[ $rc -eq 0 ] || FAIL+=("bench (rc=$rc; 124 = ran out of its 330 s)")
+[ $rc -eq 0 ] || FAIL+=("bench (rc=$rc; 124 = ran out of its 270 s)")
+
+step "the remaining kernel tests, compiled (pytest -m 'not gpu and not slow' tests/test_kernels.py)"
+FP4LIGHTNING_AUTOTUNE=0 timeout 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE --durations=5 \
+  -m "not gpu and not slow" tests/test_kernels.py
+rc=$?
+[ $rc -eq 0 ] || FAIL+=("small-shape tests (rc=$rc; 124 = ran out of its 120 s)")
 
 step "done in $(( $(date +%s) - T0 )) s"
 if [ ${#FAIL[@]} -eq 0 ]; then
