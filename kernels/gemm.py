@@ -40,6 +40,7 @@ from ._common import (
     DOT_FP16,
     DOT_FP32,
     FLOAT_DTYPES,
+    FP8_DECODE_SHIFT,
     FP8_FAST_ACCUM,
     INTERPRET,
     as_dot_operand,
@@ -49,6 +50,7 @@ from ._common import (
     check_same_device,
     check_vector,
     decode_e2m1,
+    decode_e2m1_pair_fp8,
     has_fp8_mma,
     mma,
     tile_ids,
@@ -63,28 +65,28 @@ GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.flo
 # --------------------------------------------------------------------------- autotune configs
 # How the sweeps were chosen (no GPU was available to time them, see docs/kernels.md):
 # start from the tile shapes cuBLAS and the Triton matmul tutorials use (128x128 /
-# 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny problems),
-# with 64 packed bytes (128 codes) of K per step - two dots of K=64, FP8 wgmma's K
-# granularity being 32 - or 32 bytes where the decode's registers are tight. Then every
-# candidate was compiled ahead of time (kernels/compile_check.py; triton.compile with a
-# GPUTarget needs no GPU) and the ones ptxas spilled heavily (stack > ~0.5 KB per
-# thread) were dropped. Hopper (wgmma, operands from shared memory) and older GPUs
-# (mma.sync, operands in registers) spill on different tiles, hence two families; the
-# first row of each compiles without spills and is the default (FP4LIGHTNING_AUTOTUNE=0).
+# 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny problems).
+# Then every candidate was compiled ahead of time (kernels/compile_check.py
+# --all-configs; triton.compile with a GPUTarget needs no GPU), the ones ptxas spilled
+# dropped, and the static roofline of the main loop read from the SASS (issue cycles
+# per tensor-core cycles, see compile_check). On Hopper the FP8 forward with 128 codes
+# of K per dot (BLOCK_KH=128 bytes: 256 codes per iteration) halves the share of the
+# fp32 promotions per tensor op against 64 and lands at 0.90 (2026-11-30, triton
+# 3.7.1), the 128x256 tiles spill. Hopper (wgmma, operands from shared memory) and
+# older GPUs (mma.sync, operands in registers) spill on different tiles, hence two
+# families; the first row of each is the default (FP4LIGHTNING_AUTOTUNE=0).
 # Rows: (output rows, second tile dim, BLOCK_KH, stages, warps).
 
 # Forward: (BLOCK_M, BLOCK_N, ...)
-_FWD_SWEEP = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (128, 256, 32, 4, 8), (64, 128, 64, 4, 4),
-              (128, 64, 64, 4, 4)]
-_FWD_SWEEP_MMA = [(128, 128, 32, 4, 8), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                  (128, 256, 32, 3, 8)]
+_FWD_SWEEP = [(128, 128, 128, 3, 8), (128, 128, 64, 4, 8), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4)]
+_FWD_SWEEP_MMA = [(128, 128, 32, 4, 8), (128, 128, 32, 4, 4)]
 # Backward: (output rows, reduction block, ...). The output tile is rows x 2*BLOCK_KH
 # columns held as two accumulators (even/odd columns), so BLOCK_KH=64 is a 128-column
 # tile; the reduction block is the dot's K (>= 32 for FP8).
-_DGRAD_SWEEP = [(128, 64, 64, 4, 8), (128, 128, 64, 3, 8), (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)]
+_DGRAD_SWEEP = [(128, 128, 128, 3, 8), (128, 128, 64, 3, 8), (128, 64, 64, 4, 8), (64, 64, 64, 4, 4)]
 _DGRAD_SWEEP_MMA = [(128, 64, 64, 4, 8), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (128, 64, 64, 3, 8)]
 # wgrad carries the DGE epilogue, which needs more registers: smaller tiles.
-_WGRAD_SWEEP = [(128, 128, 64, 3, 8), (128, 128, 32, 4, 4), (64, 64, 64, 4, 4)]
+_WGRAD_SWEEP = [(128, 128, 64, 3, 8), (64, 64, 64, 4, 4)]
 _WGRAD_SWEEP_MMA = [(128, 64, 32, 4, 8), (64, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 3, 4)]
 
 _FAMILY: dict[int, str] = {}  # id(config) -> "wgmma" | "mma"
@@ -143,7 +145,7 @@ def _fp4_gemm_kernel(
     # strides (inner strides are 1)
     stride_am, stride_wn, stride_ym,
     # meta-parameters
-    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
@@ -164,10 +166,18 @@ def _fp4_gemm_kernel(
         k_ok = (offs_kh < KH - kh0)[None, :]
         a = tl.load(a_ptrs, mask=k_ok, other=0)  # zero bytes decode to +0.0
         w = tl.load(w_ptrs, mask=k_ok, other=0)
-        acc = mma(decode_e2m1(a & 0xF, DOT), tl.trans(decode_e2m1(w & 0xF, DOT)), acc, DOT, PRECISE_ACC)
-        acc = mma(decode_e2m1(a >> 4, DOT), tl.trans(decode_e2m1(w >> 4, DOT)), acc, DOT, PRECISE_ACC)
+        if DOT <= 1:  # FP8: four codes per instruction, scaled by 2^-6 each (see _common)
+            a_lo, a_hi = decode_e2m1_pair_fp8(a, DOT)
+            w_lo, w_hi = decode_e2m1_pair_fp8(w, DOT)
+            acc = mma(a_lo, tl.trans(w_lo), acc, DOT, PRECISE_ACC)
+            acc = mma(a_hi, tl.trans(w_hi), acc, DOT, PRECISE_ACC)
+        else:
+            acc = mma(decode_e2m1(a & 0xF, DOT), tl.trans(decode_e2m1(w & 0xF, DOT)), acc, DOT, PRECISE_ACC)
+            acc = mma(decode_e2m1(a >> 4, DOT), tl.trans(decode_e2m1(w >> 4, DOT)), acc, DOT, PRECISE_ACC)
         a_ptrs += BLOCK_KH
         w_ptrs += BLOCK_KH
+    if DOT <= 1:
+        acc = acc * UNSCALE  # both operands carry 2^-6: an exact power of two
 
     # --- epilogue: Y = acc / s_a / s_w + bias in fp32, the reference's operation order
     # (IEEE divisions, so an exact accumulator gives a bit-identical fp32 result)
@@ -180,6 +190,12 @@ def _fp4_gemm_kernel(
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _unscale(*dots: int) -> float:
+    """UNSCALE of a launch: 2^(sum of FP8_DECODE_SHIFT) over the decoded operands' dot types,
+    undoing ``decode_e2m1_pair_fp8``'s power of two in the epilogue (1.0 off the FP8 path)."""
+    return float(2 ** sum(FP8_DECODE_SHIFT.get(d, 0) for d in dots))
 
 
 def _decode_mode(decode: str | None, device: torch.device) -> int:
@@ -228,7 +244,7 @@ def fp4_gemm(
     _fp4_gemm_kernel[grid](
         a_packed, w_packed, a_scale, w_scale, bias if bias is not None else a_scale, y,
         m, _bucket(m), n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=_precise(fast_accum),
+        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot, dot),
     )
     return y
 
@@ -269,7 +285,7 @@ def _fp4_dgrad_kernel(
     # strides
     stride_gm, stride_wn, stride_ym,
     # meta-parameters (BLOCK_N is the reduction block)
-    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
     pid_m, pid_k = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(KH, BLOCK_KH), GROUP)
@@ -286,10 +302,18 @@ def _fp4_dgrad_kernel(
         n_ok = offs_n < N - n0
         g = as_dot_operand(tl.load(g_ptrs, mask=n_ok[None, :], other=0.0), DOT)
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-        acc_even = mma(g, decode_e2m1(w & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
-        acc_odd = mma(g, decode_e2m1(w >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+        if DOT <= 1:
+            w_lo, w_hi = decode_e2m1_pair_fp8(w, DOT)
+            acc_even = mma(g, w_lo, acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, w_hi, acc_odd, DOT, PRECISE_ACC)
+        else:
+            acc_even = mma(g, decode_e2m1(w & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, decode_e2m1(w >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
         g_ptrs += BLOCK_N
         w_ptrs += BLOCK_N * stride_wn
+    if DOT <= 1:
+        acc_even = acc_even * UNSCALE  # the decoded operand carries 2^-shift
+        acc_odd = acc_odd * UNSCALE
 
     # --- epilogue: interleave columns, divide by the per-row dY scale
     out = tl.join(acc_even, acc_odd).reshape(BLOCK_M, 2 * BLOCK_KH)
@@ -320,10 +344,11 @@ def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k:
     m = g.shape[0]
     g = _loadable_grad(g)
     y = torch.empty(m, k, dtype=out_dtype, device=g.device)
+    dot = _grad_dot_mode(g)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     _fp4_dgrad_kernel[grid](
         g, w_packed, g_scale, y, m, _bucket(m), n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=_grad_dot_mode(g), PRECISE_ACC=_precise(fast_accum),
+        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot),
     )
     return y
 
@@ -395,7 +420,7 @@ def _fp4_wgrad_kernel(
     # strides
     stride_gm, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
     # meta-parameters (BLOCK_M is the reduction block)
-    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, HAS_ADDEND: tl.constexpr,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr, HAS_ADDEND: tl.constexpr,
     HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -414,10 +439,18 @@ def _fp4_wgrad_kernel(
         m_ok = (offs_m < M - m0)[:, None]
         g = tl.trans(as_dot_operand(tl.load(g_ptrs, mask=m_ok, other=0.0), DOT))
         a = tl.load(a_ptrs, mask=m_ok, other=0)
-        acc_even = mma(g, decode_e2m1(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
-        acc_odd = mma(g, decode_e2m1(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+        if DOT <= 1:
+            a_lo, a_hi = decode_e2m1_pair_fp8(a, DOT)
+            acc_even = mma(g, a_lo, acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, a_hi, acc_odd, DOT, PRECISE_ACC)
+        else:
+            acc_even = mma(g, decode_e2m1(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, decode_e2m1(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
         g_ptrs += BLOCK_M * stride_gm
         a_ptrs += BLOCK_M * stride_am
+    if DOT <= 1:
+        acc_even = acc_even * UNSCALE  # the decoded operand carries 2^-shift
+        acc_odd = acc_odd * UNSCALE
 
     # --- epilogue: divide by the per-column dY scale, add, DGE factor. With the DGE math
     # (or an addend) the even and odd columns are finished one half at a time: the
@@ -512,12 +545,13 @@ def fp4_wgrad(
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     has_add = addend is not None
     g = _loadable_grad(g)
+    dot = _grad_dot_mode(g)
     _fp4_wgrad_kernel[grid](
         g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale,
         addend if has_add else g_scale, y,
         m, _bucket(m), n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0,
         addend.stride(0) if has_add else 0, addend.stride(1) if has_add else 0, y.stride(0),
-        DOT=_grad_dot_mode(g), PRECISE_ACC=_precise(fast_accum), HAS_ADDEND=has_add, HAS_DGE=has_dge,
+        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot), HAS_ADDEND=has_add, HAS_DGE=has_dge,
         DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
     return y
