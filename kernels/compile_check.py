@@ -88,13 +88,13 @@ def _cases(all_configs: bool = False):
                    M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I)
     q_meta = dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=1, BLOCK_KH=2048)
     f8_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
-                    stride_qm=_I)
+                    stride_qm=_I, stride_qn=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                    M=_I, M_BUCKET=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
     d_types = dict(g_ptr="*fp8e5", w_ptr="*u8", sg_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I,
                    KH=_I, stride_gm=_I, stride_wn=_I, stride_ym=_I)
     w_types = dict(g_ptr="*fp8e5", a_ptr="*u8", sg_ptr="*fp32", w_ptr="*fp32", sw_ptr="*fp32", c_ptr="*fp32",
-                   y_ptr="*fp32", M=_I, M_BUCKET=_I, N=_I, K=_I, KH=_I, stride_gm=_I, stride_am=_I, stride_wn=_I,
+                   y_ptr="*fp32", M=_I, M_BUCKET=_I, N=_I, K=_I, KH=_I, stride_gm=_I, stride_gn=_I, stride_am=_I, stride_wn=_I,
                    stride_cn=_I, stride_ck=_I, stride_yn=_I)
     dge = dict(HAS_DGE=True, DGE_INV_K=0.2, DGE_POW=-0.8, DGE_CLAMP=3.0)
     cases = [
@@ -124,14 +124,19 @@ def _cases(all_configs: bool = False):
          dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0), gemm._DGRAD_SWEEP, fwd),
         ("fp4_dgrad bf16 dY", 90, "dgrad", gemm._fp4_dgrad_kernel, dict(d_types, g_ptr="*bf16"),
          dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP, fwd),
+        # column-major dY (G_T) is what FP4Linear's Triton path hands over (ops.quantize_fp8)
         ("fp4_wgrad e5m2 dY + DGE + addend", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
-         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, HAS_ADDEND=True, **dge), gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),
+         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=True, HAS_ADDEND=True, **dge),
+         gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),
+        ("fp4_wgrad e5m2 row-major dY + DGE", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
+         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=False, HAS_ADDEND=False, **dge),
+         gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),
         ("fp4_gemm fp16 (no FP8 MMA)", 80, "forward", gemm._fp4_gemm_kernel, f_types,
          dict(DOT=DOT_FP16, HAS_BIAS=True, PRECISE_ACC=True, UNSCALE=1.0), gemm._FWD_SWEEP_MMA, fwd),
         ("fp4_dgrad e5m2 dY via fp16 (no FP8 MMA)", 80, "dgrad", gemm._fp4_dgrad_kernel, d_types,
          dict(DOT=DOT_FP16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP_MMA, fwd),
         ("fp4_wgrad bf16 dY + DGE + addend", 80, "wgrad", gemm._fp4_wgrad_kernel, dict(w_types, g_ptr="*bf16"),
-         dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0, HAS_ADDEND=True, **dge), gemm._WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M")),
+         dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0, G_T=False, HAS_ADDEND=True, **dge), gemm._WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M")),
     ]
     for name, arch, kind, kernel, types, consts, sweep, names in gemms:
         for i, row in enumerate(sweep if all_configs else sweep[:1]):

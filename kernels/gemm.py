@@ -410,17 +410,17 @@ def dge_factor(w: torch.Tensor, w_scale: torch.Tensor, dge_k: float = 5.0, dge_c
 
 
 @triton.autotune(configs=_configs(_WGRAD_SWEEP, _WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
-                 key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
+                 key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC", "G_T", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_wgrad_kernel(
     # pointers (c_ptr: optional addend, any strides)
     g_ptr, a_ptr, sg_ptr, w_ptr, sw_ptr, c_ptr, y_ptr,
     # sizes (M_BUCKET: autotune key, see _fp4_gemm_kernel)
     M, M_BUCKET, N, K, KH,
-    # strides
-    stride_gm, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
+    # strides (dY: one of stride_gm / stride_gn is 1, which one is G_T)
+    stride_gm, stride_gn, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
     # meta-parameters (BLOCK_M is the reduction block)
-    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr, HAS_ADDEND: tl.constexpr,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr, G_T: tl.constexpr, HAS_ADDEND: tl.constexpr,
     HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -428,8 +428,13 @@ def _fp4_wgrad_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kh = pid_k * BLOCK_KH + tl.arange(0, BLOCK_KH)
     offs_m = tl.arange(0, BLOCK_M)
-    # dY is read as row-major [BLOCK_M, BLOCK_N] tiles (coalesced) and transposed in registers
-    g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + (offs_n % N)[None, :]
+    # dY row-major: read as [BLOCK_M, BLOCK_N] tiles (coalesced) and transposed in registers;
+    # dY column-major (G_T, what quantize_fp8(dim=0, column_major=True) writes): read as
+    # [BLOCK_N, BLOCK_M] tiles that are already K-major, the layout FP8 wgmma takes
+    if G_T:
+        g_ptrs = g_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_gn + offs_m[None, :]
+    else:
+        g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + (offs_n % N)[None, :]
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + (offs_kh % KH)[None, :]
 
     # --- main loop over M (tokens)
@@ -437,7 +442,10 @@ def _fp4_wgrad_kernel(
     acc_odd = tl.zeros((BLOCK_N, BLOCK_KH), dtype=tl.float32)
     for m0 in range(0, M, BLOCK_M):
         m_ok = (offs_m < M - m0)[:, None]
-        g = tl.trans(as_dot_operand(tl.load(g_ptrs, mask=m_ok, other=0.0), DOT))
+        if G_T:
+            g = as_dot_operand(tl.load(g_ptrs, mask=tl.trans(m_ok), other=0.0), DOT)
+        else:
+            g = tl.trans(as_dot_operand(tl.load(g_ptrs, mask=m_ok, other=0.0), DOT))
         a = tl.load(a_ptrs, mask=m_ok, other=0)
         if DOT <= 1:
             a_lo, a_hi = decode_e2m1_pair_fp8(a, DOT)
@@ -446,7 +454,7 @@ def _fp4_wgrad_kernel(
         else:
             acc_even = mma(g, decode_e2m1(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
             acc_odd = mma(g, decode_e2m1(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
-        g_ptrs += BLOCK_M * stride_gm
+        g_ptrs += BLOCK_M if G_T else BLOCK_M * stride_gm
         a_ptrs += BLOCK_M * stride_am
     if DOT <= 1:
         acc_even = acc_even * UNSCALE  # the decoded operand carries 2^-shift
@@ -516,7 +524,12 @@ def fp4_wgrad(
     """
     a_packed = check_packed("a_packed", a_packed, k)
     m, kh = a_packed.shape
-    g, g_scale = _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
+    # a column-major dY (quantize_fp8(dim=0, column_major=True)) is used as it is
+    g_t = isinstance(g, torch.Tensor) and g.dim() == 2 and g.shape[0] > 1 and g.stride(0) == 1
+    if g_t:
+        g_scale = _check_grad(g.t(), g_scale, g.shape[1], "one fp32 scale per column of dY")[1]
+    else:
+        g, g_scale = _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
     if g.shape[0] != m:
         raise ValueError(f"g has {g.shape[0]} rows but a_packed has {m} (tokens); wgrad reduces over tokens")
     n = g.shape[1]
@@ -549,9 +562,10 @@ def fp4_wgrad(
     _fp4_wgrad_kernel[grid](
         g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale,
         addend if has_add else g_scale, y,
-        m, _bucket(m), n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0,
+        m, _bucket(m), n, k, kh, g.stride(0), g.stride(1), a_packed.stride(0),
+        dge_weight.stride(0) if has_dge else 0,
         addend.stride(0) if has_add else 0, addend.stride(1) if has_add else 0, y.stride(0),
-        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot), HAS_ADDEND=has_add, HAS_DGE=has_dge,
+        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot), G_T=g_t, HAS_ADDEND=has_add, HAS_DGE=has_dge,
         DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
     return y

@@ -257,14 +257,14 @@ def _line_amax(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, cols, mask, AXIS: tl.constexpr, FMAX: tl.constexpr,
-                      MANT: tl.constexpr, EMIN: tl.constexpr):
+def _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, AXIS: tl.constexpr,
+                      FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """Scale (per line along ``AXIS``), saturate and round a tile to FP8; store the bit patterns."""
     s = tl.expand_dims(scale, AXIS)
     y = tl.where(s == s, x * s, 0.0)  # the reference's nan_to_num(nan=0)
     mag = minifloat_bits(tl.minimum(tl.abs(y), FMAX), MANT, EMIN)
     bits = (mag | (sign_bit(y) << 7)).to(tl.uint8)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], bits, mask=mask)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols.to(tl.int64)[None, :] * stride_qn, bits, mask=mask)
 
 
 @triton.jit
@@ -299,7 +299,7 @@ def _quantize_fp8_rows_kernel(
     # --- pass 2: encode
     for n0 in range(0, N, BLOCK_N):
         x, mask = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N)
-        _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, n0 + c, mask, 1, FMAX, MANT, EMIN)
+        _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, n0 + c, mask, 1, FMAX, MANT, EMIN)
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
@@ -320,7 +320,7 @@ def _col_amax_kernel(x_ptr, amax_ptr, M, N, stride_xm, BLOCK_M: tl.constexpr, BL
 def _quantize_fp8_cols_kernel(
     x_ptr, q_ptr, s_ptr, amax_ptr,
     M, N,
-    stride_xm, stride_qm,
+    stride_xm, stride_qm, stride_qn,
     FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One scale per column, from the column absmax of _col_amax_kernel; fully parallel tiles.
@@ -330,17 +330,20 @@ def _quantize_fp8_cols_kernel(
     amax = tl.load(amax_ptr + cols, mask=cols < N, other=0).to(tl.float32, bitcast=True)
     scale = _fp8_scale(amax, FMAX)
     x, mask = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N)
-    _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, cols, mask, 0, FMAX, MANT, EMIN)
+    _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, 0, FMAX, MANT, EMIN)
     tl.store(s_ptr + cols, scale, mask=(cols < N) & (pid_m == 0))
 
 
-def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *,
+                 column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
     ``fp4lightning.ops.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
     (``'bf16'`` needs no kernel; the dispatch layer handles it). ``x2d``: fp32/bf16/fp16,
-    2-D with contiguous rows.
+    2-D, any strides. ``column_major=True`` (with ``dim=0``) returns the same values laid
+    out column by column (``q.t()`` contiguous): the layout ``fp4_wgrad`` feeds to the FP8
+    tensor cores without a transpose in registers.
     """
     x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
     check_same_device(x2d=x2d)
@@ -348,9 +351,12 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2") -> tuple[torch.
         raise ValueError(f"unknown FP8 format {fmt!r}; choose 'e4m3' or 'e5m2'")
     if dim not in (0, 1):
         raise ValueError(f"dim must be 1 (one scale per row) or 0 (one scale per column), got {dim!r}")
+    if column_major and dim != 0:
+        raise ValueError("column_major=True is the layout of the per-column (dim=0) quantization only")
     fmax, mant, emin, dtype = _FP8[fmt]
     m, n = x2d.shape
-    q = torch.empty(m, n, dtype=dtype, device=x2d.device)
+    q = torch.empty(n, m, dtype=dtype, device=x2d.device).t() if column_major else \
+        torch.empty(m, n, dtype=dtype, device=x2d.device)
     qb = q.view(torch.uint8)  # the kernels write FP8 bit patterns
     meta = dict(FMAX=fmax, MANT=mant, EMIN=emin)
     # Bandwidth-bound: tiles of ~4K elements keep enough loads in flight without spills.
@@ -367,7 +373,10 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2") -> tuple[torch.
         block_m = max(1, 4096 // block_n)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _col_amax_kernel[grid](x2d, amax_bits, m, n, x2d.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        if column_major:  # tiles long along M: the stores run along contiguous bytes
+            block_m, block_n = min(triton.next_power_of_2(m), 256), 16
+            grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _quantize_fp8_cols_kernel[grid](
-            x2d, qb, scale, amax_bits, m, n, x2d.stride(0), q.stride(0), **meta,
+            x2d, qb, scale, amax_bits, m, n, x2d.stride(0), qb.stride(0), qb.stride(1), **meta,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return q, scale

@@ -43,13 +43,15 @@ LINEAR_WGRAD_DGE_SQNR_DB = 120.0
 COMPILED_STACK_BYTES_MAX = 64
 # Static roofline of the sm_90a default GeMMs (issue cycles / tensor-core cycles per main-
 # loop iteration, kernels/compile_check.py; 2026-11-30, triton 3.7.1). Targets: forward
-# <= 1.0, dgrad/wgrad <= 1.3. Measured: forward 0.90, dgrad 1.27, wgrad 1.96 - wgrad
-# misses its target (both operands need a byte transpose in registers for FP8 wgmma),
-# so its bound holds the value reached, not the target.
+# <= 1.0, dgrad/wgrad <= 1.3. Measured: forward 0.90, dgrad 1.27, wgrad 1.44 (column-major
+# dY, the GPU path's layout). wgrad misses its target - the decoded activation codes still
+# need a byte transpose into shared memory, and the fused DGE epilogue's registers rule
+# out the larger tiles that would amortise it (they reach 1.27 but spill) - so its bound
+# holds the value reached, not the target.
 HOPPER_ISSUE_PER_TENSOR_MAX = {
     "fp4_gemm fp8": 1.0,
     "fp4_dgrad e5m2 dY": 1.3,
-    "fp4_wgrad e5m2 dY + DGE + addend": 2.0,
+    "fp4_wgrad e5m2 dY + DGE + addend": 1.45,
 }
 # bf16 activations: the reference rounds its bf16 matmul's accumulator to bf16 before the
 # epilogue, the kernels round once at the end (and the interpreter truncates bf16 stores);
@@ -467,7 +469,11 @@ def test_kernels_accept_any_strides():
     g_t = g.t().contiguous().t()  # same values, column-major
     assert g_t.stride(1) != 1
     assert torch.equal(kt.fp4_dgrad(g_t, g_s, w_p, k), kt.fp4_dgrad(g, g_s, w_p, k))
-    g0, g0_s = ops.quantize_fp8_reference(torch.randn(m, n, device=DEV), 0, "e4m3")
+    dy = torch.randn(m, n, device=DEV)
+    g0, g0_s = ops.quantize_fp8_reference(dy, 0, "e4m3")
+    q_cm, s_cm = kt.quantize_fp8(dy, dim=0, fmt="e4m3", column_major=True)  # wgrad's layout on the GPU path
+    assert q_cm.stride() == (1, m) and torch.equal(q_cm.view(torch.uint8), g0.view(torch.uint8))
+    assert torch.equal(s_cm, g0_s)
     w_t = w.t().contiguous().t()
     assert torch.equal(kt.fp4_wgrad(g0.t().contiguous().t(), g0_s, a_p, k, dge_weight=w_t, dge_weight_scale=w_s),
                        kt.fp4_wgrad(g0, g0_s, a_p, k, dge_weight=w, dge_weight_scale=w_s))
