@@ -144,6 +144,9 @@ def bench_quantize(table: Table, dev, shapes):
             ("fp8 e5m2, per row", lambda: fp8(x, 1, "e5m2"), x.numel() * 3 + m * 4),
             ("fp8 e5m2, per column", lambda: fp8(x, 0, "e5m2"), x.numel() * 3 + k * 4),
         ]
+        if CUDA:  # the layout FP4Linear's wgrad reads
+            cases.append(("fp8 e5m2, per column, column-major out",
+                          lambda: kt.quantize_fp8(x, 0, "e5m2", column_major=True), x.numel() * 3 + k * 4))
         for name, fn, nbytes in cases:
             t = _time_ms(fn)
             bw = nbytes / (t * 1e-3)
@@ -196,7 +199,7 @@ def bench_gemms(table: Table, dev, shapes):
                 table.note(f"autotune winner fp4_gemm {acc}: {_winner(gemm._fp4_gemm_kernel)}")
             dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
             g1, s1 = kt.quantize_fp8(dy, 1, "e5m2")
-            g2, s2 = kt.quantize_fp8(dy, 0, "e5m2")
+            g2, s2 = kt.quantize_fp8(dy, 0, "e5m2", column_major=True)  # FP4Linear's layout
             # fast-accumulation backward rows at the square shapes only (time budget)
             for fast in (False, True) if label == "square" else (False,):
                 acc = "fast accum" if fast else "precise accum"
