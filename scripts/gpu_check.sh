@@ -44,7 +44,28 @@ step "install (if fp4lightning.kernels is not importable yet)"
 if ! "$PY" -c "import fp4lightning.kernels.fp4_triton" 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . \
     || "$PY" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check \
-         --break-system-packages -e .
+         --break-system-packages -e . \
+    || echo "(pip install -e . failed: falling back to an import hook for this run only)"
+fi
+if ! "$PY" -c "import fp4lightning.kernels.fp4_triton" 2>/dev/null; then
+  # No install possible (e.g. setuptools without bdist_wheel): map kernels/ -> fp4lightning.kernels
+  # and eval/ -> fp4lightning.eval, as pyproject.toml's package-dir does, with a sitecustomize
+  # on PYTHONPATH (also seen by pytest and every subprocess).
+  HOOK=$(mktemp -d)
+  cat > "$HOOK/sitecustomize.py" <<HOOKEOF
+import importlib.abc, importlib.util, os, sys
+_ROOT = "$PWD"
+_MAP = {"fp4lightning.kernels": "kernels", "fp4lightning.eval": "eval"}
+class _PackageDir(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name not in _MAP:
+            return None
+        d = os.path.join(_ROOT, _MAP[name])
+        return importlib.util.spec_from_file_location(name, os.path.join(d, "__init__.py"),
+                                                      submodule_search_locations=[d])
+sys.meta_path.insert(0, _PackageDir())
+HOOKEOF
+  export PYTHONPATH="$HOOK:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if ! "$PY" -c "import fp4lightning.kernels.fp4_triton as k; print('fp4lightning.kernels from', k.__file__)"; then
   echo "FATAL: cannot import fp4lightning.kernels (install with: pip install -e .)"
