@@ -87,7 +87,7 @@ def _cases(all_configs: bool = False):
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
                    M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I)
     q_meta = dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=1, BLOCK_KH=2048)
-    f8_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
+    f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
                     stride_qm=_I, stride_qn=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                    M=_I, M_BUCKET=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
@@ -103,12 +103,12 @@ def _cases(all_configs: bool = False):
         dict(name="quantize_fp4 two passes + OCC clamp", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
              types=q_types, consts=dict(q_meta, SINGLE_PASS=False, CLAMP=True), num_warps=8, num_stages=1),
         dict(name="quantize_fp8 rows e5m2", arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel,
-             types=f8_types, consts=dict(FMAX=57344.0, MANT=2, EMIN=-14, BLOCK_M=4, BLOCK_N=1024), num_warps=4,
+             types=f8_types, consts=dict(FMAX=57344.0, MANT=2, EMIN=-14, DIV=1, BLOCK_M=4, BLOCK_N=1024), num_warps=4,
              num_stages=1),
         dict(name="fp8 column absmax", arch=90, kind="quantize", fn=quantize._col_amax_kernel, types=f8_types,
-             consts=dict(BLOCK_M=32, BLOCK_N=128), num_warps=4, num_stages=1),
+             consts=dict(DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4, num_stages=1),
         dict(name="quantize_fp8 columns e4m3", arch=90, kind="quantize", fn=quantize._quantize_fp8_cols_kernel,
-             types=f8_types, consts=dict(FMAX=448.0, MANT=3, EMIN=-6, BLOCK_M=32, BLOCK_N=128), num_warps=4,
+             types=f8_types, consts=dict(FMAX=448.0, MANT=3, EMIN=-6, DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4,
              num_stages=1),
     ]
     for c in cases:

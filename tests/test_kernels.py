@@ -255,6 +255,24 @@ def test_quantize_fp8_bitwise(fmt, dim, dtype):
     assert torch.isnan(s).sum() == 2  # the NaN line and the inf line
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_divide_by_folds_the_fp4_scale(dim, dtype):
+    # FP4Linear's backward quantizes dY / s_w (per row, dim=1) and dY / s_a (per column,
+    # dim=0); divide_by does the division inside the kernel, bit-identical to dividing first
+    m, n = 75, 139
+    x = (torch.randn(m, n) * torch.exp(2.0 * torch.randn(m, n))).to(dtype).to(DEV)
+    d = torch.exp(3.0 * torch.randn(n if dim == 1 else m)).to(DEV)
+    ref_in = x.float() / (d[None, :] if dim == 1 else d[:, None])
+    for fmt in ("e4m3", "e5m2"):
+        q, s = kt.quantize_fp8(x, dim=dim, fmt=fmt, divide_by=d, column_major=dim == 0)
+        q_ref, s_ref = ops.quantize_fp8_reference(ref_in, dim, fmt)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        _assert_same_scale(s, s_ref)
+    with pytest.raises(ValueError, match="divide_by must have shape"):
+        kt.quantize_fp8(x, dim=dim, divide_by=d[:3])
+
+
 # --------------------------------------------------------------------------- forward GeMM
 def _ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mant = {torch.bfloat16: 7, torch.float16: 10}[dtype]
