@@ -361,7 +361,7 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
     ``a = min(|x|, 6)``: ``W * s_w`` rounded in fp32 lands just above 6 for each row's
     largest weight (0.37 * (6 / 0.37) = 6.0000005), and that weight quantizes to 6, a
     grid point, so its derivative is exactly 1/k - never 0. Same formula as
-    ``fp4lightning.dge.dge_derivative``; NaN weights get 0.
+    ``fp4lightning.dge.dge_derivative``; NaN and +/-inf get 0.
     """
     a = tl.minimum(tl.abs(x), 6.0)
     # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
@@ -374,7 +374,7 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
     safe = tl.where(t > 0.0, t, 1.0)
     d = INV_K * tl.where(t > 0.0, tl.exp2(POW * tl.log2(safe)), float("inf"))
     d = tl.minimum(d, CLAMP)
-    return tl.where(x == x, d, 0.0)  # NaN weights: 0, as the reference
+    return tl.where(tl.abs(x) <= 3.4028234663852886e38, d, 0.0)  # NaN and +/-inf: 0, as the reference
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 ``quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows``: one
 program reads a block of rows, takes each row's absmax, forms the fp32 scale
-``6 / max(amax, 1e-12)`` (optionally rounded down to a power of two by masking the
+``6 / max(amax, 2^-124)`` (optionally rounded down to a power of two by masking the
 exponent bits), rounds ``x * scale`` to E2M1 with ties to even, and writes two codes
 per byte (element ``2j`` in the low nibble) plus the fp32 scale. Rows containing NaN
 or +/-inf get a NaN scale and zero codes, exactly as the reference. Codes and scales
@@ -38,7 +38,8 @@ from ._common import (
 __all__ = ["quantize_rows", "quantize_rows_clamped", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
 
 E2M1_MAX = 6.0  # largest E2M1 magnitude (fp4lightning.formats.E2M1_MAX)
-AMAX_EPS = 1e-12  # fp4lightning.quantize.AMAX_EPS
+AMAX_EPS = 2.0**-124  # fp4lightning.quantize.AMAX_EPS: 6 / amax stays finite in fp32
+FP8_AMAX_EPS = 2.0**-110  # fp4lightning.ops.FP8_AMAX_EPS
 FLT_MAX = 3.4028234663852886e38  # |x| <= FLT_MAX  <=>  x finite (NaN compares false)
 #: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
 MAX_SINGLE_PASS_KH = 4096
@@ -56,7 +57,7 @@ def _fp4_scale(amax, POW2: tl.constexpr):
     # torch evaluates ``6 / t`` (Python scalar over tensor) as ``t.reciprocal() * 6``:
     # two IEEE roundings, mirrored here so the scales agree bit for bit.
     one = tl.full(amax.shape, 1.0, tl.float32)
-    scale = tl.math.div_rn(one, tl.maximum(amax, 1e-12)) * 6.0
+    scale = tl.math.div_rn(one, tl.maximum(amax, 4.70197740328915e-38)) * 6.0  # floor 2^-124
     if POW2:
         # 2^floor(log2(scale)) exactly: keep the exponent bits, zero the mantissa.
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
@@ -278,7 +279,8 @@ def _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, A
 @triton.jit
 def _fp8_scale(amax, FMAX: tl.constexpr):
     one = tl.full(amax.shape, 1.0, tl.float32)
-    scale = tl.math.div_rn(one, tl.maximum(amax, 1e-12)) * FMAX  # torch's fmax / t, see _fp4_scale
+    # torch's fmax / t, see _fp4_scale; floor 2^-110
+    scale = tl.math.div_rn(one, tl.maximum(amax, 7.703719777548943e-34)) * FMAX
     return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
 
 

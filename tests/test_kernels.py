@@ -73,7 +73,9 @@ def _dge_reference(x: torch.Tensor, k: float = 5.0, clamp: float = 3.0) -> torch
     """DGE derivative f' (arXiv 2501.17116, section 3.2) of the value the quantizer rounds,
     x saturated to [-6, 6] (issue 11): the fp32 product W * s_w of a row's largest weight
     lands just above 6 and must get f' = 1/k, not 0."""
-    return dge_derivative(x.float().clamp(-E2M1_MAX, E2M1_MAX), k, clamp)
+    x = x.float()
+    d = dge_derivative(x.clamp(-E2M1_MAX, E2M1_MAX), k, clamp)
+    return torch.where(torch.isfinite(x), d, torch.zeros_like(d))  # NaN / inf weights: 0
 
 
 def _assert_gemm_close(actual, ref, absprod, exact_on_interpreter=True):
@@ -99,7 +101,7 @@ def _rows(m: int, k: int, dtype=torch.float32) -> torch.Tensor:
     x[2, k // 3] = float("nan")
     x[3, 0] = float("inf")
     x[4, k - 1] = float("-inf")
-    x[5] = torch.randn(k) * 1e-14  # amax < 1e-12: the scale is 6 / 1e-12
+    x[5] = torch.randn(k) * 1e-14  # a tiny row: still scaled exactly by 6 / amax
     x[6, ::7] = -0.0
     return x.to(dtype).to(DEV)
 
@@ -421,9 +423,11 @@ def test_dge_factor_random_weights(dtype):
     _assert_dge_close(f, ref)
     assert (f > 0).all(), "no finite weight may lose its gradient"
     assert torch.equal(f[x.abs() >= 6.0], torch.full_like(f[x.abs() >= 6.0], 0.2))
-    grid = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0, 0.25, 2.5, 5.0, float("nan")]], device=DEV)
+    grid = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0, 7.5, 0.25, 2.5, 5.0, float("nan"),
+                          float("inf"), -float("inf")]], device=DEV)
     fg = kt.dge_factor(grid, torch.ones(1, device=DEV))[0].cpu()
-    assert torch.equal(fg, torch.tensor([0.2] * 9 + [3.0] * 3 + [0.0]))
+    assert torch.equal(fg, torch.tensor([0.2] * 10 + [3.0] * 3 + [0.0] * 3))
+    assert torch.equal(fg, _dge_reference(grid)[0].cpu())
 
 
 # --------------------------------------------------------------------------- FP4Linear end to end
