@@ -65,8 +65,10 @@ LINEAR_BF16_SQNR_DB = 40.0
 # element by GPU_ABSPROD_REL times that sum, plus one ulp of the result.
 GPU_ABSPROD_REL = 2.0 ** -12
 # DGE factor: the kernel's exp2(p * log2(t)) against torch's pow(t, p), both fp32; equal
-# at grid points (t = 1) and at the clamp, elsewhere within a few ulp (measured <= 2).
-DGE_POW_ULP = 8
+# at grid points (t = 1) and at the clamp, elsewhere within a few ulp (interpreter: numpy,
+# measured <= 2). On a GPU exp2/log2 are the MUFU approximations (relative error about
+# 2^-22 each; |log2 t| < 5 below the clamp), so the bound there is 64 ulp (~2^-17).
+DGE_POW_ULP = 8 if kt.INTERPRET else 64
 
 
 def _dge_reference(x: torch.Tensor, k: float = 5.0, clamp: float = 3.0) -> torch.Tensor:
