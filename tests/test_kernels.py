@@ -499,8 +499,10 @@ def test_kernels_accept_any_strides():
     assert q_cm.stride() == (1, m) and torch.equal(q_cm.view(torch.uint8), g0.view(torch.uint8))
     assert torch.equal(s_cm, g0_s)
     w_t = w.t().contiguous().t()
-    assert torch.equal(kt.fp4_wgrad(g0.t().contiguous().t(), g0_s, a_p, k, dge_weight=w_t, dge_weight_scale=w_s),
-                       kt.fp4_wgrad(g0, g0_s, a_p, k, dge_weight=w, dge_weight_scale=w_s))
+    # a column-major dY takes wgrad's K-major path (another kernel variant on a GPU)
+    dw_cm = kt.fp4_wgrad(g0.t().contiguous().t(), g0_s, a_p, k, dge_weight=w_t, dge_weight_scale=w_s)
+    dw_rm = kt.fp4_wgrad(g0, g0_s, a_p, k, dge_weight=w, dge_weight_scale=w_s)
+    assert torch.equal(dw_cm, dw_rm) if kt.INTERPRET else sqnr(dw_cm, dw_rm) >= GEMM_SQNR_DB
     s2 = torch.stack([a_s, a_s], 1)[:, 0]  # a strided scale vector
     assert torch.equal(kt.fp4_gemm(a_p, s2, w_p, w_s, k), kt.fp4_gemm(a_p, a_s, w_p, w_s, k))
 
