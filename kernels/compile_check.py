@@ -126,17 +126,17 @@ def _cases(all_configs: bool = False):
          dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP, fwd),
         # column-major dY (G_T) is what FP4Linear's Triton path hands over (ops.quantize_fp8)
         ("fp4_wgrad e5m2 dY + DGE + addend", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
-         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=True, HAS_ADDEND=True, **dge),
+         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=True, HAS_ADDEND=True, TWO_PHASE=True, EPI_N=16, **dge),
          gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),
         ("fp4_wgrad e5m2 row-major dY + DGE", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
-         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=False, HAS_ADDEND=False, **dge),
+         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=False, HAS_ADDEND=False, TWO_PHASE=True, EPI_N=16, **dge),
          gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),
         ("fp4_gemm fp16 (no FP8 MMA)", 80, "forward", gemm._fp4_gemm_kernel, f_types,
          dict(DOT=DOT_FP16, HAS_BIAS=True, PRECISE_ACC=True, UNSCALE=1.0), gemm._FWD_SWEEP_MMA, fwd),
         ("fp4_dgrad e5m2 dY via fp16 (no FP8 MMA)", 80, "dgrad", gemm._fp4_dgrad_kernel, d_types,
          dict(DOT=DOT_FP16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP_MMA, fwd),
         ("fp4_wgrad bf16 dY + DGE + addend", 80, "wgrad", gemm._fp4_wgrad_kernel, dict(w_types, g_ptr="*bf16"),
-         dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0, G_T=False, HAS_ADDEND=True, **dge), gemm._WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M")),
+         dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0, G_T=False, HAS_ADDEND=True, TWO_PHASE=True, EPI_N=16, **dge), gemm._WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M")),
     ]
     for name, arch, kind, kernel, types, consts, sweep, names in gemms:
         for i, row in enumerate(sweep if all_configs else sweep[:1]):

@@ -85,8 +85,10 @@ _FWD_SWEEP_MMA = [(128, 128, 32, 4, 8), (128, 128, 32, 4, 4)]
 # tile; the reduction block is the dot's K (>= 32 for FP8).
 _DGRAD_SWEEP = [(128, 128, 128, 3, 8), (128, 128, 64, 3, 8), (128, 64, 64, 4, 8), (64, 64, 64, 4, 4)]
 _DGRAD_SWEEP_MMA = [(128, 64, 64, 4, 8), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (128, 64, 64, 3, 8)]
-# wgrad carries the DGE epilogue, which needs more registers: smaller tiles.
-_WGRAD_SWEEP = [(128, 128, 64, 3, 8), (64, 64, 64, 4, 4)]
+# wgrad: (output rows, reduction block, BLOCK_KH, ...). With an fp32 output the DGE /
+# addend epilogue runs in 16-row chunks after a plain store (TWO_PHASE), which is what
+# lets the 256x64 and 128x128 output tiles (K 128 / 64 per iteration) stay spill-free.
+_WGRAD_SWEEP = [(256, 128, 32, 3, 8), (128, 256, 64, 2, 8), (128, 128, 64, 3, 8)]
 _WGRAD_SWEEP_MMA = [(128, 64, 32, 4, 8), (64, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 3, 4)]
 
 _FAMILY: dict[int, str] = {}  # id(config) -> "wgmma" | "mma"
@@ -421,6 +423,7 @@ def _fp4_wgrad_kernel(
     stride_gm, stride_gn, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
     # meta-parameters (BLOCK_M is the reduction block)
     DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr, G_T: tl.constexpr, HAS_ADDEND: tl.constexpr,
+    TWO_PHASE: tl.constexpr, EPI_N: tl.constexpr,
     HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -468,7 +471,32 @@ def _fp4_wgrad_kernel(
     n_ok = offs_n < N
     sg = tl.load(sg_ptr + offs_n, mask=n_ok, other=1.0)
     inv_sg = tl.math.div_rn(tl.full(sg.shape, 1.0, tl.float32), sg)
-    if HAS_DGE or HAS_ADDEND:
+    if (HAS_DGE or HAS_ADDEND) and TWO_PHASE:
+        # fp32 output: store acc / s_g, then finish it in row chunks of EPI_N (addend, DGE)
+        # re-read by the same block - the DGE math on the whole tile would hold several
+        # tile-sized temporaries and spill the large tiles (compile_check)
+        out = tl.join(acc_even, acc_odd).reshape(BLOCK_N, 2 * BLOCK_KH) * inv_sg[:, None]
+        offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
+        k_ok = offs_k < K
+        tl.store(y_ptr + offs_n.to(tl.int64)[:, None] * stride_yn + offs_k[None, :], out,
+                 mask=n_ok[:, None] & k_ok[None, :])
+        tl.debug_barrier()  # the block's own stores are visible to all its threads
+        for r0 in tl.static_range(0, BLOCK_N, EPI_N):
+            rows = pid_n * BLOCK_N + r0 + tl.arange(0, EPI_N)
+            r_ok = rows < N
+            mask = r_ok[:, None] & k_ok[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            y_ptrs = y_ptr + r64 * stride_yn + offs_k[None, :]
+            v = tl.load(y_ptrs, mask=mask, other=0.0)
+            if HAS_ADDEND:
+                v += tl.load(c_ptr + r64 * stride_cn + offs_k.to(tl.int64)[None, :] * stride_ck, mask=mask,
+                             other=0.0).to(tl.float32)
+            if HAS_DGE:
+                sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
+                w = tl.load(w_ptr + r64 * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+                v = v * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+            tl.store(y_ptrs, v, mask=mask)
+    elif HAS_DGE or HAS_ADDEND:
         sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
         col = pid_k * 2 * BLOCK_KH + 2 * tl.arange(0, BLOCK_KH)
         _wgrad_epilogue_half(acc_even, inv_sg, sw, offs_n, n_ok, col, K, c_ptr, stride_cn, stride_ck,
@@ -565,7 +593,8 @@ def fp4_wgrad(
         m, _bucket(m), n, k, kh, g.stride(0), g.stride(1), a_packed.stride(0),
         dge_weight.stride(0) if has_dge else 0,
         addend.stride(0) if has_add else 0, addend.stride(1) if has_add else 0, y.stride(0),
-        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot), G_T=g_t, HAS_ADDEND=has_add, HAS_DGE=has_dge,
+        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot), G_T=g_t, HAS_ADDEND=has_add,
+        TWO_PHASE=out_dtype == torch.float32, EPI_N=16, HAS_DGE=has_dge,
         DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
     return y
