@@ -362,6 +362,21 @@ def test_fp4_wgrad_addend_before_dge(transposed, monkeypatch):
         assert sqnr(ops.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw), ref) >= GEMM_SQNR_DB
 
 
+def test_fp4_wgrad_dge_bf16_output_matches_fp32():
+    # fp32 output finishes addend + DGE in row chunks after a store (TWO_PHASE); other
+    # output dtypes keep the fused epilogue: the same values up to the final rounding
+    m, n, k = 64, 40, 70
+    _, a_p, a_s = _fp4_operand(m, k)
+    w, _, w_s = _fp4_operand(n, k)
+    g, g_s = ops.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
+    kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=torch.randn(n, k, device=DEV))
+    ref = kt.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw)
+    out = kt.fp4_wgrad(g, g_s, a_p, k, torch.bfloat16, **kw)
+    assert out.dtype == torch.bfloat16
+    # one rounding to bf16 (the interpreter truncates: also within one ulp)
+    assert ((out.double() - ref.double()).abs() <= _ulp(ref.double(), torch.bfloat16) + 1e-6 * ref.abs()).all()
+
+
 def test_wgrad_dge_midpoints_and_outside_grid():
     # Weights exactly at interval mid-points (f' = +inf before the clamp), on grid
     # points (f' = 1/k) and beyond 6 after scaling (saturated to 6 by the quantizer, a
