@@ -177,7 +177,8 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
     if backend_for(x2d.device) == "triton" and fmt != "bf16":
         kern = _triton_kernels()
         if hasattr(kern, "quantize_fp8"):
-            return kern.quantize_fp8(x2d, dim=dim, fmt=fmt)
+            # per-column scales feed fp4_wgrad, which reads a column-major dY without a transpose
+            return kern.quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0)
     return quantize_fp8_reference(x2d, dim, fmt)
 
 

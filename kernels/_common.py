@@ -37,6 +37,9 @@ FP8_FAST_ACCUM = os.environ.get("FP4LIGHTNING_FP8_FAST_ACCUM", "0") == "1"
 AUTOTUNE = os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0"
 
 
+INTERPRET_C = tl.constexpr(INTERPRET)
+
+
 def has_fp8_mma(device: torch.device) -> bool:
     """FP8 tensor cores reachable from ``tl.dot``: Hopper (sm_90) and newer."""
     if INTERPRET or device.type != "cuda":
@@ -107,6 +110,96 @@ def decode_e2m1(c, DOT: tl.constexpr):
     return out
 
 
+# --- FP8 decode without per-code work (issue: instruction-bound GeMM loops).
+# With i = e1 e0 m the 3 magnitude bits of an E2M1 code, the FP8 byte
+#   E4M3: s | i << 2        (exponent field e1 e0, top mantissa bit m)
+#   E5M2: s | i << 1
+# is the E2M1 value times 2^-6 (E4M3) or 2^-14 (E5M2): one uniform power of two for
+# normals and for E2M1's subnormal 0.5 alike (both formats hold it as a subnormal). So a
+# 32-bit register of four packed bytes becomes four FP8 low-nibble values and four
+# high-nibble values with a handful of shift / and / or instructions (SWAR), and the
+# power of two is folded into the epilogue (exact). Measured from the SASS with
+# kernels/compile_check.py against the per-code decode (decode_e2m1 below), which
+# costs about ten instructions per code; the alternative of writing E4M3 copies of the
+# operands in the quantizer doubles their bytes and needs transposed copies for the
+# backward GeMMs (FP8 wgmma wants K-major operands).
+#: log2 of the factor that undoes the decode's scaling, per FP8 dot type
+FP8_DECODE_SHIFT = {DOT_FP8E4: 6, DOT_FP8E5: 14}
+
+_PAIR_ASM = {
+    DOT_FP8E4: """{
+    .reg .b32 t0, t1, t2, t3;
+    shl.b32 t0, $2, 4;
+    and.b32 t0, t0, 0x80808080;
+    shl.b32 t1, $2, 2;
+    and.b32 t1, t1, 0x1C1C1C1C;
+    and.b32 t2, $2, 0x80808080;
+    shr.b32 t3, $2, 2;
+    and.b32 t3, t3, 0x1C1C1C1C;
+    or.b32 $0, t0, t1;
+    or.b32 $1, t2, t3;
+    }""",
+    DOT_FP8E5: """{
+    .reg .b32 t0, t1, t2, t3;
+    shl.b32 t0, $2, 4;
+    and.b32 t0, t0, 0x80808080;
+    shl.b32 t1, $2, 1;
+    and.b32 t1, t1, 0x0E0E0E0E;
+    and.b32 t2, $2, 0x80808080;
+    shr.b32 t3, $2, 3;
+    and.b32 t3, t3, 0x0E0E0E0E;
+    or.b32 $0, t0, t1;
+    or.b32 $1, t2, t3;
+    }""",
+}
+
+
+_PAIR_ASM_E4M3 = tl.constexpr(_PAIR_ASM[DOT_FP8E4])
+_PAIR_ASM_E5M2 = tl.constexpr(_PAIR_ASM[DOT_FP8E5])
+
+
+@triton.jit
+def _pair_bits_e4m3_asm(b):
+    return tl.inline_asm_elementwise(_PAIR_ASM_E4M3, "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8), is_pure=True,
+                                     pack=4)
+
+
+@triton.jit
+def _pair_bits_e5m2_asm(b):
+    return tl.inline_asm_elementwise(_PAIR_ASM_E5M2, "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8), is_pure=True,
+                                     pack=4)
+
+
+@triton.jit
+def _pair_bits_bytes(b, DOT: tl.constexpr):
+    # the same bit formula one byte at a time (the interpreter cannot run PTX)
+    c = b.to(tl.int32)
+    if DOT == 0:
+        lo = ((c << 4) & 0x80) | ((c << 2) & 0x1C)
+        hi = (c & 0x80) | ((c >> 2) & 0x1C)
+    else:
+        lo = ((c << 4) & 0x80) | ((c << 1) & 0x0E)
+        hi = (c & 0x80) | ((c >> 3) & 0x0E)
+    return lo.to(tl.uint8), hi.to(tl.uint8)
+
+
+@triton.jit
+def decode_e2m1_pair_fp8(b, DOT: tl.constexpr):
+    """Packed E2M1 bytes (uint8) -> (low-nibble, high-nibble) FP8 values of dot type
+    ``DOT`` (E4M3 or E5M2), each times 2^-FP8_DECODE_SHIFT[DOT] (exact)."""
+    if INTERPRET_C:
+        lo, hi = _pair_bits_bytes(b, DOT)
+    elif DOT == 0:
+        lo, hi = _pair_bits_e4m3_asm(b)
+    else:
+        lo, hi = _pair_bits_e5m2_asm(b)
+    if DOT == 0:
+        out = lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+    else:
+        out = lo.to(tl.float8e5, bitcast=True), hi.to(tl.float8e5, bitcast=True)
+    return out
+
+
 @triton.jit
 def as_dot_operand(g, DOT: tl.constexpr):
     """Bring a loaded high-precision operand (FP8 / bf16 / fp16) to the dot type ``DOT``."""
@@ -120,7 +213,12 @@ def as_dot_operand(g, DOT: tl.constexpr):
 @triton.jit
 def mma(x, y, acc, DOT: tl.constexpr, PRECISE_ACC: tl.constexpr):
     """``acc += x @ y`` with fp32 accumulation; FP8 partial sums promoted when PRECISE_ACC."""
-    if DOT <= 1 and PRECISE_ACC:
+    if INTERPRET_C and DOT <= 1:
+        # The interpreter widens FP8 dot operands to fp16 with a conversion that garbles
+        # E5M2 subnormals (triton 3.7 interpreter.py _convert_float), which the decoded
+        # E2M1 0.5 is (2^-15); its fp8 -> fp32 casts are exact, and so is an fp32 dot here.
+        acc = tl.dot(x.to(tl.float32), y.to(tl.float32), acc)
+    elif DOT <= 1 and PRECISE_ACC:
         acc = tl.dot(x, y, acc, max_num_imprecise_acc=x.shape[1])
     else:
         acc = tl.dot(x, y, acc)
@@ -160,8 +258,13 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{n} is on {t.device} but {items[0][0]} is on {dev0}; put all operands on one device")
 
 
-def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], what: str) -> None:
-    """A 2-D tensor of an allowed dtype whose rows are contiguous (row stride is free)."""
+def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], what: str) -> torch.Tensor:
+    """Check a 2-D tensor of an allowed dtype; return it with contiguous rows.
+
+    The kernels take any row stride but need unit stride along a row (16-byte vector
+    loads). Other layouts (``x.t()``, ``x[:, ::2]``, a gradient of ``y.t()``) are copied
+    once here, as ``nn.Linear`` accepts them too.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2:
@@ -172,10 +275,12 @@ def check_rows(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], what
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); the kernels need at least one element")
     if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have contiguous rows (stride {t.stride()}); call .contiguous() first")
+        t = t.contiguous()
+    return t
 
 
-def check_vector(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+def check_vector(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...], what: str) -> torch.Tensor:
+    """Check a 1-D tensor of ``n`` elements; return it contiguous (copied if strided)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != (n,):
@@ -183,17 +288,19 @@ def check_vector(name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, 
     if t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}; expected {dtypes[0]} ({what})")
     if n > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+        t = t.contiguous()
+    return t
 
 
-def check_packed(name: str, t: torch.Tensor, k: int) -> None:
-    """Packed FP4 codes: uint8 (rows, ceil(k/2)), two codes per byte along K."""
-    check_rows(name, t, (torch.uint8,), "packed FP4 codes, two per byte along K")
+def check_packed(name: str, t: torch.Tensor, k: int) -> torch.Tensor:
+    """Packed FP4 codes: uint8 (rows, ceil(k/2)), two codes per byte along K (returned row-contiguous)."""
+    t = check_rows(name, t, (torch.uint8,), "packed FP4 codes, two per byte along K")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int (the unpacked reduction length), got {k!r}")
     if t.shape[1] != (k + 1) // 2:
         raise ValueError(f"{name} has {t.shape[1]} bytes per row, but k={k} needs {(k + 1) // 2} "
                          "(two FP4 codes per byte; an odd k is padded with a zero code)")
+    return t
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -41,6 +41,7 @@ from fp4lightning.dge import dge_derivative  # noqa: E402
 from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 from fp4lightning.kernels import fp4_triton as kt  # noqa: E402
+from fp4lightning.kernels import gemm  # noqa: E402
 from fp4lightning.quantize import quantize_rows as quantize_rows_reference  # noqa: E402
 
 # (label, M tokens, N out, K in). LLaMA-2 7B: dim 4096, FFN 11008; the project's 1.3B
@@ -94,20 +95,32 @@ def _rate(x: float, unit: str) -> str:
 
 
 class Table:
+    """Rows printed the moment they are measured (a crash or a timeout keeps what was done)."""
+
+    WIDTHS = (9, 44, 34, 9, 18, 0)
+
     def __init__(self):
         self.rows: list[tuple[str, ...]] = []
+        head = ("section", "case", "shape", "ms", "rate", "relative")
+        print(" | ".join(h.ljust(w) for h, w in zip(head, self.WIDTHS)), flush=True)
+        print("-+-".join("-" * max(w, 8) for w in self.WIDTHS), flush=True)
 
     def add(self, section, case, shape, ms, rate, rel):
-        self.rows.append((section, case, shape, "" if ms is None else f"{ms:.3f}", rate, rel))
+        row = (section, case, shape, "" if ms is None else f"{ms:.3f}", rate, rel)
+        self.rows.append(row)
+        print(" | ".join(str(c).ljust(w) for c, w in zip(row, self.WIDTHS)), flush=True)
 
-    def print(self):
-        head = ("section", "case", "shape", "ms", "rate", "relative")
-        widths = [max(len(str(r[i])) for r in self.rows + [head]) for i in range(len(head))]
-        line = " | ".join(h.ljust(w) for h, w in zip(head, widths))
-        print(line)
-        print("-+-".join("-" * w for w in widths))
-        for r in self.rows:
-            print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    def note(self, text):
+        print(f"#   {text}", flush=True)
+
+
+def _winner(kernel) -> str:
+    """The autotuner's pick for the last launch of ``kernel`` (an @triton.autotune object)."""
+    cfg = getattr(kernel, "best_config", None)
+    if cfg is None:
+        return "n/a"
+    kw = ",".join(f"{k}={v}" for k, v in cfg.kwargs.items() if k != "GROUP")
+    return f"{kw},warps={cfg.num_warps},stages={cfg.num_stages}"
 
 
 # --------------------------------------------------------------------------- sections
@@ -131,6 +144,9 @@ def bench_quantize(table: Table, dev, shapes):
             ("fp8 e5m2, per row", lambda: fp8(x, 1, "e5m2"), x.numel() * 3 + m * 4),
             ("fp8 e5m2, per column", lambda: fp8(x, 0, "e5m2"), x.numel() * 3 + k * 4),
         ]
+        if CUDA:  # the layout FP4Linear's wgrad reads
+            cases.append(("fp8 e5m2, per column, column-major out",
+                          lambda: kt.quantize_fp8(x, 0, "e5m2", column_major=True), x.numel() * 3 + k * 4))
         for name, fn, nbytes in cases:
             t = _time_ms(fn)
             bw = nbytes / (t * 1e-3)
@@ -163,25 +179,37 @@ def bench_gemms(table: Table, dev, shapes):
 
         t_bf16 = _time_ms(lambda: a @ w.t())
         table.add("gemm fwd", "torch bf16 matmul", shape, t_bf16, tf(t_bf16), "1.00x bf16")
+        t_fp8 = None
         try:
             fn, how = _scaled_mm_fp8(a, w)
-            t = _time_ms(fn)
-            table.add("gemm fwd", f"torch._scaled_mm fp8 ({how})", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
+            t_fp8 = _time_ms(fn)
+            table.add("gemm fwd", f"torch._scaled_mm fp8 ({how}, cuBLAS)", shape, t_fp8, tf(t_fp8),
+                      f"{t_bf16 / t_fp8:.2f}x bf16")
         except Exception as e:  # e.g. a GPU without FP8 support
             table.add("gemm fwd", "torch._scaled_mm fp8", shape, None, f"n/a ({type(e).__name__})", "")
         a_p, a_s = quantize_rows_reference(a)
         w_p, w_s = quantize_rows_reference(w)
         if CUDA:
-            t = _time_ms(lambda: kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16))
             dec = "fp8" if kt.has_fp8_mma(dev) else "fp16"
-            table.add("gemm fwd", f"fp4_gemm (Triton, {dec} decode)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
+            for fast in (False, True):
+                acc = "fast accum" if fast else "precise accum"
+                t = _time_ms(lambda: kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16, fast_accum=fast))
+                table.add("gemm fwd", f"fp4_gemm (Triton, {dec} decode, {acc})", shape, t, tf(t),
+                          f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
+                table.note(f"autotune winner fp4_gemm {acc}: {_winner(gemm._fp4_gemm_kernel)}")
             dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
             g1, s1 = kt.quantize_fp8(dy, 1, "e5m2")
-            t = _time_ms(lambda: kt.fp4_dgrad(g1, s1, w_p, k, out_dtype=torch.bfloat16))
-            table.add("gemm bwd", "fp4_dgrad (Triton, e5m2 dY)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16 fwd")
-            g2, s2 = kt.quantize_fp8(dy, 0, "e5m2")
-            t = _time_ms(lambda: kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s))
-            table.add("gemm bwd", "fp4_wgrad (Triton, e5m2 dY, DGE)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16 fwd")
+            g2, s2 = kt.quantize_fp8(dy, 0, "e5m2", column_major=True)  # FP4Linear's layout
+            # fast-accumulation backward rows at the square shapes only (time budget)
+            for fast in (False, True) if label == "square" else (False,):
+                acc = "fast accum" if fast else "precise accum"
+                t = _time_ms(lambda: kt.fp4_dgrad(g1, s1, w_p, k, out_dtype=torch.bfloat16, fast_accum=fast))
+                table.add("gemm bwd", f"fp4_dgrad (e5m2 dY, {acc})", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16 fwd")
+                table.note(f"autotune winner fp4_dgrad {acc}: {_winner(gemm._fp4_dgrad_kernel)}")
+                t = _time_ms(lambda: kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, fast_accum=fast))
+                table.add("gemm bwd", f"fp4_wgrad (e5m2 dY, DGE, {acc})", shape, t, tf(t),
+                          f"{t_bf16 / t:.2f}x bf16 fwd")
+                table.note(f"autotune winner fp4_wgrad {acc}: {_winner(gemm._fp4_wgrad_kernel)}")
         else:
             t = _time_ms(lambda: ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, torch.bfloat16))
             table.add("gemm fwd", "fp4_gemm_reference (PyTorch)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
@@ -196,6 +224,10 @@ def bench_linear(table: Table, dev, shapes):
 
         def step(mod):
             def run():
+                # training re-quantizes the weight after every optimizer step: drop the
+                # FP4Linear weight cache so each timed call pays for it too
+                if "_wq_cache" in mod.__dict__:
+                    mod._wq_cache = None
                 with torch.autocast(dev.type, dtype=torch.bfloat16):
                     y = mod(x)
                 y.backward(dy)
@@ -203,7 +235,7 @@ def bench_linear(table: Table, dev, shapes):
 
         t_ref = _time_ms(step(base))
         table.add("linear", "nn.Linear bf16 autocast fwd+bwd", shape, t_ref, "", "1.00x time")
-        for preset in ("fp4-no-occ", "paper"):
+        for preset in ("w4a4-direct", "fp4-no-occ", "paper"):
             mod = FP4Linear.from_linear(base, FP4Config.from_preset(preset))
             t = _time_ms(step(mod))
             table.add("linear", f"FP4Linear {preset} fwd+bwd", shape, t, f"{t_ref / t:.2f}x speed",
@@ -259,7 +291,9 @@ def run_checks(table: Table, dev) -> bool:
         v = sq(kt.fp4_dgrad(g1, s1, w_p, k), ref)
         report(f"fp4_dgrad {fmt} vs float64", v >= CHECK_SQNR_DB, db(v))
         g2, s2 = ops.quantize_fp8(dy / a_s[:, None], 0, fmt)
-        ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge_derivative(w * w_s[:, None]).double()
+        # DGE of the value the quantizer rounds: W * s_w saturated to +/-6 (arXiv 2501.17116, 3.2)
+        dge = dge_derivative((w * w_s[:, None]).clamp(-6.0, 6.0)).double()
+        ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge
         v = sq(kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
         report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, db(v))
     return ok_all
@@ -288,11 +322,16 @@ def main(argv=None) -> int:
           f"triton {triton.__version__}  command: {' '.join([os.path.basename(sys.argv[0])] + sys.argv[1:])}")
     t0 = time.perf_counter()
     table = Table()
+    ok = True
+    if not args.skip_checks and CUDA:
+        ok = run_checks(table, dev)  # first: a wrong result shows even if the timings run out of time
+        if not ok:
+            print("# kernel checks FAILED (timings follow anyway)", flush=True)
     bench_quantize(table, dev, GPU_QUANT_SHAPES if CUDA else CPU_QUANT_SHAPES)
     bench_gemms(table, dev, gemm_shapes)
     bench_linear(table, dev, linear_shapes)
-    ok = True if args.skip_checks else run_checks(table, dev)
-    table.print()
+    if not args.skip_checks and not CUDA:
+        ok = run_checks(table, dev)
     verdict = "skipped" if args.skip_checks else ("passed" if ok else "FAILED")
     print(f"# total {time.perf_counter() - t0:.0f} s; checks {verdict}")
     return 0 if ok else 1

@@ -1,15 +1,32 @@
 """Compile the kernels for GPU targets on a machine without a GPU (Triton ahead-of-time).
 
-    python -m fp4lightning.kernels.compile_check            # sm_90a (Hopper) and sm_80
-    python -m fp4lightning.kernels.compile_check --json     # machine-readable (the tests use it)
+    python -m fp4lightning.kernels.compile_check                # sm_90a (Hopper) and sm_80
+    python -m fp4lightning.kernels.compile_check --json         # machine-readable (the tests use it)
+    python -m fp4lightning.kernels.compile_check --dump DIR     # also DIR/<case>.cubin + DIR/<case>.json
+    python -m fp4lightning.kernels.compile_check --all-configs  # every autotune row, not only the defaults
 
 Triton's whole compiler - front end, TTGIR passes, LLVM, ptxas - runs on any machine;
 only launching needs a GPU. This compiles every kernel of the FP4 path (arXiv
 2501.17116, section 3) in its default configuration, with the specialisations the JIT
 makes for realistic shapes (16-byte aligned pointers, sizes and strides multiples of
 16), and reports per kernel whether it compiled, whether the GeMMs use FP8 wgmma and a
-cp.async software pipeline, and ptxas' stack frame (register spills). It is the only
-check of the compiled path available without a GPU; it says nothing about speed.
+cp.async software pipeline, and ptxas' stack frame (register spills).
+
+For the GeMMs it also reads the SASS (cuobjdump) and finds the main loop (the backward
+branch whose body holds the tensor-core instructions) and reports a static roofline
+per main-loop iteration of one thread block:
+
+* ``loop_instructions``: SASS instructions per warp per iteration;
+* ``tensor_ops``: tensor-core instructions (QGMMA / HGMMA / HMMA) per warp per iteration;
+* ``issue_cycles`` = loop_instructions * num_warps / 4 (four schedulers per SM, one
+  instruction per cycle each);
+* ``tensor_cycles`` = 2 * block_m * block_n * block_k / (dense tensor FLOP per SM per
+  cycle: 8192 for FP8 and 4096 for fp16/bf16 on sm_90, 2048 fp16/bf16 on sm_80);
+* ``issue_per_tensor`` = issue_cycles / tensor_cycles: above 1 the loop cannot keep the
+  tensor cores busy however fast memory is (instruction-bound).
+
+It is the only check of the compiled path available without a GPU; it is a bound, not
+a measurement of speed.
 
 It must run without TRITON_INTERPRET (the interpreter replaces the compiler).
 """
@@ -18,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,121 +55,217 @@ _I = "i32"
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def _meta(sweep_row, names):
-    a, b, kh, stages, warps = sweep_row
-    return {names[0]: a, names[1]: b, "BLOCK_KH": kh, "GROUP": 8}, warps, stages
+# dense tensor-core FLOP per SM per cycle (H100/H200 and A100 datasheet rates / SMs / clock)
+_TENSOR_FLOP_PER_CYCLE = {(90, "fp8"): 8192, (90, "fp16"): 4096, (90, "bf16"): 4096,
+                          (80, "fp16"): 2048, (80, "bf16"): 2048}
+_MMA_DTYPE = {DOT_FP8E4: "fp8", DOT_FP8E5: "fp8", DOT_FP16: "fp16", DOT_BF16: "bf16"}
+_TENSOR_OPS = re.compile(r"\b(QGMMA|HGMMA|IGMMA|HMMA|QMMA|IMMA)\b")
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
-def _cases():
-    """(name, arch, kernel, arg types, constexprs, num_warps, num_stages) of every kernel.
+def _case(name, arch, kind, kernel, types, consts, row, names, is_default):
+    """One compile case; ``row`` is a sweep row (rows, cols, BLOCK_KH, stages, warps)."""
+    a, b, kh, stages, warps = row
+    meta = {names[0]: a, names[1]: b, "BLOCK_KH": kh, "GROUP": 8}
+    consts = dict(consts, **meta)
+    # output tile and K per main-loop iteration of each GeMM
+    if kind == "forward":
+        bm, bn, bk = a, b, 2 * kh  # two codes per packed byte along K
+    elif kind == "dgrad":
+        bm, bn, bk = a, 2 * kh, b  # output columns are the packed K; reduction over N
+    else:  # wgrad
+        bm, bn, bk = a, 2 * kh, b
+    return dict(name=name, arch=arch, kind=kind, fn=kernel, types=types, consts=consts, num_warps=warps,
+                num_stages=stages, block_m=bm, block_n=bn, block_k=bk,
+                mma_dtype=_MMA_DTYPE[consts["DOT"]], is_default=is_default)
 
-    sm_90 cases use the default (first) config of the Hopper sweeps, sm_80 ones that of
-    the mma.sync sweeps (``gemm._*_SWEEP_MMA``), as ``gemm._prune`` picks them at run time.
-    """
+
+def _cases(all_configs: bool = False):
+    """Every compile case: the quantizers, and the GeMMs in their default configuration
+    (the first row of the Hopper sweeps for sm_90, of the mma.sync sweeps for sm_80, as
+    ``gemm._prune`` picks them with autotuning off), or every row with ``all_configs``."""
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
                    M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I)
     q_meta = dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=1, BLOCK_KH=2048)
-    f8_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
-                    stride_qm=_I)
+    f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
+                    stride_qm=_I, stride_qn=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
-                   M=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
-    d_types = dict(g_ptr="*fp8e5", w_ptr="*u8", sg_ptr="*fp32", y_ptr="*bf16", M=_I, N=_I, K=_I, KH=_I,
-                   stride_gm=_I, stride_wn=_I, stride_ym=_I)
+                   M=_I, M_BUCKET=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
+    d_types = dict(g_ptr="*fp8e5", w_ptr="*u8", sg_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I,
+                   KH=_I, stride_gm=_I, stride_wn=_I, stride_ym=_I)
     w_types = dict(g_ptr="*fp8e5", a_ptr="*u8", sg_ptr="*fp32", w_ptr="*fp32", sw_ptr="*fp32", c_ptr="*fp32",
-                   y_ptr="*fp32", M=_I, N=_I, K=_I, KH=_I, stride_gm=_I, stride_am=_I, stride_wn=_I, stride_cn=_I,
-                   stride_ck=_I, stride_yn=_I)
-    fwd, fw, fs = _meta(gemm._FWD_SWEEP[0], ("BLOCK_M", "BLOCK_N"))
-    dgr, dw, ds = _meta(gemm._DGRAD_SWEEP[0], ("BLOCK_M", "BLOCK_N"))
-    wgr, ww, ws = _meta(gemm._WGRAD_SWEEP[0], ("BLOCK_N", "BLOCK_M"))
-    fwd8, fw8, fs8 = _meta(gemm._FWD_SWEEP_MMA[0], ("BLOCK_M", "BLOCK_N"))
-    dgr8, dw8, ds8 = _meta(gemm._DGRAD_SWEEP_MMA[0], ("BLOCK_M", "BLOCK_N"))
-    wgr8, ww8, ws8 = _meta(gemm._WGRAD_SWEEP_MMA[0], ("BLOCK_N", "BLOCK_M"))
+                   y_ptr="*fp32", M=_I, M_BUCKET=_I, N=_I, K=_I, KH=_I, stride_gm=_I, stride_gn=_I, stride_am=_I, stride_wn=_I,
+                   stride_cn=_I, stride_ck=_I, stride_yn=_I)
     dge = dict(HAS_DGE=True, DGE_INV_K=0.2, DGE_POW=-0.8, DGE_CLAMP=3.0)
     cases = [
-        ("quantize_fp4 one pass", 90, quantize._quantize_fp4_kernel, q_types,
-         dict(q_meta, SINGLE_PASS=True, CLAMP=False), 8, 1),
-        ("quantize_fp4 two passes + OCC clamp", 90, quantize._quantize_fp4_kernel, q_types,
-         dict(q_meta, SINGLE_PASS=False, CLAMP=True), 8, 1),
-        ("quantize_fp8 rows e5m2", 90, quantize._quantize_fp8_rows_kernel, f8_types,
-         dict(FMAX=57344.0, MANT=2, EMIN=-14, BLOCK_M=4, BLOCK_N=1024), 4, 1),
-        ("fp8 column absmax", 90, quantize._col_amax_kernel, f8_types, dict(BLOCK_M=32, BLOCK_N=128), 4, 1),
-        ("quantize_fp8 columns e4m3", 90, quantize._quantize_fp8_cols_kernel, f8_types,
-         dict(FMAX=448.0, MANT=3, EMIN=-6, BLOCK_M=32, BLOCK_N=128), 4, 1),
-        ("fp4_gemm fp8 decode", 90, gemm._fp4_gemm_kernel, f_types,
-         dict(fwd, DOT=DOT_FP8E4, HAS_BIAS=True, PRECISE_ACC=True), fw, fs),
-        ("fp4_dgrad e5m2 dY", 90, gemm._fp4_dgrad_kernel, d_types, dict(dgr, DOT=DOT_FP8E5, PRECISE_ACC=True), dw, ds),
-        ("fp4_dgrad bf16 dY", 90, gemm._fp4_dgrad_kernel, dict(d_types, g_ptr="*bf16"),
-         dict(dgr, DOT=DOT_BF16, PRECISE_ACC=True), dw, ds),
-        ("fp4_wgrad e5m2 dY + DGE + addend", 90, gemm._fp4_wgrad_kernel, w_types,
-         dict(wgr, DOT=DOT_FP8E5, PRECISE_ACC=True, HAS_ADDEND=True, **dge), ww, ws),
-        ("fp4_gemm fp16 decode (no FP8 MMA)", 80, gemm._fp4_gemm_kernel, f_types,
-         dict(fwd8, DOT=DOT_FP16, HAS_BIAS=True, PRECISE_ACC=True), fw8, fs8),
-        ("fp4_dgrad e5m2 dY via fp16 (no FP8 MMA)", 80, gemm._fp4_dgrad_kernel, d_types,
-         dict(dgr8, DOT=DOT_FP16, PRECISE_ACC=True), dw8, ds8),
-        ("fp4_wgrad bf16 dY + DGE + addend", 80, gemm._fp4_wgrad_kernel, dict(w_types, g_ptr="*bf16"),
-         dict(wgr8, DOT=DOT_BF16, PRECISE_ACC=True, HAS_ADDEND=True, **dge), ww8, ws8),
+        dict(name="quantize_fp4 one pass", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
+             types=q_types, consts=dict(q_meta, SINGLE_PASS=True, CLAMP=False), num_warps=8, num_stages=1),
+        dict(name="quantize_fp4 two passes + OCC clamp", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
+             types=q_types, consts=dict(q_meta, SINGLE_PASS=False, CLAMP=True), num_warps=8, num_stages=1),
+        dict(name="quantize_fp8 rows e5m2", arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel,
+             types=f8_types, consts=dict(FMAX=57344.0, MANT=2, EMIN=-14, DIV=1, BLOCK_M=4, BLOCK_N=1024), num_warps=4,
+             num_stages=1),
+        dict(name="fp8 column absmax", arch=90, kind="quantize", fn=quantize._col_amax_kernel, types=f8_types,
+             consts=dict(DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4, num_stages=1),
+        dict(name="quantize_fp8 columns e4m3", arch=90, kind="quantize", fn=quantize._quantize_fp8_cols_kernel,
+             types=f8_types, consts=dict(FMAX=448.0, MANT=3, EMIN=-6, DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4,
+             num_stages=1),
     ]
+    for c in cases:
+        c.update(block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True)
+    fwd = ("BLOCK_M", "BLOCK_N")
+    gemms = [
+        # (name, arch, kind, kernel, types, constexprs, sweep, row names)
+        ("fp4_gemm fp8", 90, "forward", gemm._fp4_gemm_kernel, f_types,
+         dict(DOT=DOT_FP8E4, HAS_BIAS=True, PRECISE_ACC=True, UNSCALE=4096.0), gemm._FWD_SWEEP, fwd),
+        ("fp4_gemm fp8 fast-accum", 90, "forward", gemm._fp4_gemm_kernel, f_types,
+         dict(DOT=DOT_FP8E4, HAS_BIAS=True, PRECISE_ACC=False, UNSCALE=4096.0), gemm._FWD_SWEEP, fwd),
+        ("fp4_dgrad e5m2 dY", 90, "dgrad", gemm._fp4_dgrad_kernel, d_types,
+         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0), gemm._DGRAD_SWEEP, fwd),
+        ("fp4_dgrad bf16 dY", 90, "dgrad", gemm._fp4_dgrad_kernel, dict(d_types, g_ptr="*bf16"),
+         dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP, fwd),
+        # column-major dY (G_T) is what FP4Linear's Triton path hands over (ops.quantize_fp8)
+        ("fp4_wgrad e5m2 dY + DGE + addend", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
+         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=True, HAS_ADDEND=True, TWO_PHASE=True, EPI_N=16, **dge),
+         gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),
+        ("fp4_wgrad e5m2 row-major dY + DGE", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
+         dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=False, HAS_ADDEND=False, TWO_PHASE=True, EPI_N=16, **dge),
+         gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),
+        ("fp4_gemm fp16 (no FP8 MMA)", 80, "forward", gemm._fp4_gemm_kernel, f_types,
+         dict(DOT=DOT_FP16, HAS_BIAS=True, PRECISE_ACC=True, UNSCALE=1.0), gemm._FWD_SWEEP_MMA, fwd),
+        ("fp4_dgrad e5m2 dY via fp16 (no FP8 MMA)", 80, "dgrad", gemm._fp4_dgrad_kernel, d_types,
+         dict(DOT=DOT_FP16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP_MMA, fwd),
+        ("fp4_wgrad bf16 dY + DGE + addend", 80, "wgrad", gemm._fp4_wgrad_kernel, dict(w_types, g_ptr="*bf16"),
+         dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0, G_T=False, HAS_ADDEND=True, TWO_PHASE=True, EPI_N=16, **dge), gemm._WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M")),
+    ]
+    for name, arch, kind, kernel, types, consts, sweep, names in gemms:
+        for i, row in enumerate(sweep if all_configs else sweep[:1]):
+            label = name if i == 0 else f"{name} cfg{i}"
+            cases.append(_case(label, arch, kind, kernel, types, consts, row, names, is_default=(i == 0)))
     return cases
 
 
-def _stack_bytes(cubin: bytes) -> int | None:
-    """ptxas' per-thread stack frame (spills) from the cubin, or None without cuobjdump."""
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
     if not os.path.exists(_CUOBJDUMP):
         return None
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        out = subprocess.run([_CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([_CUOBJDUMP, flag, f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
-    for tok in out.split():
-        if tok.startswith("STACK:"):
-            return int(tok.split(":")[1])
-    return None
 
 
-def compile_one(name, arch, kernel, types, consts, num_warps, num_stages) -> dict:
-    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # unwrap @triton.autotune
+def _resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers per thread, ptxas stack frame bytes = spills) from the cubin."""
+    out = _cuobjdump(cubin, "--dump-resource-usage")
+    regs = stack = None
+    for tok in (out or "").split():
+        if tok.startswith("REG:"):
+            regs = int(tok.split(":")[1])
+        elif tok.startswith("STACK:"):
+            stack = int(tok.split(":")[1])
+    return regs, stack
+
+
+def main_loop(sass: str) -> dict | None:
+    """The main loop of a GeMM's SASS: the backward branch whose body holds the most
+    tensor-core instructions. Returns instruction and tensor-op counts per iteration."""
+    lines = [(int(a, 16), ins.strip()) for a, ins in _SASS_LINE.findall(sass)]
+    best = None
+    for addr, ins in lines:
+        m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ins)
+        if not m or m.group(1) is None:
+            continue
+        target = int(m.group(1), 16)
+        if target >= addr:
+            continue
+        body = [i for a, i in lines if target <= a <= addr]
+        tensor = sum(1 for i in body if _TENSOR_OPS.search(i))
+        if tensor and (best is None or tensor > best["tensor_ops"]):
+            ops = {}
+            for i in body:
+                op = re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
+                ops[op] = ops.get(op, 0) + 1
+            best = dict(loop_instructions=len(body), tensor_ops=tensor,
+                        top_ops=dict(sorted(ops.items(), key=lambda kv: -kv[1])[:6]))
+    return best
+
+
+def compile_one(case: dict, dump: str | None = None) -> dict:
+    fn = case["fn"].fn if hasattr(case["fn"], "configs") else case["fn"]  # unwrap @triton.autotune
+    consts, types = case["consts"], case["types"]
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     # the JIT's specialisation for realistic shapes: 16-byte aligned pointers, ints % 16 == 0
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr"}
-    res = {"kernel": name, "arch": f"sm_{arch}"}
+    arch = case["arch"]
+    res = {k: case[k] for k in ("name", "kind", "num_warps", "num_stages", "block_m", "block_n", "block_k",
+                                "mma_dtype", "is_default")}
+    res.update(kernel=case["kind"], case=case["name"], arch=arch)
     t0 = time.perf_counter()
     try:
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                           target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=case["num_warps"], num_stages=case["num_stages"]))
     except Exception as e:  # report, do not stop: one table shows every kernel
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
         return res
     ptx = k.asm["ptx"]
+    cubin = k.asm["cubin"]
+    regs, stack = _resources(cubin)
     res.update(ok=True, seconds=round(time.perf_counter() - t0, 1), wgmma=ptx.count("wgmma.mma_async"),
                fp8_mma=("e4m3" in ptx or "e5m2" in ptx) and "wgmma.mma_async" in ptx,
                cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), shared_bytes=k.metadata.shared,
-               stack_bytes=_stack_bytes(k.asm["cubin"]))
+               n_regs=regs, spill_bytes=stack, stack_bytes=stack)
+    if case["block_k"] is not None:
+        sass = _cuobjdump(cubin, "-sass")
+        loop = main_loop(sass) if sass else None
+        if loop:
+            issue = loop["loop_instructions"] * case["num_warps"] / 4
+            tensor = (2 * case["block_m"] * case["block_n"] * case["block_k"]
+                      / _TENSOR_FLOP_PER_CYCLE[(arch, case["mma_dtype"])])
+            res.update(loop, issue_cycles=issue, tensor_cycles=tensor, issue_per_tensor=round(issue / tensor, 3))
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"sm{arch}_{case['name']}").strip("_")
+        with open(os.path.join(dump, stem + ".cubin"), "wb") as f:
+            f.write(cubin)
+        with open(os.path.join(dump, stem + ".json"), "w") as f:
+            json.dump(res, f, indent=1)
     return res
 
 
-def run(archs=(90, 80)) -> list[dict]:
-    return [compile_one(*c) for c in _cases() if c[1] in archs]
+def run(archs=(90, 80), all_configs: bool = False, dump: str | None = None) -> list[dict]:
+    return [compile_one(c, dump) for c in _cases(all_configs) if c["arch"] in archs]
+
+
+def _fmt(v, spec=""):
+    return "-" if v is None else format(v, spec)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Compile the FP4 kernels for GPU targets without a GPU")
     p.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="SM versions (90 = Hopper)")
     p.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    p.add_argument("--dump", metavar="DIR", help="write DIR/<case>.cubin and DIR/<case>.json for every case")
+    p.add_argument("--all-configs", action="store_true", help="every autotune row, not only the defaults")
     args = p.parse_args(argv)
-    results = run(tuple(args.arch))
+    results = run(tuple(args.arch), args.all_configs, args.dump)
     if args.json:
         print(json.dumps(results))
     else:
-        print(f"# triton {triton.__version__}: default configs compiled ahead of time (no GPU needed)")
+        print(f"# triton {triton.__version__}: compiled ahead of time (no GPU needed). Per main-loop iteration "
+              "of one block: SASS instructions per warp, tensor ops per warp, issue cycles / tensor cycles")
+        print(f"{'':5} {'arch':5} {'case':44} {'tile MxNxK':14} {'w/s':5} {'mma':5} {'loop ins':>8} {'tensor':>6} "
+              f"{'issue/tensor':>12} {'regs':>4} {'spill':>5}")
         for r in results:
-            if r["ok"]:
-                print(f"ok    {r['arch']:6} {r['kernel']:42} {r['seconds']:5.1f}s  wgmma={r['wgmma']} "
-                      f"fp8_mma={r['fp8_mma']} cp.async={r['cp_async']} smem={r['shared_bytes']} "
-                      f"stack={r['stack_bytes']}")
-            else:
-                print(f"FAIL  {r['arch']:6} {r['kernel']:42} {r['error']}")
+            if not r["ok"]:
+                print(f"FAIL  sm_{r['arch']:<3} {r['case']:44} {r['error']}")
+                continue
+            tile = "-" if r["block_k"] is None else f"{r['block_m']}x{r['block_n']}x{r['block_k']}"
+            print(f"{'ok':5} sm_{r['arch']:<3} {r['case']:44} {tile:14} {r['num_warps']}/{r['num_stages']:<3} "
+                  f"{_fmt(r['mma_dtype']):5} {_fmt(r.get('loop_instructions')):>8} {_fmt(r.get('tensor_ops')):>6} "
+                  f"{_fmt(r.get('issue_per_tensor'), '.2f'):>12} {_fmt(r['n_regs']):>4} {_fmt(r['spill_bytes']):>5}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

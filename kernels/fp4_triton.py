@@ -16,7 +16,7 @@ On CPU the kernels run under the Triton interpreter when ``TRITON_INTERPRET=1`` 
 before this module is imported (that is how the tests exercise them); see docs/kernels.md.
 """
 from ._common import INTERPRET, has_fp8_mma
-from .gemm import GRAD_DTYPES, fp4_dgrad, fp4_gemm, fp4_wgrad
+from .gemm import GRAD_DTYPES, dge_factor, fp4_dgrad, fp4_gemm, fp4_wgrad
 from .quantize import quantize_fp8, quantize_rows, quantize_rows_clamped
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "fp4_gemm",
     "fp4_dgrad",
     "fp4_wgrad",
+    "dge_factor",
     "GRAD_DTYPES",
     "INTERPRET",
     "has_fp8_mma",

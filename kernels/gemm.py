@@ -40,6 +40,7 @@ from ._common import (
     DOT_FP16,
     DOT_FP32,
     FLOAT_DTYPES,
+    FP8_DECODE_SHIFT,
     FP8_FAST_ACCUM,
     INTERPRET,
     as_dot_operand,
@@ -49,12 +50,13 @@ from ._common import (
     check_same_device,
     check_vector,
     decode_e2m1,
+    decode_e2m1_pair_fp8,
     has_fp8_mma,
     mma,
     tile_ids,
 )
 
-__all__ = ["fp4_gemm", "fp4_dgrad", "fp4_wgrad", "GRAD_DTYPES"]
+__all__ = ["fp4_gemm", "fp4_dgrad", "fp4_wgrad", "dge_factor", "GRAD_DTYPES"]
 
 #: Accepted dtypes of the high-precision backward operand (dY).
 GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
@@ -63,28 +65,30 @@ GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.flo
 # --------------------------------------------------------------------------- autotune configs
 # How the sweeps were chosen (no GPU was available to time them, see docs/kernels.md):
 # start from the tile shapes cuBLAS and the Triton matmul tutorials use (128x128 /
-# 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny problems),
-# with 64 packed bytes (128 codes) of K per step - two dots of K=64, FP8 wgmma's K
-# granularity being 32 - or 32 bytes where the decode's registers are tight. Then every
-# candidate was compiled ahead of time (kernels/compile_check.py; triton.compile with a
-# GPUTarget needs no GPU) and the ones ptxas spilled heavily (stack > ~0.5 KB per
-# thread) were dropped. Hopper (wgmma, operands from shared memory) and older GPUs
-# (mma.sync, operands in registers) spill on different tiles, hence two families; the
-# first row of each compiles without spills and is the default (FP4LIGHTNING_AUTOTUNE=0).
+# 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny problems).
+# Then every candidate was compiled ahead of time (kernels/compile_check.py
+# --all-configs; triton.compile with a GPUTarget needs no GPU), the ones ptxas spilled
+# dropped, and the static roofline of the main loop read from the SASS (issue cycles
+# per tensor-core cycles, see compile_check). On Hopper the FP8 forward with 128 codes
+# of K per dot (BLOCK_KH=128 bytes: 256 codes per iteration) halves the share of the
+# fp32 promotions per tensor op against 64 and lands at 0.90 (2026-11-30, triton
+# 3.7.1), the 128x256 tiles spill. Hopper (wgmma, operands from shared memory) and
+# older GPUs (mma.sync, operands in registers) spill on different tiles, hence two
+# families; the first row of each is the default (FP4LIGHTNING_AUTOTUNE=0).
 # Rows: (output rows, second tile dim, BLOCK_KH, stages, warps).
 
 # Forward: (BLOCK_M, BLOCK_N, ...)
-_FWD_SWEEP = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (128, 256, 32, 4, 8), (64, 128, 64, 4, 4),
-              (128, 64, 64, 4, 4)]
-_FWD_SWEEP_MMA = [(128, 128, 32, 4, 8), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                  (128, 256, 32, 3, 8)]
+_FWD_SWEEP = [(128, 128, 128, 3, 8), (128, 128, 64, 4, 8), (64, 128, 128, 4, 4), (128, 64, 64, 4, 4)]
+_FWD_SWEEP_MMA = [(128, 128, 32, 4, 8), (128, 128, 32, 4, 4)]
 # Backward: (output rows, reduction block, ...). The output tile is rows x 2*BLOCK_KH
 # columns held as two accumulators (even/odd columns), so BLOCK_KH=64 is a 128-column
 # tile; the reduction block is the dot's K (>= 32 for FP8).
-_DGRAD_SWEEP = [(128, 64, 64, 4, 8), (128, 128, 64, 3, 8), (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)]
+_DGRAD_SWEEP = [(128, 128, 128, 3, 8), (128, 128, 64, 3, 8), (128, 64, 64, 4, 8), (64, 64, 64, 4, 4)]
 _DGRAD_SWEEP_MMA = [(128, 64, 64, 4, 8), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (128, 64, 64, 3, 8)]
-# wgrad carries the DGE epilogue, which needs more registers: smaller tiles.
-_WGRAD_SWEEP = [(128, 128, 64, 3, 8), (128, 128, 32, 4, 4), (64, 64, 64, 4, 4)]
+# wgrad: (output rows, reduction block, BLOCK_KH, ...). With an fp32 output the DGE /
+# addend epilogue runs in 16-row chunks after a plain store (TWO_PHASE), which is what
+# lets the 256x64 and 128x128 output tiles (K 128 / 64 per iteration) stay spill-free.
+_WGRAD_SWEEP = [(256, 128, 32, 3, 8), (128, 256, 64, 2, 8), (128, 128, 64, 3, 8)]
 _WGRAD_SWEEP_MMA = [(128, 64, 32, 4, 8), (64, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 3, 4)]
 
 _FAMILY: dict[int, str] = {}  # id(config) -> "wgmma" | "mma"
@@ -116,19 +120,34 @@ def _prune(configs, named_args, **kwargs):
 _PRUNE = {"early_config_prune": _prune}
 
 
+def _bucket(m: int) -> int:
+    """The autotune key of a token count: the next power of two (at least 16)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def _precise(fast_accum: bool | None) -> bool:
+    """PRECISE_ACC of a launch: promote FP8 partial sums unless fast accumulation is asked for.
+
+    ``fast_accum=None`` follows FP4LIGHTNING_FP8_FAST_ACCUM (default off). Only FP8 dots
+    are affected (Hopper's FP8 MMA accumulates in reduced precision, see _common.mma).
+    """
+    return not (FP8_FAST_ACCUM if fast_accum is None else fast_accum)
+
+
 # --------------------------------------------------------------------------- forward
 @triton.autotune(configs=_configs(_FWD_SWEEP, _FWD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT", "HAS_BIAS"], prune_configs_by=_PRUNE)
+                 key=["M_BUCKET", "N", "KH", "DOT", "HAS_BIAS", "PRECISE_ACC"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_gemm_kernel(
     # pointers
     a_ptr, w_ptr, sa_ptr, sw_ptr, bias_ptr, y_ptr,
-    # sizes (KH: packed bytes per row)
-    M, N, KH,
+    # sizes (KH: packed bytes per row; M_BUCKET: M rounded up to a power of two, the
+    # autotune key, so a new batch size does not re-tune)
+    M, M_BUCKET, N, KH,
     # strides (inner strides are 1)
     stride_am, stride_wn, stride_ym,
     # meta-parameters
-    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
@@ -149,10 +168,18 @@ def _fp4_gemm_kernel(
         k_ok = (offs_kh < KH - kh0)[None, :]
         a = tl.load(a_ptrs, mask=k_ok, other=0)  # zero bytes decode to +0.0
         w = tl.load(w_ptrs, mask=k_ok, other=0)
-        acc = mma(decode_e2m1(a & 0xF, DOT), tl.trans(decode_e2m1(w & 0xF, DOT)), acc, DOT, PRECISE_ACC)
-        acc = mma(decode_e2m1(a >> 4, DOT), tl.trans(decode_e2m1(w >> 4, DOT)), acc, DOT, PRECISE_ACC)
+        if DOT <= 1:  # FP8: four codes per instruction, scaled by 2^-6 each (see _common)
+            a_lo, a_hi = decode_e2m1_pair_fp8(a, DOT)
+            w_lo, w_hi = decode_e2m1_pair_fp8(w, DOT)
+            acc = mma(a_lo, tl.trans(w_lo), acc, DOT, PRECISE_ACC)
+            acc = mma(a_hi, tl.trans(w_hi), acc, DOT, PRECISE_ACC)
+        else:
+            acc = mma(decode_e2m1(a & 0xF, DOT), tl.trans(decode_e2m1(w & 0xF, DOT)), acc, DOT, PRECISE_ACC)
+            acc = mma(decode_e2m1(a >> 4, DOT), tl.trans(decode_e2m1(w >> 4, DOT)), acc, DOT, PRECISE_ACC)
         a_ptrs += BLOCK_KH
         w_ptrs += BLOCK_KH
+    if DOT <= 1:
+        acc = acc * UNSCALE  # both operands carry 2^-6: an exact power of two
 
     # --- epilogue: Y = acc / s_a / s_w + bias in fp32, the reference's operation order
     # (IEEE divisions, so an exact accumulator gives a bit-identical fp32 result)
@@ -165,6 +192,12 @@ def _fp4_gemm_kernel(
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _unscale(*dots: int) -> float:
+    """UNSCALE of a launch: 2^(sum of FP8_DECODE_SHIFT) over the decoded operands' dot types,
+    undoing ``decode_e2m1_pair_fp8``'s power of two in the epilogue (1.0 off the FP8 path)."""
+    return float(2 ** sum(FP8_DECODE_SHIFT.get(d, 0) for d in dots))
 
 
 def _decode_mode(decode: str | None, device: torch.device) -> int:
@@ -187,6 +220,7 @@ def fp4_gemm(
     bias: torch.Tensor | None = None,
     *,
     decode: str | None = None,
+    fast_accum: bool | None = None,
 ) -> torch.Tensor:
     """Forward FP4 GeMM ``Y = (A_q W_q^T) / (s_a s_w^T) + bias`` -> (M, N) ``out_dtype``.
 
@@ -194,15 +228,16 @@ def fp4_gemm(
     codes per byte along K (pad nibble zero, as every quantizer here writes it);
     ``a_scale`` (M,) and ``w_scale`` (N,) fp32 multipliers; ``bias`` (N,) any float
     dtype. ``decode`` forces the tensor-core type: ``'fp8'`` (E4M3, sm_90+) or
-    ``'fp16'``; default: FP8 where available.
+    ``'fp16'``; default: FP8 where available. ``fast_accum=True`` skips the promotion
+    of FP8 partial sums into the fp32 accumulator (``None``: FP4LIGHTNING_FP8_FAST_ACCUM).
     """
-    check_packed("a_packed", a_packed, k)
-    check_packed("w_packed", w_packed, k)
+    a_packed = check_packed("a_packed", a_packed, k)
+    w_packed = check_packed("w_packed", w_packed, k)
     m, n, kh = a_packed.shape[0], w_packed.shape[0], a_packed.shape[1]
-    check_vector("a_scale", a_scale, m, (torch.float32,), "one fp32 scale per row of A")
-    check_vector("w_scale", w_scale, n, (torch.float32,), "one fp32 scale per row of W")
+    a_scale = check_vector("a_scale", a_scale, m, (torch.float32,), "one fp32 scale per row of A")
+    w_scale = check_vector("w_scale", w_scale, n, (torch.float32,), "one fp32 scale per row of W")
     if bias is not None:
-        check_vector("bias", bias, n, FLOAT_DTYPES, "one value per output feature")
+        bias = check_vector("bias", bias, n, FLOAT_DTYPES, "one value per output feature")
     check_out_dtype(out_dtype)
     check_same_device(a_packed=a_packed, a_scale=a_scale, w_packed=w_packed, w_scale=w_scale, bias=bias)
     dot = _decode_mode(decode, a_packed.device)
@@ -210,8 +245,8 @@ def fp4_gemm(
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
     _fp4_gemm_kernel[grid](
         a_packed, w_packed, a_scale, w_scale, bias if bias is not None else a_scale, y,
-        m, n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=not FP8_FAST_ACCUM,
+        m, _bucket(m), n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot, dot),
     )
     return y
 
@@ -228,9 +263,9 @@ def _grad_dot_mode(g: torch.Tensor) -> int:
     return DOT_FP16
 
 
-def _check_grad(g: torch.Tensor, g_scale: torch.Tensor, n_scale: int, what: str) -> None:
-    check_rows("g", g, GRAD_DTYPES, "dY, M x N, in FP8 E5M2/E4M3 or bf16/fp16")
-    check_vector("g_scale", g_scale, n_scale, (torch.float32,), what)
+def _check_grad(g: torch.Tensor, g_scale: torch.Tensor, n_scale: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = check_rows("g", g, GRAD_DTYPES, "dY, M x N, in FP8 E5M2/E4M3 or bf16/fp16")
+    return g, check_vector("g_scale", g_scale, n_scale, (torch.float32,), what)
 
 
 def _loadable_grad(g: torch.Tensor) -> torch.Tensor:
@@ -242,17 +277,17 @@ def _loadable_grad(g: torch.Tensor) -> torch.Tensor:
 
 
 @triton.autotune(configs=_configs(_DGRAD_SWEEP, _DGRAD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT"], prune_configs_by=_PRUNE)
+                 key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_dgrad_kernel(
     # pointers
     g_ptr, w_ptr, sg_ptr, y_ptr,
-    # sizes
-    M, N, K, KH,
+    # sizes (M_BUCKET: autotune key, see _fp4_gemm_kernel)
+    M, M_BUCKET, N, K, KH,
     # strides
     stride_gm, stride_wn, stride_ym,
     # meta-parameters (BLOCK_N is the reduction block)
-    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
     pid_m, pid_k = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(KH, BLOCK_KH), GROUP)
@@ -269,10 +304,18 @@ def _fp4_dgrad_kernel(
         n_ok = offs_n < N - n0
         g = as_dot_operand(tl.load(g_ptrs, mask=n_ok[None, :], other=0.0), DOT)
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-        acc_even = mma(g, decode_e2m1(w & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
-        acc_odd = mma(g, decode_e2m1(w >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+        if DOT <= 1:
+            w_lo, w_hi = decode_e2m1_pair_fp8(w, DOT)
+            acc_even = mma(g, w_lo, acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, w_hi, acc_odd, DOT, PRECISE_ACC)
+        else:
+            acc_even = mma(g, decode_e2m1(w & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, decode_e2m1(w >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
         g_ptrs += BLOCK_N
         w_ptrs += BLOCK_N * stride_wn
+    if DOT <= 1:
+        acc_even = acc_even * UNSCALE  # the decoded operand carries 2^-shift
+        acc_odd = acc_odd * UNSCALE
 
     # --- epilogue: interleave columns, divide by the per-row dY scale
     out = tl.join(acc_even, acc_odd).reshape(BLOCK_M, 2 * BLOCK_KH)
@@ -285,16 +328,16 @@ def _fp4_dgrad_kernel(
 
 
 def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k: int,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, *, fast_accum: bool | None = None) -> torch.Tensor:
     """Activation gradient ``dA = (G1 W_q) / s_g1[:, None]`` -> (M, k) ``out_dtype``.
 
     ``g`` (M, N): dY with W's scales folded in, FP8 E5M2/E4M3 (or bf16/fp16), one fp32
     scale per row in ``g_scale`` (M,); ``w_packed`` (N, ceil(k/2)) the forward's packed
-    weight codes (packed along K, the output dimension here).
+    weight codes (packed along K, the output dimension here). ``fast_accum`` as in ``fp4_gemm``.
     """
-    check_packed("w_packed", w_packed, k)
+    w_packed = check_packed("w_packed", w_packed, k)
     n, kh = w_packed.shape
-    _check_grad(g, g_scale, g.shape[0], "one fp32 scale per row of dY")
+    g, g_scale = _check_grad(g, g_scale, g.shape[0], "one fp32 scale per row of dY")
     if g.shape[1] != n:
         raise ValueError(f"g has {g.shape[1]} columns but w_packed has {n} rows (out_features); "
                          "dgrad reduces over that shared dimension")
@@ -303,42 +346,84 @@ def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k:
     m = g.shape[0]
     g = _loadable_grad(g)
     y = torch.empty(m, k, dtype=out_dtype, device=g.device)
+    dot = _grad_dot_mode(g)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     _fp4_dgrad_kernel[grid](
-        g, w_packed, g_scale, y, m, n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM,
+        g, w_packed, g_scale, y, m, _bucket(m), n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot),
     )
     return y
 
 
 @triton.jit
 def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
-    """DGE derivative f'(x) of fp32 scaled weights (fp4lightning.dge.dge_derivative)."""
-    a = tl.abs(x)
+    """DGE derivative f'(x) of fp32 scaled weights (arXiv 2501.17116, section 3.2).
+
+    The interval is taken from the magnitude after the quantizer's saturation,
+    ``a = min(|x|, 6)``: ``W * s_w`` rounded in fp32 lands just above 6 for each row's
+    largest weight (0.37 * (6 / 0.37) = 6.0000005), and that weight quantizes to 6, a
+    grid point, so its derivative is exactly 1/k - never 0. Same formula as
+    ``fp4lightning.dge.dge_derivative``; NaN and +/-inf get 0.
+    """
+    a = tl.minimum(tl.abs(x), 6.0)
     # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
     inv_delta = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
     delta = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     left = tl.floor(a * inv_delta) * delta
     t = tl.abs(2.0 * (a - left) * inv_delta - 1.0)
-    # t^POW with POW < 0; t == 0 (an interval mid-point) is +inf, which the clamp caps
+    # t^POW with POW < 0; t == 0 (an interval mid-point) is +inf, which the clamp caps;
+    # t == 1 (a grid point) is exactly 1 (log2(1) = 0), so f' = 1/k exactly there
     safe = tl.where(t > 0.0, t, 1.0)
     d = INV_K * tl.where(t > 0.0, tl.exp2(POW * tl.log2(safe)), float("inf"))
     d = tl.minimum(d, CLAMP)
-    return tl.where(a <= 6.0, d, 0.0)  # beyond the grid (and NaN weights): 0
+    return tl.where(tl.abs(x) <= 3.4028234663852886e38, d, 0.0)  # NaN and +/-inf: 0, as the reference
+
+
+@triton.jit
+def _dge_factor_kernel(w_ptr, sw_ptr, y_ptr, N, K, stride_wn, stride_yn,
+                       DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    sw = tl.load(sw_ptr + offs_n, mask=offs_n < N, other=1.0)
+    f = _dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+    tl.store(y_ptr + rows * stride_yn + offs_k[None, :], f, mask=mask)
+
+
+def dge_factor(w: torch.Tensor, w_scale: torch.Tensor, dge_k: float = 5.0, dge_clamp: float = 3.0) -> torch.Tensor:
+    """The DGE factor ``f'(W s_w)`` (N, K) fp32 that ``fp4_wgrad`` fuses into its epilogue.
+
+    The same device function as the wgrad epilogue, so ``fp4_wgrad(..., dge_weight=w)``
+    equals ``fp4_wgrad(...) * dge_factor(w, ...)`` bit for bit; exposed to test the
+    epilogue's math on its own and to precompute the factor once per weight update.
+    """
+    w = check_rows("w", w, FLOAT_DTYPES, "the high-precision weight W, N x K")
+    n, k = w.shape
+    w_scale = check_vector("w_scale", w_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
+    check_same_device(w=w, w_scale=w_scale)
+    y = torch.empty(n, k, dtype=torch.float32, device=w.device)
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
+    _dge_factor_kernel[grid](w, w_scale, y, n, k, w.stride(0), y.stride(0), DGE_INV_K=1.0 / float(dge_k),
+                             DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp), BLOCK_N=32, BLOCK_K=128)
+    return y
 
 
 @triton.autotune(configs=_configs(_WGRAD_SWEEP, _WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
-                 key=["M", "N", "KH", "DOT", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
+                 key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC", "G_T", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_wgrad_kernel(
     # pointers (c_ptr: optional addend, any strides)
     g_ptr, a_ptr, sg_ptr, w_ptr, sw_ptr, c_ptr, y_ptr,
-    # sizes
-    M, N, K, KH,
-    # strides
-    stride_gm, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
+    # sizes (M_BUCKET: autotune key, see _fp4_gemm_kernel)
+    M, M_BUCKET, N, K, KH,
+    # strides (dY: one of stride_gm / stride_gn is 1, which one is G_T)
+    stride_gm, stride_gn, stride_am, stride_wn, stride_cn, stride_ck, stride_yn,
     # meta-parameters (BLOCK_M is the reduction block)
-    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, HAS_ADDEND: tl.constexpr,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, UNSCALE: tl.constexpr, G_T: tl.constexpr, HAS_ADDEND: tl.constexpr,
+    TWO_PHASE: tl.constexpr, EPI_N: tl.constexpr,
     HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -346,8 +431,13 @@ def _fp4_wgrad_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kh = pid_k * BLOCK_KH + tl.arange(0, BLOCK_KH)
     offs_m = tl.arange(0, BLOCK_M)
-    # dY is read as row-major [BLOCK_M, BLOCK_N] tiles (coalesced) and transposed in registers
-    g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + (offs_n % N)[None, :]
+    # dY row-major: read as [BLOCK_M, BLOCK_N] tiles (coalesced) and transposed in registers;
+    # dY column-major (G_T, what quantize_fp8(dim=0, column_major=True) writes): read as
+    # [BLOCK_N, BLOCK_M] tiles that are already K-major, the layout FP8 wgmma takes
+    if G_T:
+        g_ptrs = g_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_gn + offs_m[None, :]
+    else:
+        g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + (offs_n % N)[None, :]
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + (offs_kh % KH)[None, :]
 
     # --- main loop over M (tokens)
@@ -355,12 +445,23 @@ def _fp4_wgrad_kernel(
     acc_odd = tl.zeros((BLOCK_N, BLOCK_KH), dtype=tl.float32)
     for m0 in range(0, M, BLOCK_M):
         m_ok = (offs_m < M - m0)[:, None]
-        g = tl.trans(as_dot_operand(tl.load(g_ptrs, mask=m_ok, other=0.0), DOT))
+        if G_T:
+            g = as_dot_operand(tl.load(g_ptrs, mask=tl.trans(m_ok), other=0.0), DOT)
+        else:
+            g = tl.trans(as_dot_operand(tl.load(g_ptrs, mask=m_ok, other=0.0), DOT))
         a = tl.load(a_ptrs, mask=m_ok, other=0)
-        acc_even = mma(g, decode_e2m1(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
-        acc_odd = mma(g, decode_e2m1(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
-        g_ptrs += BLOCK_M * stride_gm
+        if DOT <= 1:
+            a_lo, a_hi = decode_e2m1_pair_fp8(a, DOT)
+            acc_even = mma(g, a_lo, acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, a_hi, acc_odd, DOT, PRECISE_ACC)
+        else:
+            acc_even = mma(g, decode_e2m1(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, decode_e2m1(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+        g_ptrs += BLOCK_M if G_T else BLOCK_M * stride_gm
         a_ptrs += BLOCK_M * stride_am
+    if DOT <= 1:
+        acc_even = acc_even * UNSCALE  # the decoded operand carries 2^-shift
+        acc_odd = acc_odd * UNSCALE
 
     # --- epilogue: divide by the per-column dY scale, add, DGE factor. With the DGE math
     # (or an addend) the even and odd columns are finished one half at a time: the
@@ -370,7 +471,32 @@ def _fp4_wgrad_kernel(
     n_ok = offs_n < N
     sg = tl.load(sg_ptr + offs_n, mask=n_ok, other=1.0)
     inv_sg = tl.math.div_rn(tl.full(sg.shape, 1.0, tl.float32), sg)
-    if HAS_DGE or HAS_ADDEND:
+    if (HAS_DGE or HAS_ADDEND) and TWO_PHASE:
+        # fp32 output: store acc / s_g, then finish it in row chunks of EPI_N (addend, DGE)
+        # re-read by the same block - the DGE math on the whole tile would hold several
+        # tile-sized temporaries and spill the large tiles (compile_check)
+        out = tl.join(acc_even, acc_odd).reshape(BLOCK_N, 2 * BLOCK_KH) * inv_sg[:, None]
+        offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
+        k_ok = offs_k < K
+        tl.store(y_ptr + offs_n.to(tl.int64)[:, None] * stride_yn + offs_k[None, :], out,
+                 mask=n_ok[:, None] & k_ok[None, :])
+        tl.debug_barrier()  # the block's own stores are visible to all its threads
+        for r0 in tl.static_range(0, BLOCK_N, EPI_N):
+            rows = pid_n * BLOCK_N + r0 + tl.arange(0, EPI_N)
+            r_ok = rows < N
+            mask = r_ok[:, None] & k_ok[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            y_ptrs = y_ptr + r64 * stride_yn + offs_k[None, :]
+            v = tl.load(y_ptrs, mask=mask, other=0.0)
+            if HAS_ADDEND:
+                v += tl.load(c_ptr + r64 * stride_cn + offs_k.to(tl.int64)[None, :] * stride_ck, mask=mask,
+                             other=0.0).to(tl.float32)
+            if HAS_DGE:
+                sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
+                w = tl.load(w_ptr + r64 * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+                v = v * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+            tl.store(y_ptrs, v, mask=mask)
+    elif HAS_DGE or HAS_ADDEND:
         sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
         col = pid_k * 2 * BLOCK_KH + 2 * tl.arange(0, BLOCK_KH)
         _wgrad_epilogue_half(acc_even, inv_sg, sw, offs_n, n_ok, col, K, c_ptr, stride_cn, stride_ck,
@@ -412,6 +538,8 @@ def fp4_wgrad(
     dge_k: float = 5.0,
     dge_clamp: float = 3.0,
     addend: torch.Tensor | None = None,
+    *,
+    fast_accum: bool | None = None,
 ) -> torch.Tensor:
     """Weight gradient ``dW = (G2^T A_q) / s_g2[:, None] + addend``, times ``f'(W s_w)`` with DGE -> (N, k).
 
@@ -422,22 +550,27 @@ def fp4_wgrad(
     ``addend`` (N, k, any float dtype and strides; e.g. OCC's compensation term
     ``(R^T dY)^T``) is added in the epilogue before the DGE factor.
     """
-    check_packed("a_packed", a_packed, k)
+    a_packed = check_packed("a_packed", a_packed, k)
     m, kh = a_packed.shape
-    _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
+    # a column-major dY (quantize_fp8(dim=0, column_major=True)) is used as it is
+    g_t = isinstance(g, torch.Tensor) and g.dim() == 2 and g.shape[0] > 1 and g.stride(0) == 1
+    if g_t:
+        g_scale = _check_grad(g.t(), g_scale, g.shape[1], "one fp32 scale per column of dY")[1]
+    else:
+        g, g_scale = _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
     if g.shape[0] != m:
         raise ValueError(f"g has {g.shape[0]} rows but a_packed has {m} (tokens); wgrad reduces over tokens")
     n = g.shape[1]
     check_out_dtype(out_dtype)
     has_dge = dge_weight is not None
     if has_dge:
-        check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
+        dge_weight = check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
         if tuple(dge_weight.shape) != (n, k):
             raise ValueError(f"dge_weight must have shape ({n}, {k}) = (columns of g, k), "
                              f"got {tuple(dge_weight.shape)}")
         if dge_weight_scale is None:
             raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
-        check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
+        dge_weight_scale = check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
         if not dge_k > 1.0:
             raise ValueError(f"dge_k must be > 1 (the paper uses 5), got {dge_k}")
         if not dge_clamp > 0:
@@ -453,12 +586,15 @@ def fp4_wgrad(
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     has_add = addend is not None
     g = _loadable_grad(g)
+    dot = _grad_dot_mode(g)
     _fp4_wgrad_kernel[grid](
         g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale,
         addend if has_add else g_scale, y,
-        m, n, k, kh, g.stride(0), a_packed.stride(0), dge_weight.stride(0) if has_dge else 0,
+        m, _bucket(m), n, k, kh, g.stride(0), g.stride(1), a_packed.stride(0),
+        dge_weight.stride(0) if has_dge else 0,
         addend.stride(0) if has_add else 0, addend.stride(1) if has_add else 0, y.stride(0),
-        DOT=_grad_dot_mode(g), PRECISE_ACC=not FP8_FAST_ACCUM, HAS_ADDEND=has_add, HAS_DGE=has_dge,
+        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot), G_T=g_t, HAS_ADDEND=has_add,
+        TWO_PHASE=out_dtype == torch.float32, EPI_N=16, HAS_DGE=has_dge,
         DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
     return y

@@ -2,7 +2,7 @@
 
 ``quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows``: one
 program reads a block of rows, takes each row's absmax, forms the fp32 scale
-``6 / max(amax, 1e-12)`` (optionally rounded down to a power of two by masking the
+``6 / max(amax, 2^-124)`` (optionally rounded down to a power of two by masking the
 exponent bits), rounds ``x * scale`` to E2M1 with ties to even, and writes two codes
 per byte (element ``2j`` in the low nibble) plus the fp32 scale. Rows containing NaN
 or +/-inf get a NaN scale and zero codes, exactly as the reference. Codes and scales
@@ -30,6 +30,7 @@ from ._common import (
     INTERPRET,
     check_rows,
     check_same_device,
+    check_vector,
     minifloat_bits,
     sign_bit,
 )
@@ -37,7 +38,8 @@ from ._common import (
 __all__ = ["quantize_rows", "quantize_rows_clamped", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
 
 E2M1_MAX = 6.0  # largest E2M1 magnitude (fp4lightning.formats.E2M1_MAX)
-AMAX_EPS = 1e-12  # fp4lightning.quantize.AMAX_EPS
+AMAX_EPS = 2.0**-124  # fp4lightning.quantize.AMAX_EPS: 6 / amax stays finite in fp32
+FP8_AMAX_EPS = 2.0**-110  # fp4lightning.ops.FP8_AMAX_EPS
 FLT_MAX = 3.4028234663852886e38  # |x| <= FLT_MAX  <=>  x finite (NaN compares false)
 #: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
 MAX_SINGLE_PASS_KH = 4096
@@ -55,7 +57,7 @@ def _fp4_scale(amax, POW2: tl.constexpr):
     # torch evaluates ``6 / t`` (Python scalar over tensor) as ``t.reciprocal() * 6``:
     # two IEEE roundings, mirrored here so the scales agree bit for bit.
     one = tl.full(amax.shape, 1.0, tl.float32)
-    scale = tl.math.div_rn(one, tl.maximum(amax, 1e-12)) * 6.0
+    scale = tl.math.div_rn(one, tl.maximum(amax, 4.70197740328915e-38)) * 6.0  # floor 2^-124
     if POW2:
         # 2^floor(log2(scale)) exactly: keep the exponent bits, zero the mantissa.
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
@@ -174,7 +176,7 @@ def _fp4_launch_params(kh: int, block_kh: int | None) -> tuple[int, int, bool, i
 
 
 def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
-    check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
+    x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
     check_same_device(x2d=x2d, bounds=bounds)
     if scale_mode not in ("float", "pow2"):
         raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
@@ -240,10 +242,17 @@ def quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: s
 
 # --------------------------------------------------------------------------- FP8
 @triton.jit
-def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N):
+def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV: tl.constexpr):
+    """An fp32 tile of x; DIV=1 divides each column by d[col], DIV=2 each row by d[row]
+    (IEEE division, as ``x / d`` in torch: the FP4 scale folded into dY, section 3)."""
     ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), mask
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if DIV == 1:
+        x = tl.math.div_rn(x, tl.load(d_ptr + cols, mask=cols < N, other=1.0)[None, :])
+    elif DIV == 2:
+        x = tl.math.div_rn(x, tl.load(d_ptr + rows, mask=rows < M, other=1.0)[:, None])
+    return x, mask
 
 
 @triton.jit
@@ -257,33 +266,35 @@ def _line_amax(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, cols, mask, AXIS: tl.constexpr, FMAX: tl.constexpr,
-                      MANT: tl.constexpr, EMIN: tl.constexpr):
+def _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, AXIS: tl.constexpr,
+                      FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """Scale (per line along ``AXIS``), saturate and round a tile to FP8; store the bit patterns."""
     s = tl.expand_dims(scale, AXIS)
     y = tl.where(s == s, x * s, 0.0)  # the reference's nan_to_num(nan=0)
     mag = minifloat_bits(tl.minimum(tl.abs(y), FMAX), MANT, EMIN)
     bits = (mag | (sign_bit(y) << 7)).to(tl.uint8)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], bits, mask=mask)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols.to(tl.int64)[None, :] * stride_qn, bits, mask=mask)
 
 
 @triton.jit
 def _fp8_scale(amax, FMAX: tl.constexpr):
     one = tl.full(amax.shape, 1.0, tl.float32)
-    scale = tl.math.div_rn(one, tl.maximum(amax, 1e-12)) * FMAX  # torch's fmax / t, see _fp4_scale
+    # torch's fmax / t, see _fp4_scale; floor 2^-110
+    scale = tl.math.div_rn(one, tl.maximum(amax, 7.703719777548943e-34)) * FMAX
     return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
 
 
 @triton.jit
 def _quantize_fp8_rows_kernel(
     # pointers (q_ptr is a uint8 view of the FP8 output)
-    x_ptr, q_ptr, s_ptr,
+    x_ptr, d_ptr, q_ptr, s_ptr,
     # sizes
     M, N,
     # strides
     stride_xm, stride_qm,
     # meta-parameters
-    FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One scale per row: a program owns BLOCK_M rows and walks along N twice.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -291,26 +302,27 @@ def _quantize_fp8_rows_kernel(
     # --- pass 1: absmax
     amax = tl.zeros([BLOCK_M], tl.float32)
     for n0 in range(0, N, BLOCK_N):
-        x, _ = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N)
+        x, _ = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N, d_ptr, DIV)
         blk = _line_amax(x, 1)
         # NaN-propagating running max (tl.maximum may drop NaN on the GPU)
         amax = tl.where((blk != blk) | (amax != amax), float("nan"), tl.maximum(amax, blk))
     scale = _fp8_scale(amax, FMAX)
     # --- pass 2: encode
     for n0 in range(0, N, BLOCK_N):
-        x, mask = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N)
-        _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, n0 + c, mask, 1, FMAX, MANT, EMIN)
+        x, mask = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N, d_ptr, DIV)
+        _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, n0 + c, mask, 1, FMAX, MANT, EMIN)
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
 @triton.jit
-def _col_amax_kernel(x_ptr, amax_ptr, M, N, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _col_amax_kernel(x_ptr, d_ptr, amax_ptr, M, N, stride_xm, DIV: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     # Column absmax over a 2-D grid of tiles, combined with an integer atomic max on the
     # fp32 bit patterns: non-negative floats order like their bits, and NaN's bits
     # (0x7FC00000) exceed every finite value's and inf's, so NaN wins as in torch.amax.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x, _ = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N)
+    x, _ = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV)
     amax = _line_amax(x, 0)
     bits = tl.where(amax != amax, 0x7FC00000, amax.to(tl.int32, bitcast=True))
     tl.atomic_max(amax_ptr + cols, bits, mask=cols < N)
@@ -318,10 +330,11 @@ def _col_amax_kernel(x_ptr, amax_ptr, M, N, stride_xm, BLOCK_M: tl.constexpr, BL
 
 @triton.jit
 def _quantize_fp8_cols_kernel(
-    x_ptr, q_ptr, s_ptr, amax_ptr,
+    x_ptr, d_ptr, q_ptr, s_ptr, amax_ptr,
     M, N,
-    stride_xm, stride_qm,
-    FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_xm, stride_qm, stride_qn,
+    FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One scale per column, from the column absmax of _col_amax_kernel; fully parallel tiles.
     pid_m = tl.program_id(0)
@@ -329,45 +342,67 @@ def _quantize_fp8_cols_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     amax = tl.load(amax_ptr + cols, mask=cols < N, other=0).to(tl.float32, bitcast=True)
     scale = _fp8_scale(amax, FMAX)
-    x, mask = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N)
-    _fp8_encode_store(x, scale, q_ptr, stride_qm, rows, cols, mask, 0, FMAX, MANT, EMIN)
+    x, mask = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV)
+    _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, 0, FMAX, MANT, EMIN)
     tl.store(s_ptr + cols, scale, mask=(cols < N) & (pid_m == 0))
 
 
-def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
+                 divide_by: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
     ``fp4lightning.ops.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
     (``'bf16'`` needs no kernel; the dispatch layer handles it). ``x2d``: fp32/bf16/fp16,
-    2-D with contiguous rows.
+    2-D, any strides. ``column_major=True`` (with ``dim=0``) returns the same values laid
+    out column by column (``q.t()`` contiguous): the layout ``fp4_wgrad`` feeds to the FP8
+    tensor cores without a transpose in registers. ``divide_by`` (fp32, one value per
+    column for ``dim=1``, per row for ``dim=0``) quantizes ``x2d / divide_by`` without
+    materialising it (the FP4 scale of the GeMM's reduction dimension folded into dY),
+    bit-identical to dividing first in fp32.
     """
-    check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
+    x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
     check_same_device(x2d=x2d)
     if fmt not in _FP8:
         raise ValueError(f"unknown FP8 format {fmt!r}; choose 'e4m3' or 'e5m2'")
     if dim not in (0, 1):
         raise ValueError(f"dim must be 1 (one scale per row) or 0 (one scale per column), got {dim!r}")
+    if column_major and dim != 0:
+        raise ValueError("column_major=True is the layout of the per-column (dim=0) quantization only")
+    div = 0
+    if divide_by is not None:
+        n_div = x2d.shape[1] if dim == 1 else x2d.shape[0]
+        what = "one fp32 divisor per column (dim=1) / per row (dim=0)"
+        divide_by = check_vector("divide_by", divide_by, n_div, (torch.float32,), what)
+        check_same_device(x2d=x2d, divide_by=divide_by)
+        div = 1 if dim == 1 else 2
     fmax, mant, emin, dtype = _FP8[fmt]
     m, n = x2d.shape
-    q = torch.empty(m, n, dtype=dtype, device=x2d.device)
+    q = torch.empty(n, m, dtype=dtype, device=x2d.device).t() if column_major else \
+        torch.empty(m, n, dtype=dtype, device=x2d.device)
     qb = q.view(torch.uint8)  # the kernels write FP8 bit patterns
     meta = dict(FMAX=fmax, MANT=mant, EMIN=emin)
+    d = divide_by if divide_by is not None else x2d  # placeholder pointer when unused
     # Bandwidth-bound: tiles of ~4K elements keep enough loads in flight without spills.
     if dim == 1:
         scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
         block_n = min(triton.next_power_of_2(n), 1024)
         block_m = max(1, 4096 // block_n)
         _quantize_fp8_rows_kernel[(triton.cdiv(m, block_m),)](
-            x2d, qb, scale, m, n, x2d.stride(0), q.stride(0), **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+            x2d, d, qb, scale, m, n, x2d.stride(0), q.stride(0), **meta, DIV=div, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=4)
     else:
         scale = torch.empty(n, dtype=torch.float32, device=x2d.device)
         amax_bits = torch.zeros(n, dtype=torch.int32, device=x2d.device)
         block_n = min(triton.next_power_of_2(n), 128)
         block_m = max(1, 4096 // block_n)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _col_amax_kernel[grid](x2d, amax_bits, m, n, x2d.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        _col_amax_kernel[grid](x2d, d, amax_bits, m, n, x2d.stride(0), DIV=div, BLOCK_M=block_m, BLOCK_N=block_n,
+                               num_warps=4)
+        if column_major:  # tiles long along M: the stores run along contiguous bytes
+            block_m, block_n = min(triton.next_power_of_2(m), 256), 16
+            grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _quantize_fp8_cols_kernel[grid](
-            x2d, qb, scale, amax_bits, m, n, x2d.stride(0), q.stride(0), **meta,
+            x2d, d, qb, scale, amax_bits, m, n, x2d.stride(0), qb.stride(0), qb.stride(1), **meta, DIV=div,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return q, scale
