@@ -113,6 +113,7 @@ class TrainerSection:
     log_every_n_steps: int = 5
     checkpoint_every_n_steps: int = 50
     num_threads: Optional[int] = None
+    max_nonfinite_skips: int = 20
 
 
 @dataclass(frozen=True)
