@@ -70,8 +70,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            if isinstance(e, OSError):
-                why = "the disk is full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+            if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+                # torch.save reports a failed write as RuntimeError("unexpected pos ...") from the OSError
+                cause, chain = e, []
+                while cause is not None and cause not in chain:
+                    chain.append(cause)
+                    cause = cause.__cause__ or cause.__context__
+                oserr = next((c for c in chain if isinstance(c, OSError)), None)
+                if oserr is not None and oserr.errno == errno.ENOSPC:
+                    why = "the disk is full"
+                else:
+                    err = oserr or e
+                    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 raise CheckpointError(f"could not write checkpoint {path} ({why}); the previous {path.name} "
                                       "(if any) is unchanged and still loads") from e
             raise

@@ -232,6 +232,22 @@ class LinePrinter(L.Callback):
                   flush=True)
 
 
+class SaveFinalState(L.Callback):
+    """Write ``last.ckpt`` at the end of training if ModelCheckpoint did not save the final step.
+
+    Lightning's ``ModelCheckpoint`` defers a save due on the last batch to a validation that
+    may never come, and its end-of-training save of ``last`` only happens when no checkpoint
+    was written before, so a finished run could leave ``last.ckpt`` some steps behind.
+    """
+
+    def __init__(self, checkpoint: ModelCheckpoint, path: Path):
+        self.checkpoint, self.path = checkpoint, path
+
+    def on_train_end(self, trainer, pl_module):
+        if self.checkpoint._last_global_step_saved != trainer.global_step:
+            trainer.save_checkpoint(self.path)
+
+
 def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, tokenizer_json: str | None = None):
     """The LightningModule for ``cfg`` (the model itself is built later, in ``configure_model``)."""
     precision = precision or _precision_setup(cfg)
@@ -252,10 +268,11 @@ def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, toke
     )
 
 
-def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None):
+def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None, verify_data: bool = False):
     """(trainer, module, datamodule, ckpt_path) for ``cfg``; no training happens.
 
-    ``callbacks`` are added to the Trainer's own (tests use this to record losses).
+    ``callbacks`` are added to the Trainer's own (tests use this to record losses). ``verify_data``
+    re-hashes every shard against the sha256 in ``meta.json`` (sizes are always checked).
     Raises ``DataNotPreparedError`` naming ``fp4lightning data prepare ...`` if the data is missing.
     """
     out = Path(cfg.out_dir)
@@ -273,6 +290,7 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         num_workers=cfg.data.num_workers,
         prepare_hint=prepare_command(cfg.data.source, cfg.data.dir, cfg.data.vocab_size, cfg.data.val_fraction,
                                      cfg.data.max_tokens, cfg.data.text_key),
+        verify=verify_data,
     )
     if dm.tokenizer.vocab_size > llama.vocab_size:
         raise RecipeError(
@@ -293,6 +311,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         save_last=True,
         every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
         save_on_exception=True,  # Ctrl-C / SIGTERM leave a resumable checkpoint
+        # overwrite (atomically) rather than write last-v1.ckpt beside a damaged or moved last.ckpt
+        enable_version_counter=False,
     )
     # Lightning's progress bar on a terminal; plain lines in logs (make, CI, nohup)
     interactive = sys.stdout.isatty()
@@ -319,7 +339,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
-        callbacks=[checkpoint, guard, *progress, *(callbacks or [])],
+        callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), guard, *progress,
+                   *(callbacks or [])],
         enable_progress_bar=interactive,
         logger=loggers,
         use_distributed_sampler=False,  # the DataModule shards positions by rank itself
@@ -366,13 +387,14 @@ def plot_losses(log_dir: Path, png: Path) -> Path | None:
     return png
 
 
-def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None) -> TrainResult | None:
+def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None,
+          verify_data: bool = False) -> TrainResult | None:
     """Train ``cfg``; prints the resolved config first and where the outputs are at the end.
 
     Returns the :class:`TrainResult` on rank 0 (None on other ranks). Re-raises the
     ``KeyboardInterrupt`` / ``SystemExit`` of an interrupted run after reporting it.
     """
-    trainer, module, dm, ckpt_path = build(cfg, resume, callbacks)
+    trainer, module, dm, ckpt_path = build(cfg, resume, callbacks, verify_data=verify_data)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:
         llama = cfg.llama_config()
@@ -450,7 +472,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="recipe overrides, e.g. schedule.max_steps=50 trainer.precision=bf16-mixed")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from <out_dir>/checkpoints/last.ckpt (same as ckpt_path=last)")
+                        help="continue from <out_dir>/checkpoints/last.ckpt, or the newest step=N.ckpt that loads "
+                             "(same as ckpt_path=last)")
+    parser.add_argument("--verify-data", action="store_true",
+                        help="check every data shard against the sha256 recorded by `data prepare` before training "
+                             "(sizes are always checked)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -465,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     try:
-        train(cfg, resume=args.resume)
+        train(cfg, resume=args.resume, verify_data=args.verify_data)
     except SIGTERMException:
         return EXIT_PREEMPTED  # saved and resumable, but not finished: a scheduler must see the difference
     except NonFiniteError as e:
