@@ -457,6 +457,13 @@ def prepare(
         "tokenizer_train_chars": tokenizer_train_chars,
         "text_key": text_key,
     }
+    probe = out_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe == out_dir and not out_dir.is_dir() or probe != out_dir and not probe.is_dir():
+        raise DataSourceError(f"--out {out_dir}: {probe} exists and is not a folder; choose another --out")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataSourceError(f"--out {out_dir}: {probe} is not writable; choose another --out")
     with _FolderLock(out_dir):
         _recover_and_clean(out_dir)
         meta_path = out_dir / META_FILE

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -194,8 +195,15 @@ def _check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def _positive(key: str, value: Any, zero_ok: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not zero_ok)):
-        raise RecipeError(f"recipe key `{key}` must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+    # `not value >= 0` also catches NaN, which compares false with everything
+    if value is not None and (not math.isfinite(value) or not value >= 0 or (value == 0 and not zero_ok)):
+        raise RecipeError(f"recipe key `{key}` must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def _in_range(key: str, value: Any, lo: float, hi: float, hi_open: bool = True) -> None:
+    ok = math.isfinite(value) and lo <= value and (value < hi if hi_open else value <= hi)
+    if not ok:
+        raise RecipeError(f"recipe key `{key}` must be in [{lo:g}, {hi:g}{')' if hi_open else ']'}, got {value}")
 
 
 def _validate(cfg: RecipeConfig) -> None:
@@ -212,10 +220,16 @@ def _validate(cfg: RecipeConfig) -> None:
     _positive("optimizer.lr", cfg.optimizer.lr)
     _positive("optimizer.weight_decay", cfg.optimizer.weight_decay, zero_ok=True)
     _positive("optimizer.grad_clip", cfg.optimizer.grad_clip, zero_ok=True)
+    _positive("optimizer.eps", cfg.optimizer.eps)
+    _in_range("optimizer.beta1", cfg.optimizer.beta1, 0.0, 1.0)
+    _in_range("optimizer.beta2", cfg.optimizer.beta2, 0.0, 1.0)
+    _in_range("seed", cfg.seed, 0, 2**32 - 1, hi_open=False)  # numpy / Lightning seeds are 32-bit
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _positive(f"model.{name}", getattr(cfg.model, name))
     for key in ("data.val_fraction", "schedule.warmup_fraction", "schedule.min_lr_ratio"):
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
-        if not 0.0 <= v < 1.0 or (key == "data.val_fraction" and v == 0.0):
+        if not 0.0 <= v < 1.0 or (key == "data.val_fraction" and v == 0.0):  # also refuses NaN
             raise RecipeError(f"recipe key `{key}` must be in {'(0, 1)' if key == 'data.val_fraction' else '[0, 1)'}, got {v}")
     try:
         llama = cfg.llama_config()

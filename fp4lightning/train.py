@@ -276,6 +276,9 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     Raises ``DataNotPreparedError`` naming ``fp4lightning data prepare ...`` if the data is missing.
     """
     out = Path(cfg.out_dir)
+    if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise RecipeError(f"recipe key `trainer.accelerator` = {cfg.trainer.accelerator!r} but this machine has no "
+                          "CUDA GPU visible to torch; use trainer.accelerator=cpu (or auto)")
     _check_writable(out)
     ckpt_path = _resolve_ckpt(cfg, resume)
     accum = cfg.accumulate_grad_batches

@@ -606,3 +606,38 @@ def test_tokenizer_training_on_a_long_unbroken_input_is_bounded(tmp_path):
     assert elapsed < 120, elapsed  # measured ~5 s on a shared 2-core machine (2026-11-30)
     assert messages and "M characters" in messages[-1]
     assert tok.decode(tok.encode(word[:5000], bos=False)) == word[:5000]
+
+
+# ------------------------------------------------------------------ 7. recipe numbers
+@pytest.mark.parametrize("override,key", [
+    ("optimizer.lr=inf", "optimizer.lr"), ("optimizer.lr=nan", "optimizer.lr"), ("optimizer.lr=-1", "optimizer.lr"),
+    ("optimizer.weight_decay=nan", "optimizer.weight_decay"), ("optimizer.grad_clip=nan", "optimizer.grad_clip"),
+    ("optimizer.grad_clip=inf", "optimizer.grad_clip"), ("optimizer.beta1=1.5", "optimizer.beta1"),
+    ("optimizer.beta2=nan", "optimizer.beta2"), ("optimizer.eps=-1", "optimizer.eps"), ("optimizer.eps=0", "optimizer.eps"),
+    ("seed=-5", "seed"), ("seed=100000000000000000000", "seed"), ("model.norm_eps=nan", "model.norm_eps"),
+    ("model.init_std=inf", "model.init_std"), ("schedule.warmup_fraction=nan", "schedule.warmup_fraction"),
+    ("trainer.max_nonfinite_skips=0", "trainer.max_nonfinite_skips"),
+])
+def test_bad_recipe_numbers_are_refused_naming_the_key(override, key, capsys):
+    assert cli_main(["train", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fp4lightning train: error:") and f"`{key}`" in err and "\n" not in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_accelerator_without_cuda_is_one_line(corpus, tmp_path, capsys):
+    assert cli_main(["train", *tiny_overrides(corpus, tmp_path), "trainer.accelerator=gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "trainer.accelerator" in err and "no CUDA" in err and "\n" not in err
+
+
+# ------------------------------------------------------------------ 14. output paths checked before the work
+def test_output_path_that_is_a_file_is_refused_up_front(corpus, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert cli_main(["train", *tiny_overrides(corpus, blocker / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "out_dir" in err and "a_file exists and is not a folder" in err and "\n" not in err
+    assert cli_main(["data", "prepare", "--source", str(tmp_path), "--out", str(blocker)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--out" in err and "a_file exists and is not a folder" in err and "\n" not in err
