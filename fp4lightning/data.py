@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 META_FILE = "meta.json"
+MIN_VOCAB = 258  # the 256 byte tokens of byte-level BPE + BOS + EOS
 FORMAT_VERSION = 2  # 2: per-shard sha256 in meta.json
 DOC_CHARS = 8192  # target document size when cutting long texts at blank lines
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB per uint16 shard
@@ -210,38 +211,104 @@ _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 _DATA_SUFFIXES = _TEXT_SUFFIXES | {".jsonl", ".json", ".parquet"}
 
 
-def _iter_local(root: Path, text_key: str) -> Iterator[tuple[str, str]]:
+class BadRecords:
+    """What to do with a record that is not text: ``"error"`` (default) raises naming file, line/row
+    and field; ``"skip"`` drops it, counts it and reports the first few."""
+
+    def __init__(self, policy: str = "error"):
+        if policy not in ("error", "skip"):
+            raise DataSourceError(f"--on-bad-record must be 'error' or 'skip', got {policy!r}")
+        self.policy, self.skipped, self.replaced = policy, 0, 0
+
+    def bad(self, where: str, why: str) -> None:
+        if self.policy == "error":
+            raise DataSourceError(f"{where}: {why} (fix the record, or pass --on-bad-record skip to drop such records)")
+        self.skipped += 1
+        if self.skipped <= 5:
+            _log(f"skipping bad record {where}: {why}")
+
+    def summary(self) -> None:
+        if self.skipped:
+            _log(f"skipped {self.skipped:,} bad records (--on-bad-record skip)")
+
+
+def _decode(raw: bytes, where: str, bad: BadRecords) -> str | None:
+    if b"\x00" in raw[:65536]:
+        bad.bad(where, "binary file (NUL bytes), not text")
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8", errors="replace")
+        n = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+        bad.replaced += n
+        _log(f"warning: {where}: {n:,} bytes are not valid UTF-8 (first at byte {e.start}) and were replaced by "
+             "U+FFFD; convert the file to UTF-8 to keep them")
+        return text
+
+
+def _iter_local(root: Path, text_key: str, bad: BadRecords | None = None) -> Iterator[tuple[str, str]]:
+    bad = bad or BadRecords()
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in _DATA_SUFFIXES)
     for path in files:
         rel = path.name if root.is_file() else str(path.relative_to(root))
         if path.suffix in _TEXT_SUFFIXES:
-            yield from _split_text(rel, path.read_text(encoding="utf-8", errors="replace"))
+            text = _decode(path.read_bytes(), str(path), bad)
+            if text is not None:
+                yield from _split_text(rel, text)
         elif path.suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f):
+            with open(path, "rb") as f:
+                for i, raw in enumerate(f):
+                    where = f"{path}:{i + 1}"
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        bad.bad(where, f"not valid UTF-8 (byte {e.start})")
+                        continue
                     if not line.strip():
                         continue
                     try:
-                        text = json.loads(line)[text_key]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        bad.bad(where, f"not a JSON object ({e})")
+                        continue
+                    if not isinstance(record, dict) or text_key not in record:
                         raise DataSourceError(
-                            f"{path}:{i + 1}: expected one JSON object per line with a string field "
-                            f"{text_key!r} (choose the field with --text-key): {e}"
-                        ) from e
+                            f"{where}: expected one JSON object per line with a string field "
+                            f"{text_key!r} (choose the field with --text-key)"
+                        )
+                    text = record[text_key]
+                    if not isinstance(text, str):
+                        bad.bad(where, f"field {text_key!r} is {type(text).__name__}, expected a string")
+                        continue
                     yield f"{rel}:{i}", text
         elif path.suffix == ".parquet":
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            pf = pq.ParquetFile(path)
+            try:
+                pf = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as e:
+                raise DataSourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
             if text_key not in pf.schema_arrow.names:
                 raise DataSourceError(
                     f"{path} has no column {text_key!r} (columns: {pf.schema_arrow.names}); choose it with --text-key"
                 )
+            column_type = pf.schema_arrow.field(text_key).type
+            if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+                raise DataSourceError(f"{path}: column {text_key!r} holds {column_type}, not strings; "
+                                      "choose the text column with --text-key")
             i = 0
-            for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
-                for text in batch.column(0).to_pylist():
-                    yield f"{rel}:{i}", text or ""
-                    i += 1
+            try:
+                for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
+                    for text in batch.column(0).to_pylist():
+                        if text is None:
+                            bad.bad(f"{path} row {i}", f"column {text_key!r} is null")
+                        else:
+                            yield f"{rel}:{i}", text
+                        i += 1
+            except (pa.ArrowException, OSError) as e:
+                raise DataSourceError(f"{path}: cannot read row {i} on ({type(e).__name__}: {e})") from e
         else:
             raise DataSourceError(f"{path}: unsupported file type (use one of {sorted(_DATA_SUFFIXES)})")
 
@@ -270,7 +337,8 @@ def _iter_hf(spec: str, text_key: str) -> Iterator[tuple[str, str]]:
         yield f"{name}:{i}", row[text_key]
 
 
-def iter_documents(source: str, cache_dir: Path, text_key: str = "text") -> Iterator[tuple[str, str]]:
+def iter_documents(source: str, cache_dir: Path, text_key: str = "text",
+                   bad: BadRecords | None = None) -> Iterator[tuple[str, str]]:
     """``(name, text)`` pairs of a source (see the module docstring)."""
     if source == "builtin":
         yield from _iter_builtin(fetch_builtin(cache_dir))
@@ -280,7 +348,7 @@ def iter_documents(source: str, cache_dir: Path, text_key: str = "text") -> Iter
         root = Path(source)
         if not root.exists():
             raise DataSourceError(f"data source {source!r} is neither 'builtin', 'hf:NAME' nor an existing path")
-        yield from _iter_local(root, text_key)
+        yield from _iter_local(root, text_key, bad)
 
 
 def _is_val(doc_name: str, val_fraction: float) -> bool:
@@ -437,6 +505,7 @@ def prepare(
     cache_dir: str | Path | None = None,
     force: bool = False,
     shard_tokens: int = SHARD_TOKENS,
+    on_bad_record: str = "error",
 ) -> Path:
     """Tokenise ``source`` into ``out_dir`` (see the module docstring); returns ``out_dir``.
 
@@ -447,7 +516,14 @@ def prepare(
     out_dir = Path(out_dir) if out_dir is not None else default_data_dir(source)
     cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "downloads"
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise DataSourceError(f"--val-fraction must be in (0, 1) (both splits need text), got {val_fraction}")
+    if not MIN_VOCAB <= vocab_size <= 1 << 31:
+        raise DataSourceError(f"--vocab-size must be at least {MIN_VOCAB} (256 byte tokens + BOS + EOS), "
+                              f"got {vocab_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise DataSourceError(f"--max-tokens must be a positive number of tokens (omit it for the whole source), "
+                              f"got {max_tokens}")
+    BadRecords(on_bad_record)  # validates the policy
     args = {
         "format_version": FORMAT_VERSION,
         "source": source if not Path(source).exists() else str(Path(source).resolve()),
@@ -456,6 +532,7 @@ def prepare(
         "max_tokens": max_tokens,
         "tokenizer_train_chars": tokenizer_train_chars,
         "text_key": text_key,
+        "on_bad_record": on_bad_record,
     }
     probe = out_dir
     while not probe.exists() and probe != probe.parent:
@@ -489,7 +566,7 @@ def prepare(
         build.mkdir(parents=True)
         try:
             _build(build, source, cache_dir, args, vocab_size, val_fraction, max_tokens, tokenizer_train_chars,
-                   text_key, shard_tokens)
+                   text_key, shard_tokens, on_bad_record)
         except BaseException:
             import shutil
 
@@ -501,7 +578,8 @@ def prepare(
 
 
 def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: int, val_fraction: float,
-           max_tokens: int | None, tokenizer_train_chars: int, text_key: str, shard_tokens: int) -> None:
+           max_tokens: int | None, tokenizer_train_chars: int, text_key: str, shard_tokens: int,
+           on_bad_record: str = "error") -> None:
     """Tokenizer, shards and meta.json of ``source`` into the (new, empty) folder ``out_dir``."""
     meta_path = out_dir / META_FILE
     t0 = time.perf_counter()
@@ -511,7 +589,7 @@ def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: 
 
     def train_texts() -> Iterator[str]:
         seen = 0
-        for name, text in iter_documents(source, cache_dir, text_key):
+        for name, text in iter_documents(source, cache_dir, text_key, BadRecords(on_bad_record)):
             if _is_val(name, val_fraction):
                 continue
             yield text
@@ -534,7 +612,8 @@ def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: 
             writers["val" if _is_val(name, val_fraction) else "train"].write(np.asarray(ids, dtype=np.int64))
         batch.clear()
 
-    for name, text in iter_documents(source, cache_dir, text_key):
+    bad = BadRecords(on_bad_record)
+    for name, text in iter_documents(source, cache_dir, text_key, bad):
         batch.append((name, text))
         n_docs += 1
         n_chars += len(text)
@@ -550,6 +629,7 @@ def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: 
     flush()
     for w in writers.values():
         w.close()
+    bad.summary()
     if writers["val"].total == 0 or writers["train"].total == 0:
         raise DataSourceError(
             f"{source}: {n_docs} documents gave {writers['train'].total} train / {writers['val'].total} val "
@@ -845,6 +925,9 @@ def add_arguments(parser) -> None:
     p.add_argument("--text-key", default=None, help="JSONL field / Parquet column / dataset field (default text)")
     p.add_argument("--cache-dir", default=None, help="where downloads are kept (default: <out>/../downloads)")
     p.add_argument("--force", action="store_true", help="prepare again even if up to date")
+    p.add_argument("--on-bad-record", choices=("error", "skip"), default="error",
+                   help="a record that is not text (bad UTF-8 in .jsonl, a non-string or null field, a binary file): "
+                        "stop with its file and line (error, default) or drop it and count it (skip)")
 
 
 def run(args) -> int:
@@ -868,5 +951,6 @@ def run(args) -> int:
         text_key=opts["text_key"],
         cache_dir=args.cache_dir,
         force=args.force,
+        on_bad_record=args.on_bad_record,
     )
     return 0

@@ -641,3 +641,60 @@ def test_output_path_that_is_a_file_is_refused_up_front(corpus, tmp_path, capsys
     assert cli_main(["data", "prepare", "--source", str(tmp_path), "--out", str(blocker)]) == 2
     err = capsys.readouterr().err.strip()
     assert "--out" in err and "a_file exists and is not a folder" in err and "\n" not in err
+
+
+# ------------------------------------------------------------------ 11. bad records and prepare arguments
+def test_bad_records_name_file_line_and_field(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.test_data import stdlib_docs
+
+    good = [json.dumps({"text": p}) for p in stdlib_docs("argparse").split("\n\n") if len(p) > 40][:60]
+    cases = {
+        "utf8.jsonl": ("\n".join(good[:3]) + "\n").encode() + b'{"text": "caf\xe9"}\n',
+        "int.jsonl": ("\n".join(good[:3]) + '\n{"text": 123}\n').encode(),
+        "null.jsonl": ("\n".join(good[:3]) + '\n{"text": null}\n').encode(),
+        "random.parquet": os.urandom(2048),
+        "binary.txt": b"\x7fELF\x00\x01" + os.urandom(500),
+    }
+    expect = {"utf8.jsonl": ":4: not valid UTF-8", "int.jsonl": ":4: field 'text' is int",
+              "null.jsonl": ":4: field 'text' is NoneType", "random.parquet": "not a readable Parquet file",
+              "binary.txt": "binary file"}
+    for name, content in cases.items():
+        src = tmp_path / name.replace(".", "_")
+        src.mkdir()
+        (src / name).write_bytes(content)
+        capsys.readouterr()
+        assert cli_main(["data", "prepare", "--source", str(src), "--out", str(tmp_path / "o"),
+                         "--vocab-size", "300"]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert name in err and expect[name] in err and "\n" not in err, err
+    src = tmp_path / "intcol"
+    src.mkdir()
+    pq.write_table(pa.table({"text": [1, 2, 3]}), src / "n.parquet")
+    assert cli_main(["data", "prepare", "--source", str(src), "--out", str(tmp_path / "o")]) == 2
+    assert "column 'text' holds int64, not strings" in capsys.readouterr().err
+    # --on-bad-record skip drops and counts them
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_bytes(("\n".join(good) + '\n{"text": 123}\n{"text": null}\n').encode()
+                                    + b'{"text": "\xff"}\n')
+    assert cli_main(["data", "prepare", "--source", str(mixed), "--out", str(tmp_path / "m"), "--vocab-size", "300",
+                     "--val-fraction", "0.3", "--on-bad-record", "skip"]) == 0
+    assert "skipped 3 bad records" in capsys.readouterr().out
+    # Latin-1 text: decoded with a warning and a count, not silently
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "l.txt").write_bytes("\n\n".join(json.loads(g)["text"] for g in good).encode() + "\n\ncafé".encode("latin-1"))
+    assert cli_main(["data", "prepare", "--source", str(latin), "--out", str(tmp_path / "l"), "--vocab-size", "300",
+                     "--val-fraction", "0.3"]) == 0
+    assert "1 bytes are not valid UTF-8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value", [("--val-fraction", "0"), ("--vocab-size", "0"), ("--vocab-size", "100"),
+                                        ("--max-tokens", "-1")])
+def test_bad_prepare_arguments_are_refused(tmp_path, capsys, flag, value):
+    assert cli_main(["data", "prepare", "--source", str(tmp_path), "--out", str(tmp_path / "o"), flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and "\n" not in err and not (tmp_path / "o").exists()
