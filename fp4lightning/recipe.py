@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -262,6 +263,26 @@ def _validate(cfg: RecipeConfig) -> None:
             raise RecipeError(f"recipe key `fp4.overrides`: {e}") from e
 
 
+_ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.(env|decode)\s*:")
+
+
+def _refuse_env_interpolation(layer: Any, origin: str, prefix: str = "") -> None:
+    """``${oc.env:VAR}`` would copy an environment variable (a token, a password) into config.yaml,
+    the loggers' hparams and every checkpoint; recipes are shared, so it is refused."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(layer, resolve=False) if OmegaConf.is_config(layer) else layer
+    items = container.items() if isinstance(container, dict) else enumerate(container or [])
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, (dict, list)):
+            _refuse_env_interpolation(v, origin, key + ".")
+        elif isinstance(v, str) and _ENV_INTERPOLATION.search(v):
+            raise RecipeError(f"recipe key `{key}` ({origin}) reads an environment variable ({v}); environment "
+                              "interpolation is not allowed in recipes (the value would be saved in config.yaml and "
+                              "checkpoints): write the value itself, or pass it as an override key=value")
+
+
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Merge the schema defaults, the YAML at ``path`` (optional) and ``key=value`` overrides.
 
@@ -285,8 +306,15 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise RecipeError(f"overrides must look like key=value (e.g. schedule.max_steps=100); got {bad}")
-    if overrides:
-        layers.append((OmegaConf.from_dotlist(list(overrides)), "on the command line"))
+    for o in overrides:
+        try:  # YAML tags (!!python/...) and aliases (*x) are never executed; say so in one line
+            layers.append((OmegaConf.from_dotlist([o]), "on the command line"))
+        except Exception as e:  # yaml's ConstructorError / ComposerError / ScannerError, OmegaConf's errors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RecipeError(f"override {o!r} cannot be parsed ({first}); YAML tags and aliases are not allowed, "
+                              "quote the value if it is a string") from None
+    for layer, origin in layers[1:]:
+        _refuse_env_interpolation(layer, origin)
     merged = layers[0]
     for layer, origin in layers[1:]:
         try:

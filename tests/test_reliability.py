@@ -698,3 +698,25 @@ def test_bad_prepare_arguments_are_refused(tmp_path, capsys, flag, value):
     assert cli_main(["data", "prepare", "--source", str(tmp_path), "--out", str(tmp_path / "o"), flag, value]) == 2
     err = capsys.readouterr().err.strip()
     assert flag in err and "\n" not in err and not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ 8, 15. overrides: no YAML tags, no environment
+@pytest.mark.parametrize("override", ["name=!!python/object/apply:os.system ['touch /tmp/fp4l_pwned']",
+                                      "name=*alias", "name=&a [1"])
+def test_yaml_tags_and_aliases_in_overrides_are_one_line(override, capsys):
+    assert cli_main(["train", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fp4lightning train: error: override") and "\n" not in err, err
+    assert not Path("/tmp/fp4l_pwned").exists()
+
+
+def test_environment_interpolation_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FP4L_TEST_SECRET", "hunter2")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: ${oc.env:FP4L_TEST_SECRET}\n")
+    for args in (["train", str(recipe)], ["train", "name=${oc.env:FP4L_TEST_SECRET}"],
+                 ["train", "data.source=x${oc.decode:${oc.env:FP4L_TEST_SECRET}}"]):
+        assert cli_main(args) == 2
+        err = capsys.readouterr().err
+        assert "environment" in err and "hunter2" not in err
+    assert load_recipe(None, ["name=abc"]).out_dir == "runs/abc"  # ordinary interpolation still works
