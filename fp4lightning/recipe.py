@@ -198,7 +198,7 @@ def _check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
 def _positive(key: str, value: Any, zero_ok: bool = False) -> None:
     # `not value >= 0` also catches NaN, which compares false with everything
     if value is not None and (not math.isfinite(value) or not value >= 0 or (value == 0 and not zero_ok)):
-        raise RecipeError(f"recipe key `{key}` must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+        raise RecipeError(f"recipe key `{key}` must be {'>= 0' if zero_ok else '> 0'} and finite, got {value}")
 
 
 def _in_range(key: str, value: Any, lo: float, hi: float, hi_open: bool = True) -> None:
