@@ -276,9 +276,6 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     Raises ``DataNotPreparedError`` naming ``fp4lightning data prepare ...`` if the data is missing.
     """
     out = Path(cfg.out_dir)
-    if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise RecipeError(f"recipe key `trainer.accelerator` = {cfg.trainer.accelerator!r} but this machine has no "
-                          "CUDA GPU visible to torch; use trainer.accelerator=cpu (or auto)")
     _check_writable(out)
     ckpt_path = _resolve_ckpt(cfg, resume)
     accum = cfg.accumulate_grad_batches
@@ -295,6 +292,9 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
                                      cfg.data.max_tokens, cfg.data.text_key),
         verify=verify_data,
     )
+    if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise RecipeError(f"recipe key `trainer.accelerator` = {cfg.trainer.accelerator!r} but this machine has no "
+                          "CUDA GPU visible to torch; use trainer.accelerator=cpu (or auto)")
     if dm.tokenizer.vocab_size > llama.vocab_size:
         raise RecipeError(
             f"the tokenizer in {cfg.data.dir} has {dm.tokenizer.vocab_size} tokens but `model.vocab_size` is "
