@@ -134,11 +134,6 @@ def _rank_zero_print(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _step_of(model: Any) -> int:
-    trainer = getattr(model, "_trainer", None)
-    return int(trainer.global_step) + 1 if trainer is not None else 0
-
-
 class NonFiniteGuard(L.Callback):
     """Skip, count and stop on non-finite steps for precision plugins that do not do it themselves.
 

@@ -212,7 +212,10 @@ class FP4Precision(Precision):
         if scaler is not None and self.compute_dtype != torch.float16:
             raise ValueError("FP4Precision: a loss scaler is only used with compute_dtype='fp16'; bf16 has fp32's "
                              "range and needs none")
-        self.scaler: DynamicLossScaler | None = (scaler or DynamicLossScaler()) if compute_dtype == "fp16" else None
+        # the default scaler must not give up before the non-finite policy does (max_consecutive_skips)
+        self.scaler: DynamicLossScaler | None = (
+            scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
+        ) if compute_dtype == "fp16" else None
         self._checked_device: str | None = None
         #: skipped-step counter of the non-finite policy (fp4lightning.nonfinite); read by NonFiniteGuard
         self.nonfinite = SkipCounter(max_consecutive_skips)

@@ -55,6 +55,9 @@ def bounded_pieces(texts: Iterable[str], progress: Callable[[str], None] | None 
         if progress is not None and seen >= next_report:
             next_report = seen + _PROGRESS_CHARS
             progress(f"tokenizer training: read {seen / 1e6:.0f}M characters ({time.perf_counter() - t0:.0f}s)")
+    if progress is not None:
+        progress(f"tokenizer training: read {seen / 1e6:.1f}M characters in all ({time.perf_counter() - t0:.0f}s); "
+                 "computing merges")
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
