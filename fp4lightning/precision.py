@@ -15,11 +15,15 @@ TransformerEngine plugin it is thin:
 * ``connect`` can swap ``torch.optim.AdamW`` for :class:`~fp4lightning.optim.LowPrecisionAdamW`
   (first moment FP8 E4M3, second FP16) so the optimizer states are in reduced precision too.
 
+Non-finite steps (bf16 and fp16 alike, docs/training.md "Non-finite steps"): a step whose
+gradients hold an inf/NaN is skipped, counted, and after ``max_consecutive_skips`` in a row
+training stops with :class:`~fp4lightning.nonfinite.NonFiniteError`.
+
 Data parallelism: the inf/NaN check reads each rank's own gradients after backward. DDP has
 already synchronised them, and both a plain all-reduce and the FP8 hook of
 :mod:`fp4lightning.comm` turn a non-finite gradient on any rank into a non-finite gradient on
-every rank, so every rank reaches the same skip decision and the same scale without another
-collective.
+every rank; the flag is also all-reduced (one scalar), so every rank reaches the same skip
+decision and the same scale even when a value turns non-finite after synchronisation.
 """
 from __future__ import annotations
 

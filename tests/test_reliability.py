@@ -25,7 +25,7 @@ import torch
 
 from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
 from fp4lightning.cli import main as cli_main
-from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
+from fp4lightning.nonfinite import NonFiniteError
 from fp4lightning.recipe import load_recipe
 from fp4lightning.train import EXIT_NONFINITE, LAST_CKPT, build, train
 from tests.test_data import prepared_test_corpus
