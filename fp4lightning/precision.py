@@ -15,11 +15,15 @@ TransformerEngine plugin it is thin:
 * ``connect`` can swap ``torch.optim.AdamW`` for :class:`~fp4lightning.optim.LowPrecisionAdamW`
   (first moment FP8 E4M3, second FP16) so the optimizer states are in reduced precision too.
 
+Non-finite steps (bf16 and fp16 alike, docs/training.md "Non-finite steps"): a step whose
+gradients hold an inf/NaN is skipped, counted, and after ``max_consecutive_skips`` in a row
+training stops with :class:`~fp4lightning.nonfinite.NonFiniteError`.
+
 Data parallelism: the inf/NaN check reads each rank's own gradients after backward. DDP has
 already synchronised them, and both a plain all-reduce and the FP8 hook of
 :mod:`fp4lightning.comm` turn a non-finite gradient on any rank into a non-finite gradient on
-every rank, so every rank reaches the same skip decision and the same scale without another
-collective.
+every rank; the flag is also all-reduced (one scalar), so every rank reaches the same skip
+decision and the same scale even when a value turns non-finite after synchronisation.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from torch.optim import LBFGS, Optimizer
 
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
+from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, all_ranks_any, grads_nonfinite
 from .optim import LowPrecisionAdamW
 
 __all__ = ["FP4Precision", "DynamicLossScaler", "COMPUTE_DTYPES"]
@@ -162,6 +167,9 @@ class FP4Precision(Precision):
         device: autocast device type (``"cuda"``, ``"cpu"``, ...); by default the device the
             parameters are on when training starts.
         scaler: a :class:`DynamicLossScaler` to use with fp16 (default: a fresh one).
+        max_consecutive_skips: a step whose gradients hold an inf/NaN is skipped (bf16 and fp16;
+            weights and optimizer state untouched, the decision all-reduced across ranks); after
+            this many in a row training stops with :class:`~fp4lightning.nonfinite.NonFiniteError`.
     """
 
     precision: Literal["fp4-bf16", "fp4-fp16"] = "fp4-bf16"
@@ -176,6 +184,7 @@ class FP4Precision(Precision):
         weights_dtype: torch.dtype | None = None,
         device: str | None = None,
         scaler: DynamicLossScaler | None = None,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE,
     ) -> None:
         if isinstance(config, str):
             config = FP4Config.from_preset(config)
@@ -207,8 +216,13 @@ class FP4Precision(Precision):
         if scaler is not None and self.compute_dtype != torch.float16:
             raise ValueError("FP4Precision: a loss scaler is only used with compute_dtype='fp16'; bf16 has fp32's "
                              "range and needs none")
-        self.scaler: DynamicLossScaler | None = (scaler or DynamicLossScaler()) if compute_dtype == "fp16" else None
+        # the default scaler must not give up before the non-finite policy does (max_consecutive_skips)
+        self.scaler: DynamicLossScaler | None = (
+            scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
+        ) if compute_dtype == "fp16" else None
         self._checked_device: str | None = None
+        #: skipped-step counter of the non-finite policy (fp4lightning.nonfinite); read by NonFiniteGuard
+        self.nonfinite = SkipCounter(max_consecutive_skips)
 
     # ------------------------------------------------------------------ model
 
@@ -331,10 +345,10 @@ class FP4Precision(Precision):
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
                        **kwargs: Any) -> Any:
-        """Without a scaler: Lightning's step. With one: closure, unscale, check, clip, step or skip, update."""
-        if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        """Closure, (unscale,) check for inf/NaN on every rank, clip, then step or skip (and update the scale)."""
         if isinstance(optimizer, LBFGS):
+            if self.scaler is None:  # LBFGS re-evaluates the closure inside step: Lightning's path, no check
+                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             raise RuntimeError("FP4Precision with fp16 loss scaling cannot drive LBFGS (it re-evaluates the closure "
                                "inside step); use precision='fp4-bf16'")
         closure_result = closure()
@@ -342,14 +356,20 @@ class FP4Precision(Precision):
         if closure_result is None and getattr(model, "automatic_optimization", True):
             return closure_result
         # unscale before the hooks and clipping: both must see true gradient magnitudes
-        found_inf = self.scaler.unscale_(optimizer)
+        found_inf = self.scaler.unscale_(optimizer) if self.scaler is not None else grads_nonfinite(optimizer)
+        # DDP's all-reduce already spreads a NaN to every rank; the flag makes the decision explicit
+        found_inf = all_ranks_any(found_inf)
         self._after_closure(model, optimizer)
+        step = int(model.trainer.global_step) + 1 if getattr(model, "_trainer", None) is not None else 0
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.nonfinite.record(found_inf, step, params)  # raises NonFiniteError when the run must stop
+        if self.scaler is not None:
+            if found_inf:
+                log.info("FP4Precision: inf/NaN gradient, skipping the step; loss scale %g -> %g",
+                         self.scaler.scale_value, self.scaler.scale_value * self.scaler.backoff_factor)
+            self.scaler.update(found_inf)
         if found_inf:
-            log.info("FP4Precision: inf/NaN gradient, skipping the step; loss scale %g -> %g",
-                     self.scaler.scale_value, self.scaler.scale_value * self.scaler.backoff_factor)
-            self.scaler.update(True)
             return closure_result
-        self.scaler.update(False)
         return optimizer.step(**kwargs)
 
     @property
@@ -364,11 +384,13 @@ class FP4Precision(Precision):
         out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
+        out["nonfinite"] = self.nonfinite.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
+        self.nonfinite.load_state_dict(state_dict.get("nonfinite", {}))
         saved = state_dict.get("precision")
         if saved is not None and saved != self.precision:
             rank_zero_info(f"FP4Precision: checkpoint was written with precision={saved!r}, resuming with "

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -113,6 +115,7 @@ class TrainerSection:
     log_every_n_steps: int = 5
     checkpoint_every_n_steps: int = 50
     num_threads: Optional[int] = None
+    max_nonfinite_skips: int = 20
 
 
 @dataclass(frozen=True)
@@ -193,8 +196,15 @@ def _check_choice(key: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def _positive(key: str, value: Any, zero_ok: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not zero_ok)):
-        raise RecipeError(f"recipe key `{key}` must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+    # `not value >= 0` also catches NaN, which compares false with everything
+    if value is not None and (not math.isfinite(value) or not value >= 0 or (value == 0 and not zero_ok)):
+        raise RecipeError(f"recipe key `{key}` must be {'>= 0' if zero_ok else '> 0'} and finite, got {value}")
+
+
+def _in_range(key: str, value: Any, lo: float, hi: float, hi_open: bool = True) -> None:
+    ok = math.isfinite(value) and lo <= value and (value < hi if hi_open else value <= hi)
+    if not ok:
+        raise RecipeError(f"recipe key `{key}` must be in [{lo:g}, {hi:g}{')' if hi_open else ']'}, got {value}")
 
 
 def _validate(cfg: RecipeConfig) -> None:
@@ -211,10 +221,16 @@ def _validate(cfg: RecipeConfig) -> None:
     _positive("optimizer.lr", cfg.optimizer.lr)
     _positive("optimizer.weight_decay", cfg.optimizer.weight_decay, zero_ok=True)
     _positive("optimizer.grad_clip", cfg.optimizer.grad_clip, zero_ok=True)
+    _positive("optimizer.eps", cfg.optimizer.eps)
+    _in_range("optimizer.beta1", cfg.optimizer.beta1, 0.0, 1.0)
+    _in_range("optimizer.beta2", cfg.optimizer.beta2, 0.0, 1.0)
+    _in_range("seed", cfg.seed, 0, 2**32 - 1, hi_open=False)  # numpy / Lightning seeds are 32-bit
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _positive(f"model.{name}", getattr(cfg.model, name))
     for key in ("data.val_fraction", "schedule.warmup_fraction", "schedule.min_lr_ratio"):
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
-        if not 0.0 <= v < 1.0 or (key == "data.val_fraction" and v == 0.0):
+        if not 0.0 <= v < 1.0 or (key == "data.val_fraction" and v == 0.0):  # also refuses NaN
             raise RecipeError(f"recipe key `{key}` must be in {'(0, 1)' if key == 'data.val_fraction' else '[0, 1)'}, got {v}")
     try:
         llama = cfg.llama_config()
@@ -247,6 +263,26 @@ def _validate(cfg: RecipeConfig) -> None:
             raise RecipeError(f"recipe key `fp4.overrides`: {e}") from e
 
 
+_ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.(env|decode)\s*:")
+
+
+def _refuse_env_interpolation(layer: Any, origin: str, prefix: str = "") -> None:
+    """``${oc.env:VAR}`` would copy an environment variable (a token, a password) into config.yaml,
+    the loggers' hparams and every checkpoint; recipes are shared, so it is refused."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(layer, resolve=False) if OmegaConf.is_config(layer) else layer
+    items = container.items() if isinstance(container, dict) else enumerate(container or [])
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, (dict, list)):
+            _refuse_env_interpolation(v, origin, key + ".")
+        elif isinstance(v, str) and _ENV_INTERPOLATION.search(v):
+            raise RecipeError(f"recipe key `{key}` ({origin}) reads an environment variable ({v}); environment "
+                              "interpolation is not allowed in recipes (the value would be saved in config.yaml and "
+                              "checkpoints): write the value itself, or pass it as an override key=value")
+
+
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Merge the schema defaults, the YAML at ``path`` (optional) and ``key=value`` overrides.
 
@@ -270,8 +306,15 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise RecipeError(f"overrides must look like key=value (e.g. schedule.max_steps=100); got {bad}")
-    if overrides:
-        layers.append((OmegaConf.from_dotlist(list(overrides)), "on the command line"))
+    for o in overrides:
+        try:  # YAML tags (!!python/...) and aliases (*x) are never executed; say so in one line
+            layers.append((OmegaConf.from_dotlist([o]), "on the command line"))
+        except Exception as e:  # yaml's ConstructorError / ComposerError / ScannerError, OmegaConf's errors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RecipeError(f"override {o!r} cannot be parsed ({first}); YAML tags and aliases are not allowed, "
+                              "quote the value if it is a string") from None
+    for layer, origin in layers[1:]:
+        _refuse_env_interpolation(layer, origin)
     merged = layers[0]
     for layer, origin in layers[1:]:
         try:

@@ -142,7 +142,9 @@ class FP4DDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """Run the step; skip it on every rank if the synchronised gradient is non-finite; log bytes sent."""
-        has_scaler = getattr(self.precision_plugin, "scaler", None) is not None
+        # FP4Precision skips (and counts) non-finite steps itself; so does a loss scaler
+        has_scaler = getattr(self.precision_plugin, "scaler", None) is not None or \
+            getattr(self.precision_plugin, "nonfinite", None) is not None
 
         def closure_with_sync_check() -> Any:
             result = closure()

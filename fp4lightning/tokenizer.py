@@ -12,10 +12,52 @@ to ``<run_dir>/tokenizer.json`` by training and embedded in every checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["Tokenizer", "BOS_TOKEN", "EOS_TOKEN", "TOKENIZER_FILE"]
+__all__ = ["Tokenizer", "BOS_TOKEN", "EOS_TOKEN", "TOKENIZER_FILE", "bounded_pieces", "MAX_PIECE_CHARS",
+           "MAX_RUN_CHARS"]
+
+#: longest text handed to the BPE trainer at once; longer texts are cut at a line break or space
+MAX_PIECE_CHARS = 1 << 16
+#: longest run without whitespace kept whole; longer runs are cut (as BPE trainers cap word length).
+#: The trainer's merge counting grows with word length squared: a 1 MB "word" did not finish in 290 s.
+MAX_RUN_CHARS = 64
+_LONG_RUN = re.compile(r"\S{%d}" % MAX_RUN_CHARS)
+_PROGRESS_CHARS = 10_000_000
+
+
+def _cut(text: str, limit: int) -> Iterator[str]:
+    while len(text) > limit:
+        cut = max(text.rfind("\n", 0, limit), text.rfind(" ", 0, limit))
+        if cut <= 0:
+            cut = limit
+        yield text[:cut]
+        text = text[cut:]
+    if text:
+        yield text
+
+
+def bounded_pieces(texts: Iterable[str], progress: Callable[[str], None] | None = None) -> Iterator[str]:
+    """``texts`` as pieces of at most ``MAX_PIECE_CHARS`` characters with no whitespace-free run
+    longer than ``MAX_RUN_CHARS`` (such runs are split into separate pieces, so no merge spans the cut)."""
+    seen, next_report, t0 = 0, _PROGRESS_CHARS, time.perf_counter()
+    for text in texts:
+        for piece in _cut(text, MAX_PIECE_CHARS):
+            if _LONG_RUN.search(piece):
+                parts = re.split(r"(\S{%d})" % MAX_RUN_CHARS, piece)
+                yield from (p for p in parts if p)
+            else:
+                yield piece
+        seen += len(text)
+        if progress is not None and seen >= next_report:
+            next_report = seen + _PROGRESS_CHARS
+            progress(f"tokenizer training: read {seen / 1e6:.0f}M characters ({time.perf_counter() - t0:.0f}s)")
+    if progress is not None:
+        progress(f"tokenizer training: read {seen / 1e6:.1f}M characters in all ({time.perf_counter() - t0:.0f}s); "
+                 "computing merges")
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -42,8 +84,14 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2) -> "Tokenizer":
-        """Train a byte-level BPE with ``vocab_size`` entries (special tokens included)."""
+    def train(cls, texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2,
+              progress: Callable[[str], None] | None = None) -> "Tokenizer":
+        """Train a byte-level BPE with ``vocab_size`` entries (special tokens included).
+
+        The texts reach the trainer in bounded pieces (:func:`bounded_pieces`), so one huge
+        line or an unbroken run of characters (base64, a minified file) costs time and memory
+        in proportion to its length; ``progress(message)`` is called every ~10 MB.
+        """
         from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
 
         tok = _Tok(models.BPE())
@@ -56,7 +104,7 @@ class Tokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tok.train_from_iterator(texts, trainer=trainer)
+        tok.train_from_iterator(bounded_pieces(texts, progress), trainer=trainer)
         return cls(tok)
 
     @classmethod

@@ -37,8 +37,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from fp4lightning.checkpoint import AtomicCheckpointIO, remove_stale_temporaries
 from fp4lightning.data import TokenDataModule, prepare_command
 from fp4lightning.module import LlamaLightningModule, fp4_config_from_spec
+from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
 from fp4lightning.trainer import Trainer
 
@@ -86,7 +88,8 @@ def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
         return PrecisionSetup("bf16-mixed", (), spec, True)
     from fp4lightning.precision import FP4Precision
 
-    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec)),), spec, False)
+    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec),
+                                              max_consecutive_skips=cfg.trainer.max_nonfinite_skips),), spec, False)
 
 
 def _strategy(cfg: RecipeConfig):
@@ -113,18 +116,91 @@ def _strategy(cfg: RecipeConfig):
     )
 
 
+def _checkpoint_candidates(ckpt_dir: Path) -> list[Path]:
+    """``last.ckpt``, then the numbered ``step=N.ckpt`` files, newest step first."""
+    def step_of(p: Path) -> int:
+        try:
+            return int(p.stem.split("=", 1)[1].split("-")[0])
+        except (IndexError, ValueError):
+            return -1
+
+    numbered = sorted(ckpt_dir.glob("step=*.ckpt"), key=lambda p: (step_of(p), p.stat().st_mtime), reverse=True)
+    last = ckpt_dir / LAST_CKPT
+    return ([last] if last.exists() else []) + numbered
+
+
+def _check_resumable(path: Path, cfg: RecipeConfig) -> None:
+    """Raise CheckpointError (naming the file) unless ``path`` is an fp4lightning checkpoint of this model."""
+    from fp4lightning.checkpoint import CheckpointError, read_checkpoint
+
+    ckpt, _ = read_checkpoint(path)  # weights_only load; corrupt / foreign files raise CheckpointError
+    missing = [k for k in ("optimizer_states", "loops", "global_step") if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} cannot resume training: it has no {', '.join(missing)} "
+                              "(a weights-only or exported checkpoint)")
+    saved = ckpt["hyper_parameters"]["model"]
+    want = dataclasses.asdict(cfg.llama_config())
+    diff = [f"{k}={saved.get(k)!r} (recipe: {v!r})" for k, v in want.items() if saved.get(k) != v]
+    if diff:
+        raise CheckpointError(f"{path} holds a different model than the recipe: {', '.join(diff)}; "
+                              "resume with the recipe that wrote it or start a new out_dir")
+
+
 def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
+    """The checkpoint to resume from, checked before Lightning loads it.
+
+    ``--resume`` / ``ckpt_path=last`` take ``last.ckpt`` or, if it is missing or does not load,
+    the newest numbered checkpoint that does (saying which and why). An explicit path must load.
+    """
+    from fp4lightning.checkpoint import CheckpointError
+
     ckpt = cfg.ckpt_path
     if resume and ckpt is None:
         ckpt = "last"
     if ckpt is None:
         return None
-    path = Path(cfg.out_dir) / "checkpoints" / LAST_CKPT if ckpt == "last" else Path(ckpt)
-    if not path.exists():
+    if ckpt != "last":
+        path = Path(ckpt)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"cannot resume: checkpoint {path} does not exist (train without --resume / ckpt_path to start fresh)")
+        _check_resumable(path, cfg)
+        return str(path)
+    ckpt_dir = Path(cfg.out_dir) / "checkpoints"
+    candidates = _checkpoint_candidates(ckpt_dir) if ckpt_dir.is_dir() else []
+    if not candidates:
         raise FileNotFoundError(
-            f"cannot resume: checkpoint {path} does not exist (train without --resume / ckpt_path to start fresh)"
-        )
-    return str(path)
+            f"cannot resume: checkpoint {ckpt_dir / LAST_CKPT} does not exist and {ckpt_dir} has no step=N.ckpt "
+            "(train without --resume / ckpt_path to start fresh)")
+    problems = []
+    for path in candidates:
+        try:
+            _check_resumable(path, cfg)
+        except CheckpointError as e:
+            if "different model" in str(e):
+                raise
+            problems.append(f"{path.name}: {e}")
+            continue
+        if problems and _is_rank_zero():
+            print("warning: skipped unusable checkpoints:\n  " + "\n  ".join(problems)
+                  + f"\nresuming from {path} instead", file=sys.stderr, flush=True)
+        return str(path)
+    raise CheckpointError(f"cannot resume: no checkpoint in {ckpt_dir} loads:\n  " + "\n  ".join(problems))
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before any work if the run folder cannot be created or written."""
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise RecipeError(f"recipe key `out_dir` = {out}: {probe} exists and is not a folder; choose another out_dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RecipeError(f"recipe key `out_dir` = {out}: {probe} is not writable; choose another out_dir")
 
 
 class LinePrinter(L.Callback):
@@ -156,6 +232,22 @@ class LinePrinter(L.Callback):
                   flush=True)
 
 
+class SaveFinalState(L.Callback):
+    """Write ``last.ckpt`` at the end of training if ModelCheckpoint did not save the final step.
+
+    Lightning's ``ModelCheckpoint`` defers a save due on the last batch to a validation that
+    may never come, and its end-of-training save of ``last`` only happens when no checkpoint
+    was written before, so a finished run could leave ``last.ckpt`` some steps behind.
+    """
+
+    def __init__(self, checkpoint: ModelCheckpoint, path: Path):
+        self.checkpoint, self.path = checkpoint, path
+
+    def on_train_end(self, trainer, pl_module):
+        if self.checkpoint._last_global_step_saved != trainer.global_step:
+            trainer.save_checkpoint(self.path)
+
+
 def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, tokenizer_json: str | None = None):
     """The LightningModule for ``cfg`` (the model itself is built later, in ``configure_model``)."""
     precision = precision or _precision_setup(cfg)
@@ -176,14 +268,16 @@ def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, toke
     )
 
 
-def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None):
+def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None, verify_data: bool = False):
     """(trainer, module, datamodule, ckpt_path) for ``cfg``; no training happens.
 
-    ``callbacks`` are added to the Trainer's own (tests use this to record losses).
+    ``callbacks`` are added to the Trainer's own (tests use this to record losses). ``verify_data``
+    re-hashes every shard against the sha256 in ``meta.json`` (sizes are always checked).
     Raises ``DataNotPreparedError`` naming ``fp4lightning data prepare ...`` if the data is missing.
     """
-    ckpt_path = _resolve_ckpt(cfg, resume)
     out = Path(cfg.out_dir)
+    _check_writable(out)
+    ckpt_path = _resolve_ckpt(cfg, resume)
     accum = cfg.accumulate_grad_batches
     llama = cfg.llama_config()
     dm = TokenDataModule(
@@ -196,7 +290,11 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         num_workers=cfg.data.num_workers,
         prepare_hint=prepare_command(cfg.data.source, cfg.data.dir, cfg.data.vocab_size, cfg.data.val_fraction,
                                      cfg.data.max_tokens, cfg.data.text_key),
+        verify=verify_data,
     )
+    if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise RecipeError(f"recipe key `trainer.accelerator` = {cfg.trainer.accelerator!r} but this machine has no "
+                          "CUDA GPU visible to torch; use trainer.accelerator=cpu (or auto)")
     if dm.tokenizer.vocab_size > llama.vocab_size:
         raise RecipeError(
             f"the tokenizer in {cfg.data.dir} has {dm.tokenizer.vocab_size} tokens but `model.vocab_size` is "
@@ -216,6 +314,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         save_last=True,
         every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
         save_on_exception=True,  # Ctrl-C / SIGTERM leave a resumable checkpoint
+        # overwrite (atomically) rather than write last-v1.ckpt beside a damaged or moved last.ckpt
+        enable_version_counter=False,
     )
     # Lightning's progress bar on a terminal; plain lines in logs (make, CI, nohup)
     interactive = sys.stdout.isatty()
@@ -224,13 +324,16 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         CSVLogger(save_dir=out / "logs", name="csv"),
         TensorBoardLogger(save_dir=out / "logs", name="tensorboard", default_hp_metric=False),
     ]
+    if _is_rank_zero():
+        remove_stale_temporaries(out / "checkpoints")  # left by a save that was killed
+    guard = NonFiniteGuard(cfg.trainer.max_nonfinite_skips)
     trainer = Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
         num_nodes=cfg.trainer.num_nodes,
         strategy=_strategy(cfg),
         precision=precision.trainer_precision,
-        plugins=list(precision.plugins) or None,
+        plugins=[*precision.plugins, AtomicCheckpointIO()],
         max_steps=cfg.schedule.max_steps,
         gradient_clip_val=cfg.optimizer.grad_clip or None,
         accumulate_grad_batches=accum,
@@ -239,7 +342,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
-        callbacks=[checkpoint, *progress, *(callbacks or [])],
+        callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), guard, *progress,
+                   *(callbacks or [])],
         enable_progress_bar=interactive,
         logger=loggers,
         use_distributed_sampler=False,  # the DataModule shards positions by rank itself
@@ -286,13 +390,14 @@ def plot_losses(log_dir: Path, png: Path) -> Path | None:
     return png
 
 
-def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None) -> TrainResult | None:
+def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None,
+          verify_data: bool = False) -> TrainResult | None:
     """Train ``cfg``; prints the resolved config first and where the outputs are at the end.
 
     Returns the :class:`TrainResult` on rank 0 (None on other ranks). Re-raises the
     ``KeyboardInterrupt`` / ``SystemExit`` of an interrupted run after reporting it.
     """
-    trainer, module, dm, ckpt_path = build(cfg, resume, callbacks)
+    trainer, module, dm, ckpt_path = build(cfg, resume, callbacks, verify_data=verify_data)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:
         llama = cfg.llama_config()
@@ -304,44 +409,63 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         shutil.copyfile(dm.data.dir / "tokenizer.json", out / "tokenizer.json")
         if ckpt_path:
             print(f"resuming from {ckpt_path}", flush=True)
-    interrupted, result = False, None
+    status, result = "failed", None
     threads = torch.get_num_threads()
     try:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+        # weights_only: a checkpoint never runs code when it is loaded (the checks in
+        # _resolve_ckpt load it the same way)
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+        status = "finished"
     except (KeyboardInterrupt, SystemExit):
         # Lightning turns SIGTERM into SIGTERMException and Ctrl-C into sys.exit(1), after
         # ModelCheckpoint(save_on_exception=True) has written the checkpoint
-        interrupted = True
-        if trainer.is_global_zero:
-            print(f"\ninterrupted at step {trainer.global_step}; checkpoint saved. Resume with:\n"
-                  f"  fp4lightning train ... --resume   (or ckpt_path={out / 'checkpoints' / LAST_CKPT})",
-                  file=sys.stderr, flush=True)
+        status = "interrupted"
+        raise
+    except NonFiniteError:
+        status = "stopped"
         raise
     finally:
         torch.set_num_threads(threads)
         if trainer.is_global_zero:
-            result = _report(trainer, out, interrupted)
+            result = _report(trainer, out, status)
     return result
 
 
-def _report(trainer, out: Path, interrupted: bool) -> TrainResult:
-    last = out / "checkpoints" / LAST_CKPT
+def _latest_checkpoint(out: Path) -> Path | None:
+    ckpt_dir = out / "checkpoints"
+    candidates = _checkpoint_candidates(ckpt_dir) if ckpt_dir.is_dir() else []
+    return candidates[0] if candidates else None
+
+
+def _report(trainer, out: Path, status: str) -> TrainResult:
+    """The closing banner on success; on failure what was saved and how to resume (stderr)."""
     png = plot_losses(out / "logs" / "csv", out / "loss.png")
     val = trainer.callback_metrics.get("val/loss")
     val_loss = float(val) if val is not None else None
     logs = [out / "logs" / "csv", out / "logs" / "tensorboard"]
-    ckpt = last.resolve() if last.exists() else None
+    ckpt = _latest_checkpoint(out)
+    if status != "finished":
+        saved = (f"latest checkpoint: {ckpt}\nresume with: fp4lightning train ... --resume   (or ckpt_path={ckpt})"
+                 if ckpt else "no checkpoint was saved; the run has to start again")
+        print(f"\ntraining {status} at step {trainer.global_step}; {saved}", file=sys.stderr, flush=True)
+        return TrainResult(out, ckpt.resolve() if ckpt else None, logs, png, val_loss, True)
     print("\n" + "=" * 72, flush=True)
-    print(f"{'interrupted' if interrupted else 'finished'} after {trainer.global_step} steps"
+    print(f"finished after {trainer.global_step} steps"
           + (f"; validation loss {val_loss:.4f}" if val_loss is not None else ""))
-    print(f"checkpoint : {last if ckpt else '(none)'}")
+    print(f"checkpoint : {ckpt if ckpt else '(none)'}")
     print(f"config     : {out / 'config.yaml'}")
     print(f"logs       : {logs[0]} (CSV), {logs[1]} (TensorBoard: tensorboard --logdir {logs[1]})")
     print(f"loss curve : {png if png else '(no logged steps)'}")
     print("=" * 72, flush=True)
-    return TrainResult(out, ckpt, logs, png, val_loss, interrupted)
+    return TrainResult(out, ckpt.resolve() if ckpt else None, logs, png, val_loss, False)
+
+
+#: exit status of `fp4lightning train` after SIGTERM (checkpoint saved; 128 + SIGTERM, as a shell reports it)
+EXIT_PREEMPTED = 143
+#: exit status when training stopped on non-finite steps (fp4lightning.nonfinite)
+EXIT_NONFINITE = 3
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -351,7 +475,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="recipe overrides, e.g. schedule.max_steps=50 trainer.precision=bf16-mixed")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from <out_dir>/checkpoints/last.ckpt (same as ckpt_path=last)")
+                        help="continue from <out_dir>/checkpoints/last.ckpt, or the newest step=N.ckpt that loads "
+                             "(same as ckpt_path=last)")
+    parser.add_argument("--verify-data", action="store_true",
+                        help="check every data shard against the sha256 recorded by `data prepare` before training "
+                             "(sizes are always checked)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -363,5 +491,13 @@ def run(args: argparse.Namespace) -> int:
             and not args.resume and cfg.ckpt_path is None:
         print(f"note: {cfg.out_dir} already has checkpoints; this run starts from scratch "
               "(use --resume to continue)", flush=True)
-    train(cfg, resume=args.resume)
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        train(cfg, resume=args.resume, verify_data=args.verify_data)
+    except SIGTERMException:
+        return EXIT_PREEMPTED  # saved and resumable, but not finished: a scheduler must see the difference
+    except NonFiniteError as e:
+        print(f"fp4lightning train: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     return 0
