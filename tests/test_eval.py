@@ -342,15 +342,19 @@ def test_matches_lm_eval_hf_model_on_exported_checkpoint(bf16_ckpt, tasks_dir, t
     export = save_hf(model, tmp_path / "hf", tok)
     reqs = _instances("loglikelihood", _requests(tasks_dir, n=9))
     ours = _lm(bf16_ckpt, batch_size=4).loglikelihood(reqs, disable_tqdm=True)
-    # our contexts start with BOS as training documents did; the hf model adds it when told to
-    hf = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32", add_bos_token=True)
+    # our contexts start with BOS as training documents did; the exported tokenizer adds it by
+    # default, so lm-eval's hf model with no extra flags scores every choice the same
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(export)("The assert statement").input_ids[0] == tok.bos_id
+    hf = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32")
     theirs = hf.loglikelihood(reqs, disable_tqdm=True)
     torch.testing.assert_close(torch.tensor([x for x, _ in ours], dtype=torch.float64),
                                torch.tensor([x for x, _ in theirs], dtype=torch.float64),
                                rtol=LOGLIK_RTOL, atol=1e-4)
     assert [g for _, g in ours] == [g for _, g in theirs]
-    # rolling: both condition the first window on BOS and add no BOS inside the text
-    hf_plain = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32")
+    # rolling: hf prefixes BOS itself, so it matches with add_bos_token=False (docs/evaluation.md)
+    hf_plain = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32", add_bos_token=False)
     doc = (tasks_dir / "fp4l_ppl.jsonl").read_text().splitlines()[0]
     rreqs = _instances("loglikelihood_rolling", [(json.loads(doc)["text"][:3000],)])
     torch.testing.assert_close(
