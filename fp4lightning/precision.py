@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from contextlib import AbstractContextManager, ExitStack
 from functools import wraps
 from typing import Any, Callable, Literal
@@ -214,6 +215,7 @@ class FP4Precision(Precision):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the eligible ``nn.Linear`` layers of ``module`` for ``FP4Linear``, in place."""
+        _refuse_fabric(sys._getframe(1))
         if self.weights_dtype is not None:
             module.to(dtype=self.weights_dtype)
         convert_to_fp4(module, self.config, self.module_filter_fn)
@@ -373,6 +375,15 @@ class FP4Precision(Precision):
         if saved is not None and saved != self.precision:
             rank_zero_info(f"FP4Precision: checkpoint was written with precision={saved!r}, resuming with "
                            f"{self.precision!r}")
+
+
+def _refuse_fabric(caller) -> None:
+    """Fabric drives a plugin through other methods than the Trainer: point it at the Fabric plugin."""
+    from lightning.fabric import Fabric
+
+    if isinstance(caller.f_locals.get("self"), Fabric):
+        raise TypeError("FP4Precision is the Lightning Trainer's plugin and cannot drive lightning.Fabric "
+                        "(fabric.backward would fail); use Fabric(plugins=[fp4lightning.fabric.FP4FabricPrecision()])")
 
 
 def _track_step_calls(optimizer: Optimizer) -> None:
