@@ -38,7 +38,8 @@ __all__ = [
     "FP4_PRESETS",
 ]
 
-PRECISIONS = ("fp4", "bf16-mixed", "32-true")
+#: what ``fp4lightning.Trainer(precision=...)`` accepts: FP4 (fp4lightning.trainer.FP4_PRECISIONS) and Lightning's own
+PRECISIONS = ("fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "32-true", "64-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
 FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ")
 

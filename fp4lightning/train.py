@@ -79,14 +79,17 @@ def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
       ``configure_model`` with ``convert_to_fp4`` (before sharding).
     * ``bf16-mixed`` / ``32-true``: Lightning's own.
     """
-    if cfg.trainer.precision != "fp4":
+    from fp4lightning.trainer import FP4_PRECISIONS
+
+    if cfg.trainer.precision not in FP4_PRECISIONS:
         return PrecisionSetup(cfg.trainer.precision, (), None, False)
+    compute = FP4_PRECISIONS[cfg.trainer.precision]  # "bf16" or "fp16" around the FP4 GeMMs
     spec = {"preset": cfg.fp4.preset, "overrides": dict(cfg.fp4.overrides)}
     if cfg.trainer.strategy == "fsdp":
-        return PrecisionSetup("bf16-mixed", (), spec, True)
+        return PrecisionSetup("bf16-mixed" if compute == "bf16" else "16-mixed", (), spec, True)
     from fp4lightning.precision import FP4Precision
 
-    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec)),), spec, False)
+    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec), compute_dtype=compute),), spec, False)
 
 
 def _strategy(cfg: RecipeConfig):
