@@ -101,6 +101,7 @@ class ScheduleSection:
     max_steps: int = 150
     warmup_fraction: float = 0.05
     min_lr_ratio: float = 0.1
+    max_tokens: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,20 @@ class TrainerSection:
     log_every_n_steps: int = 5
     checkpoint_every_n_steps: int = 50
     num_threads: Optional[int] = None
+    loggers: str = "csv,tensorboard"
+    peak_tflops: Optional[float] = None
 
 
 @dataclass(frozen=True)
 class FP4Section:
     preset: str = "paper"
     overrides: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InitSection:
+    from_hf: Optional[str] = None
+    from_checkpoint: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,7 @@ class RecipeConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fp4: FP4Section = field(default_factory=FP4Section)
+    init: InitSection = field(default_factory=InitSection)
 
     @property
     def world_size(self) -> int:
@@ -203,6 +213,7 @@ def _validate(cfg: RecipeConfig) -> None:
     _check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     _check_choice("fp4.preset", cfg.fp4.preset, FP4_PRESETS)
+    _validate_extras(cfg)
     for section in ("model", "data", "schedule", "trainer"):
         for f in dataclasses.fields(getattr(cfg, section)):
             v = getattr(getattr(cfg, section), f.name)
@@ -248,6 +259,36 @@ def _validate(cfg: RecipeConfig) -> None:
             raise RecipeError(f"recipe key `fp4.overrides`: {e}") from e
 
 
+#: recipe ``trainer.loggers`` entries
+LOGGERS = ("csv", "tensorboard", "wandb")
+
+
+def _validate_extras(cfg: RecipeConfig) -> None:
+    """The keys for token budgets, loggers, throughput and initial weights."""
+    _positive("schedule.max_tokens", cfg.schedule.max_tokens)
+    _positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
+    names = [n.strip() for n in cfg.trainer.loggers.split(",") if n.strip()]
+    for n in names:
+        _check_choice("trainer.loggers", n, LOGGERS)
+    if "wandb" in names:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise RecipeError("recipe key `trainer.loggers` includes wandb, which is not installed; "
+                              "pip install wandb, or use csv,tensorboard")
+    if cfg.init.from_hf and cfg.init.from_checkpoint:
+        raise RecipeError("recipe keys `init.from_hf` and `init.from_checkpoint` are exclusive; set one")
+
+
+def _resolve_token_budget(cfg: RecipeConfig) -> RecipeConfig:
+    """``schedule.max_tokens`` set: ``schedule.max_steps`` becomes the steps that consume it (rounded up)."""
+    if cfg.schedule.max_tokens is None:
+        return cfg
+    per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    steps = -(-cfg.schedule.max_tokens // per_step)
+    return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_steps=steps))
+
+
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Merge the schema defaults, the YAML at ``path`` (optional) and ``key=value`` overrides.
 
@@ -284,7 +325,7 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e, "while resolving") from None
     _validate(cfg)
-    return cfg
+    return _resolve_token_budget(cfg)
 
 
 def recipe_to_dict(cfg: RecipeConfig) -> dict[str, Any]:
