@@ -448,28 +448,23 @@ def test_lm_eval_console_script_finds_the_model(bf16_ckpt, tasks_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_command_include_path_and_auto_batch(bf16_ckpt, tasks_dir, tmp_path, capsys):
+def test_eval_command_include_path_and_auto_batch(bf16_ckpt, tasks_dir, tmp_path):
     """``fp4lightning eval --include_path DIR --batch-size auto``, through the CLI's own parser."""
     from fp4lightning.cli import main as cli_main
 
     user = _user_task_dir(tasks_dir, tmp_path)
     out = tmp_path / "res"
-    assert cli_main(["eval", str(bf16_ckpt), "--tasks", "my_cloze,fp4l_lastword", "--include_path", str(user),
+    assert cli_main(["eval", str(bf16_ckpt), "--tasks", "my_cloze", "--include_path", str(user),
                      "--batch-size", "auto", "--limit", "2", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert set(res["results"]) == {"my_cloze", "fp4l_lastword"}
+    assert set(res["results"]) == {"my_cloze"} and "acc_norm,none" in res["results"]["my_cloze"]
     assert res["fp4lightning"]["batch_size"] >= 1 and res["fp4lightning"]["include_path"] == [str(user)]
-    # a task name that is nowhere says where task names come from
-    from fp4lightning.eval.run import main
-
-    assert main([str(bf16_ckpt), "--tasks", "not_a_task_anywhere", "--include_path", str(user)]) == 2
-    assert "--include_path" in capsys.readouterr().err
 
 
 def test_auto_batch_size_scores_like_a_fixed_one(bf16_ckpt, tasks_dir):
     lm = _lm(bf16_ckpt, batch_size="auto", max_batch_size=16)
     assert lm.batch_size == 16  # a 2-layer model at 128 tokens fits 16 sequences on any CPU
-    reqs = _instances("loglikelihood", _requests(tasks_dir, n=6))
+    reqs = _instances("loglikelihood", _requests(tasks_dir, n=3))
     a = lm.loglikelihood(reqs, disable_tqdm=True)
     b = _lm(bf16_ckpt, batch_size=1).loglikelihood(reqs, disable_tqdm=True)
     torch.testing.assert_close(torch.tensor([x for x, _ in a]), torch.tensor([x for x, _ in b]),
