@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -161,8 +162,11 @@ class FP4LightningLM(TemplateLM):
             ``FP4Linear`` becomes an ``nn.Linear`` on the same master weights).
         fp4_preset: FP4 recipe for ``linear=fp4`` on a model trained without one (default ``paper``).
         dtype: ``float32`` (default) or ``bfloat16`` / ``float16`` autocast around the forward.
-        batch_size: requests per forward pass. max_length: context window (default: the
-            model's ``max_seq_len``). device: default CUDA if available, else CPU.
+        batch_size: requests per forward pass, or ``auto`` (also ``auto:N``, as lm-eval's ``hf``
+            model takes it): the largest power of two up to ``max_batch_size`` (default 64)
+            whose forward pass at ``max_length`` fits (:meth:`detect_batch_size`).
+            max_length: context window (default: the model's ``max_seq_len``). device: default
+            CUDA if available, else CPU.
         add_bos_token: start contexts with BOS (default True: training documents do).
         logits_cache: share one forward among requests with equal ``context + continuation[:-1]``.
     """
@@ -194,7 +198,8 @@ class FP4LightningLM(TemplateLM):
             raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
         if kwargs:
             log.warning("fp4lightning model: ignoring unknown model_args %s", sorted(kwargs))
-        self._batch_size = _parse_batch_size(batch_size)
+        self._batch_size = _parse_batch_size(batch_size)  # None: "auto", settled once the model is loaded
+        self._max_batch_size = _parse_batch_size(max_batch_size) if max_batch_size else 64
         self._device = _pick_device(device)
         self._autocast_dtype = _DTYPES[str(dtype)]
         self.add_bos_token = _as_bool(add_bos_token)
@@ -232,6 +237,9 @@ class FP4LightningLM(TemplateLM):
         if not 1 < self._max_length <= model_max:
             raise ValueError(f"max_length={max_length} must be in [2, {model_max}] (the model's max_seq_len)")
         self.vocab_size = tok.vocab_size
+        if self._batch_size is None:
+            self._batch_size = self.detect_batch_size()
+            log.info("fp4lightning model: batch_size=auto chose %d", self._batch_size)
 
     # ------------------------------------------------------------------ properties lm-eval uses
     @property
@@ -291,6 +299,40 @@ class FP4LightningLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ forward
+    def detect_batch_size(self) -> int:
+        """The largest power of two <= ``max_batch_size`` whose forward pass at ``max_length`` fits.
+
+        On CUDA each candidate runs once and an out-of-memory error halves it, as lm-eval's
+        ``hf`` model does. A CPU has no such error (the process is killed or swaps), so
+        candidates whose logits and activations would exceed a quarter of the available
+        memory are skipped before being tried.
+        """
+        cfg = getattr(self.model, "config", None)
+        dim, layers = int(getattr(cfg, "dim", 1024)), int(getattr(cfg, "n_layers", 1))
+        # float32 logits + log-softmax copy, and ~24 activations of width dim per layer
+        per_seq = self._max_length * (3 * self.vocab_size + 24 * dim * layers) * 4
+        budget = None
+        if self._device.type == "cpu":
+            try:
+                budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+            except (ValueError, OSError, AttributeError):
+                budget = 4 << 30
+        bs = 1 << (self._max_batch_size.bit_length() - 1)
+        while bs > 1:
+            if budget is not None and bs * per_seq > budget:
+                bs //= 2
+                continue
+            try:
+                self._model_call(torch.zeros(bs, self._max_length, dtype=torch.long, device=self._device))
+                break
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
+                    raise
+                if self._device.type == "cuda":
+                    torch.cuda.empty_cache()
+                bs //= 2
+        return max(bs, 1)
+
     def _model_call(self, inps: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, T, V)`` of a ``(B, T)`` batch, float32."""
         with torch.no_grad(), torch.autocast(
@@ -458,11 +500,15 @@ def _pick_device(device: str | None) -> torch.device:
     return dev
 
 
-def _parse_batch_size(batch_size: int | str) -> int:
+def _parse_batch_size(batch_size: int | str) -> int | None:
+    """An integer batch size, or None for ``auto`` / ``auto:N``."""
     if isinstance(batch_size, str):
-        if batch_size.startswith("auto"):
-            raise ValueError("the fp4lightning model takes an integer batch_size (batch_size=auto is not supported)")
-        batch_size = int(batch_size)
+        if batch_size.strip().startswith("auto"):
+            return None
+        try:
+            batch_size = int(batch_size)
+        except ValueError:
+            raise ValueError(f"batch_size must be an integer or auto, got {batch_size!r}") from None
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return int(batch_size)

@@ -1,11 +1,13 @@
 """lm-eval's own command line with the ``fp4lightning`` model registered.
 
-lm-eval's CLI cannot load a model class from outside its package, so this wraps
+lm-eval 0.4.13's CLI resolves ``--model`` in a fixed table and has no plugin or entry-point
+group for models, so the stock ``lm_eval`` script cannot find ours. This wraps
 ``lm_eval.__main__.cli_evaluate`` after importing :mod:`fp4lightning.eval.lm` (which
-registers the model). Every lm-eval option works as usual, for example::
+registers the model); it is installed as the console script ``fp4lightning-lm-eval``
+(docs/evaluation.md). Every lm-eval option works as usual, for example::
 
-    python -m fp4lightning.eval.lm_eval_cli run --model fp4lightning \\
-        --model_args pretrained=runs/tiny/checkpoints/last.ckpt,linear=fp4,batch_size=8 \\
+    fp4lightning-lm-eval run --model fp4lightning \\
+        --model_args pretrained=runs/tiny/checkpoints/last.ckpt,linear=fp4 --batch_size 8 \\
         --tasks fp4l_offline --include_path data/builtin/eval_tasks --output_path results/
 
     python -m fp4lightning.eval.lm_eval_cli run --model fp4lightning \\

@@ -10,7 +10,7 @@ filled HF cache), the offline tasks built from held-out text (``offline``, see
 lm-eval model (:mod:`fp4lightning.eval.lm`), so FP4 checkpoints are scored with FP4 GeMMs.
 
     fp4lightning eval CKPT [--tasks offline|paper|paper-ppl|name,...] [--limit N]
-                           [--batch-size B] [--linear auto|fp4|high] [--out DIR]
+                           [--batch-size B|auto] [--include_path DIR] [--linear auto|fp4|high] [--out DIR]
     fp4lightning eval --compare CKPT_OR_RESULTS_A CKPT_OR_RESULTS_B [same options]
 
 Each evaluation writes ``results.json`` (lm-eval's results plus ours under
@@ -168,19 +168,33 @@ def _offline_task_dir(data_dir: Path) -> Path:
 _TASK_MANAGERS: list = []
 
 
-def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool) -> dict:
+def _user_tasks(include_path: list[str] | None) -> set[str]:
+    """Task (and group) names defined by the YAMLs under the user's ``--include_path`` folders."""
+    if not include_path:
+        return set()
+    for p in include_path:
+        if not Path(p).is_dir():
+            raise FileNotFoundError(f"--include_path {p} is not a folder (it should hold lm-eval task YAMLs)")
+    from lm_eval.tasks import TaskManager
+
+    return set(TaskManager(include_path=list(include_path), include_defaults=False).all_tasks)
+
+
+def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool,
+                include_path: list[str] | None = None) -> dict:
     """``{name: lm-eval Task}``; hub tasks that cannot load fail together, with advice."""
     offline = set(_offline_tasks())
+    user = _user_tasks(include_path)
     include = None
     if any(n in offline for n in names):
         if data_dir is None:
             raise ValueError("offline tasks need a prepared data directory: pass --data-dir")
         include = str(_offline_task_dir(data_dir))
-    others = [n for n in names if n not in offline]
+    others = [n for n in names if n not in offline and n not in user]
     import lm_eval.tasks
     from lm_eval.tasks import TaskManager
 
-    paths = [include] if include else []
+    paths = ([include] if include else []) + [str(Path(p).resolve()) for p in include_path or []]
     builtin_root = Path(lm_eval.tasks.__file__).parent
     known = [builtin_root / _BUILTIN_TASK_DIRS[n] for n in others if n in _BUILTIN_TASK_DIRS]
     if len(known) == len(others) and all(p.is_dir() for p in known):
@@ -192,14 +206,15 @@ def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool) ->
     unknown = [n for n in names if n not in tm.all_tasks]
     if unknown:
         raise ValueError(
-            f"unknown lm-eval task(s) {unknown}; use offline, paper, paper-ppl or names from `lm-eval ls tasks`"
+            f"unknown lm-eval task(s) {unknown}; use offline, paper, paper-ppl, names from `lm-eval ls tasks`, "
+            "or tasks defined in the YAMLs of an --include_path folder"
         )
     tasks, failed = {}, []
     for name in names:
         try:
             loaded = tm.load([name])
         except Exception as e:  # datasets raises ConnectionError / FileNotFoundError / hub errors
-            if name in offline:
+            if name in offline or name in user:
                 raise
             failed.append((name, e))
             continue
@@ -336,7 +351,7 @@ def evaluate_checkpoint(
     tasks: str | list[str] = "offline",
     *,
     limit: int | float | None = None,
-    batch_size: int = 8,
+    batch_size: int | str = 8,
     linear: str = "auto",
     fp4_preset: str | None = None,
     dtype: str = "float32",
@@ -347,23 +362,30 @@ def evaluate_checkpoint(
     bootstrap_iters: int = 0,
     seed: int = 1234,
     verbose: bool = True,
+    include_path: list[str] | str | None = None,
 ) -> dict:
     """Evaluate one checkpoint; returns lm-eval's results dict plus ``"fp4lightning"`` (ours).
 
     Hub tasks are loaded first, so an unreachable hub fails (:class:`HubUnavailableError`)
     before the model is read. The offline tasks come from ``data_dir`` (default: the
     run's ``data.dir``), built there on first use. ``out_dir`` (if given) receives
-    ``results.json`` and ``results.md``.
+    ``results.json`` and ``results.md``. ``include_path`` (a folder or a list) holds the
+    user's own lm-eval task YAMLs, as lm-eval's ``--include_path``; ``batch_size`` may be
+    ``"auto"`` (see :meth:`fp4lightning.eval.lm.FP4LightningLM.detect_batch_size`).
     """
     names = resolve_tasks(tasks)
+    if isinstance(include_path, (str, Path)):
+        include_path = [str(include_path)]
     offline = set(_offline_tasks())
-    hub_names = [n for n in names if n not in offline]
+    user = _user_tasks(include_path) if include_path else set()
+    hub_names = [n for n in names if n not in offline and n not in user]
     reachable = prepare_hf_environment(bool(hub_names))
     t0 = time.perf_counter()
     _TASK_MANAGERS.clear()
     task_objs = {}
-    if hub_names:
-        task_objs.update(_load_tasks(hub_names, None, reachable))
+    first = [n for n in names if n not in offline]  # hub and user tasks load before the model
+    if first:
+        task_objs.update(_load_tasks(first, None, reachable, include_path))
 
     import lm_eval
 
@@ -390,7 +412,8 @@ def evaluate_checkpoint(
         "dtype": dtype,
         "tasks": names,
         "limit": limit,
-        "batch_size": batch_size,
+        "batch_size": lm.batch_size,
+        "include_path": include_path,
         "data_dir": str(data_dir.resolve()) if offline_names else None,
         "seconds": round(time.perf_counter() - t0, 2),
         "metrics": metrics,
@@ -425,7 +448,7 @@ def _load_or_evaluate(item: str, args: argparse.Namespace, out_dir: Path | None)
         path, args.tasks, limit=args.limit, batch_size=args.batch_size, linear=args.linear,
         fp4_preset=args.fp4_preset, dtype=args.dtype,
         device=args.device, data_dir=args.data_dir, tokenizer=args.tokenizer, out_dir=out_dir,
-        bootstrap_iters=args.bootstrap_iters, seed=args.seed,
+        bootstrap_iters=args.bootstrap_iters, seed=args.seed, include_path=args.include_path,
     )
 
 
@@ -442,7 +465,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: offline)")
     parser.add_argument("--limit", type=float, default=None,
                         help="at most this many documents per task (a fraction < 1 means that share)")
-    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default: 8)")
+    parser.add_argument("--batch-size", "--batch_size", type=_batch_size_arg, default=8,
+                        help="requests per forward pass, or auto: the largest that fits (default: 8)")
+    parser.add_argument("--include_path", "--include-path", action="append", default=None, metavar="DIR",
+                        help="folder of your own lm-eval task YAMLs, as in lm-eval (repeatable); "
+                             "their task names then work in --tasks")
     parser.add_argument("--linear", choices=("auto", "fp4", "high"), default="auto",
                         help="auto: as trained; fp4: FP4 GeMMs (converting a high-precision model with the paper "
                              "recipe); high: plain nn.Linear on the same weights (default: auto)")
@@ -461,6 +488,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-iters", type=int, default=0,
                         help="lm-eval bootstrap iterations for standard errors (default: 0, none)")
     parser.add_argument("--seed", type=int, default=1234, help="random seed (OCC sampling, lm-eval) (default: 1234)")
+
+
+def _batch_size_arg(value: str) -> int | str:
+    if value.strip().startswith("auto"):
+        return value.strip()
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _limit(value: float | None) -> int | float | None:

@@ -19,6 +19,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("data", "fp4lightning.data"),
     ("train", "fp4lightning.train"),
     ("export-hf", "fp4lightning.models.hf"),
+    ("import-hf", "fp4lightning.initialize"),
     ("eval", "fp4lightning.eval.run"),
     ("compare", "fp4lightning.compare"),
 ]

@@ -7,6 +7,15 @@ references, parameter names and state-dict keys are unchanged. Layers are skippe
 each with a warning naming its fully qualified name, when the filter rejects them
 (by default the output head, ``FP4Config.skip_modules``) or when their shapes are
 not supported.
+
+The output head stays in high precision (arXiv 2501.17116, section 4), whatever its name:
+without a ``module_filter_fn``, a Linear is the head when its name matches
+``FP4Config.skip_modules`` *or* when it is structurally the head: its weight is tied to an
+``nn.Embedding``, or its ``out_features`` equals the vocabulary (``num_embeddings``) of an
+embedding in the model (a BERT-style ``decoder``, a ``classifier``, ...). Linear-like layers
+that are not converted (subclasses of ``nn.Linear`` such as ``nn.MultiheadAttention``'s
+``out_proj``, whose parent calls the weight directly, and ``MultiheadAttention``'s packed
+input projection) are reported too, once each, with the reason (docs/lightning.md).
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ import fnmatch
 import warnings
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .config import FP4Config
@@ -24,6 +34,37 @@ __all__ = ["convert_to_fp4", "fp4_modules"]
 
 def _skipped_by_config(fqn: str, config: FP4Config) -> bool:
     return any(fnmatch.fnmatchcase(fqn, pat) for pat in config.skip_modules)
+
+
+def _head_reason(embeddings: list[nn.Embedding], linear: nn.Linear) -> str | None:
+    """Why ``linear`` is structurally the output head of the model holding ``embeddings`` (None if not)."""
+    if any(e.weight is linear.weight for e in embeddings):
+        return "output head: weight tied to an nn.Embedding"
+    vocab = {e.num_embeddings for e in embeddings}
+    if linear.out_features in vocab and linear.in_features != linear.out_features:
+        return f"output head: out_features={linear.out_features} is the vocabulary size of an nn.Embedding"
+    return None
+
+
+def _linear_like_reason(child: nn.Module, parent: nn.Module) -> str | None:
+    """Why a Linear-like layer that is not exactly ``nn.Linear`` is left alone (None: not Linear-like)."""
+    if isinstance(child, nn.MultiheadAttention):
+        if child.in_proj_weight is not None or getattr(child, "q_proj_weight", None) is not None:
+            return ("nn.MultiheadAttention: its input projections are parameters that its fused forward "
+                    "(F.multi_head_attention_forward) uses directly, so they run in high precision")
+        return None
+    if isinstance(child, nn.Linear):
+        why = f"{type(child).__module__}.{type(child).__qualname__} is a subclass of nn.Linear"
+        if isinstance(parent, nn.MultiheadAttention):
+            return why + "; nn.MultiheadAttention reads its weight directly in its fused forward, so it stays high precision"
+        return why + "; only exact nn.Linear is converted (a subclass may override forward); wrap it yourself with FP4Linear.from_linear"
+    return None
+
+
+def _report_rank() -> bool:
+    """Warn on rank 0 only: every rank converts the same model."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_rank() != 0)
 
 
 def convert_to_fp4(
@@ -46,15 +87,24 @@ def convert_to_fp4(
         raise TypeError("convert_to_fp4 converts the Linear layers *inside* a module, in place; "
                         "wrap a bare nn.Linear with FP4Linear.from_linear(layer) instead")
     skipped: list[str] = []
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:  # exact type: subclasses (and FP4Linear) are left alone
-                continue
             fqn = f"{parent_name}.{child_name}" if parent_name else child_name
+            if type(child) is not nn.Linear:  # exact type: subclasses (and FP4Linear) are left alone
+                why = None if isinstance(child, FP4Linear) else _linear_like_reason(child, parent)
+                if why:
+                    skipped.append(f"{fqn} ({why})")
+                continue
             if module_filter_fn is not None:
                 keep = module_filter_fn(child, fqn)
             else:
                 keep = not _skipped_by_config(fqn, config)
+                if keep:
+                    head = _head_reason(embeddings, child)
+                    if head:
+                        skipped.append(f"{fqn} ({head})")
+                        continue
             if not keep:
                 skipped.append(f"{fqn} (excluded by the module filter)")
                 continue
@@ -63,8 +113,9 @@ def convert_to_fp4(
                 skipped.append(f"{fqn} ({why})")
                 continue
             setattr(parent, child_name, FP4Linear.from_linear(child, config))
-    for item in skipped:
-        warnings.warn(f"convert_to_fp4: keeping {item} in high precision", stacklevel=2)
+    if _report_rank():
+        for item in dict.fromkeys(skipped):  # once each
+            warnings.warn(f"convert_to_fp4: keeping {item} in high precision", stacklevel=2)
     return module
 
 

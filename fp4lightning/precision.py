@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from contextlib import AbstractContextManager, ExitStack
 from functools import wraps
 from typing import Any, Callable, Literal
@@ -228,6 +229,7 @@ class FP4Precision(Precision):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the eligible ``nn.Linear`` layers of ``module`` for ``FP4Linear``, in place."""
+        _refuse_fabric(sys._getframe(1))
         if self.weights_dtype is not None:
             module.to(dtype=self.weights_dtype)
         convert_to_fp4(module, self.config, self.module_filter_fn)
@@ -278,6 +280,7 @@ class FP4Precision(Precision):
         if param is not None and param.device.type != "meta":
             self._resolved_device = param.device.type
         self._check_compute_dtype(self._device_type())
+        _say_grad_format(model)
         if self.optimizer_states is not None:
             optimizers = [self._swap_optimizer(opt, lr_schedulers) for opt in optimizers]
         return model, optimizers, lr_schedulers
@@ -395,6 +398,35 @@ class FP4Precision(Precision):
         if saved is not None and saved != self.precision:
             rank_zero_info(f"FP4Precision: checkpoint was written with precision={saved!r}, resuming with "
                            f"{self.precision!r}")
+
+
+def _say_grad_format(model: nn.Module) -> None:
+    """Say once, on rank 0, in which format a data-parallel strategy communicates gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    trainer = getattr(model.module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    name = type(strategy).__name__ if strategy is not None else "DDP"
+    fmt = getattr(strategy, "grad_format", None)
+    if fmt is not None:
+        wire = f"FP8 {fmt.upper()}" if fmt in ("e4m3", "e5m2") else fmt
+        rank_zero_info(f"FP4Precision: {name} all-reduces gradients in {wire} (arXiv 2501.17116, section 6)")
+        return
+    dtype = next((p.dtype for p in model.parameters() if p.requires_grad), torch.float32)
+    rank_zero_warn(f"FP4Precision: {name} all-reduces gradients in {str(dtype).replace('torch.', '')} (plain DDP), "
+                   "not in FP8 as the paper does (section 6); for FP8 gradient communication use "
+                   "fp4lightning.Trainer(precision='fp4') or strategy=fp4lightning.FP4DDPStrategy()")
+
+
+def _refuse_fabric(caller) -> None:
+    """Fabric drives a plugin through other methods than the Trainer: point it at the Fabric plugin."""
+    from lightning.fabric import Fabric
+
+    if isinstance(caller.f_locals.get("self"), Fabric):
+        raise TypeError("FP4Precision is the Lightning Trainer's plugin and cannot drive lightning.Fabric "
+                        "(fabric.backward would fail); use Fabric(plugins=[fp4lightning.fabric.FP4FabricPrecision()])")
 
 
 def _track_step_calls(optimizer: Optimizer) -> None:

@@ -40,7 +40,8 @@ __all__ = [
     "FP4_PRESETS",
 ]
 
-PRECISIONS = ("fp4", "bf16-mixed", "32-true")
+#: what ``fp4lightning.Trainer(precision=...)`` accepts: FP4 (fp4lightning.trainer.FP4_PRECISIONS) and Lightning's own
+PRECISIONS = ("fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "32-true", "64-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
 FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ")
 
@@ -102,6 +103,7 @@ class ScheduleSection:
     max_steps: int = 150
     warmup_fraction: float = 0.05
     min_lr_ratio: float = 0.1
+    max_tokens: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -116,12 +118,20 @@ class TrainerSection:
     checkpoint_every_n_steps: int = 50
     num_threads: Optional[int] = None
     max_nonfinite_skips: int = 20
+    loggers: str = "csv,tensorboard"
+    peak_tflops: Optional[float] = None
 
 
 @dataclass(frozen=True)
 class FP4Section:
     preset: str = "paper"
     overrides: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InitSection:
+    from_hf: Optional[str] = None
+    from_checkpoint: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,7 @@ class RecipeConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fp4: FP4Section = field(default_factory=FP4Section)
+    init: InitSection = field(default_factory=InitSection)
 
     @property
     def world_size(self) -> int:
@@ -212,6 +223,7 @@ def _validate(cfg: RecipeConfig) -> None:
     _check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
     _check_choice("fp4.preset", cfg.fp4.preset, FP4_PRESETS)
+    _validate_extras(cfg)
     for section in ("model", "data", "schedule", "trainer"):
         for f in dataclasses.fields(getattr(cfg, section)):
             v = getattr(getattr(cfg, section), f.name)
@@ -281,6 +293,34 @@ def _refuse_env_interpolation(layer: Any, origin: str, prefix: str = "") -> None
             raise RecipeError(f"recipe key `{key}` ({origin}) reads an environment variable ({v}); environment "
                               "interpolation is not allowed in recipes (the value would be saved in config.yaml and "
                               "checkpoints): write the value itself, or pass it as an override key=value")
+#: recipe ``trainer.loggers`` entries
+LOGGERS = ("csv", "tensorboard", "wandb")
+
+
+def _validate_extras(cfg: RecipeConfig) -> None:
+    """The keys for token budgets, loggers, throughput and initial weights."""
+    _positive("schedule.max_tokens", cfg.schedule.max_tokens)
+    _positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
+    names = [n.strip() for n in cfg.trainer.loggers.split(",") if n.strip()]
+    for n in names:
+        _check_choice("trainer.loggers", n, LOGGERS)
+    if "wandb" in names:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise RecipeError("recipe key `trainer.loggers` includes wandb, which is not installed; "
+                              "pip install wandb, or use csv,tensorboard")
+    if cfg.init.from_hf and cfg.init.from_checkpoint:
+        raise RecipeError("recipe keys `init.from_hf` and `init.from_checkpoint` are exclusive; set one")
+
+
+def _resolve_token_budget(cfg: RecipeConfig) -> RecipeConfig:
+    """``schedule.max_tokens`` set: ``schedule.max_steps`` becomes the steps that consume it (rounded up)."""
+    if cfg.schedule.max_tokens is None:
+        return cfg
+    per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    steps = -(-cfg.schedule.max_tokens // per_step)
+    return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_steps=steps))
 
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RecipeConfig:
@@ -326,7 +366,7 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e, "while resolving") from None
     _validate(cfg)
-    return cfg
+    return _resolve_token_budget(cfg)
 
 
 def recipe_to_dict(cfg: RecipeConfig) -> dict[str, Any]:

@@ -81,14 +81,17 @@ def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
       ``configure_model`` with ``convert_to_fp4`` (before sharding).
     * ``bf16-mixed`` / ``32-true``: Lightning's own.
     """
-    if cfg.trainer.precision != "fp4":
+    from fp4lightning.trainer import FP4_PRECISIONS
+
+    if cfg.trainer.precision not in FP4_PRECISIONS:
         return PrecisionSetup(cfg.trainer.precision, (), None, False)
+    compute = FP4_PRECISIONS[cfg.trainer.precision]  # "bf16" or "fp16" around the FP4 GeMMs
     spec = {"preset": cfg.fp4.preset, "overrides": dict(cfg.fp4.overrides)}
     if cfg.trainer.strategy == "fsdp":
-        return PrecisionSetup("bf16-mixed", (), spec, True)
+        return PrecisionSetup("bf16-mixed" if compute == "bf16" else "16-mixed", (), spec, True)
     from fp4lightning.precision import FP4Precision
 
-    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec),
+    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec), compute_dtype=compute,
                                               max_consecutive_skips=cfg.trainer.max_nonfinite_skips),), spec, False)
 
 
@@ -320,10 +323,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     # Lightning's progress bar on a terminal; plain lines in logs (make, CI, nohup)
     interactive = sys.stdout.isatty()
     progress = [] if interactive else [LinePrinter(cfg.trainer.log_every_n_steps)]
-    loggers = [
-        CSVLogger(save_dir=out / "logs", name="csv"),
-        TensorBoardLogger(save_dir=out / "logs", name="tensorboard", default_hp_metric=False),
-    ]
+    loggers = _loggers(cfg, out)
+    extra = _throughput_and_init_callbacks(cfg, dm, ckpt_path)
     if _is_rank_zero():
         remove_stale_temporaries(out / "checkpoints")  # left by a save that was killed
     guard = NonFiniteGuard(cfg.trainer.max_nonfinite_skips)
@@ -343,13 +344,77 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), guard, *progress,
-                   *(callbacks or [])],
+                   *extra, *(callbacks or [])],
         enable_progress_bar=interactive,
         logger=loggers,
         use_distributed_sampler=False,  # the DataModule shards positions by rank itself
         default_root_dir=out,
     )
     return trainer, module, dm, ckpt_path
+
+
+def _loggers(cfg: RecipeConfig, out: Path) -> list:
+    """The loggers named by ``trainer.loggers`` (csv, tensorboard, wandb), all writing under ``out/logs``."""
+    names = [n.strip() for n in cfg.trainer.loggers.split(",") if n.strip()]
+    loggers = []
+    for name in names:
+        if name == "csv":
+            loggers.append(CSVLogger(save_dir=out / "logs", name="csv"))
+        elif name == "tensorboard":
+            loggers.append(TensorBoardLogger(save_dir=out / "logs", name="tensorboard", default_hp_metric=False))
+        elif name == "wandb":
+            from lightning.pytorch.loggers import WandbLogger
+
+            loggers.append(WandbLogger(name=cfg.name, save_dir=str(out / "logs"), config=recipe_to_dict(cfg)))
+    return loggers
+
+
+def _throughput_and_init_callbacks(cfg: RecipeConfig, dm, ckpt_path: str | None) -> list:
+    """train/tflops and train/mfu (fp4lightning.metrics); the initial weights of ``init.*`` on a fresh start."""
+    from fp4lightning.metrics import ThroughputMetrics, flops_per_token
+
+    out = [ThroughputMetrics(flops_per_token(cfg.llama_config(), cfg.data.seq_len), cfg.trainer.peak_tflops)]
+    if (cfg.init.from_hf or cfg.init.from_checkpoint) and ckpt_path is None:
+        from fp4lightning.initialize import InitWeights, check_tokenizer, load_init_weights
+
+        if cfg.trainer.strategy == "fsdp":
+            raise RecipeError("recipe keys `init.*` are not supported with trainer.strategy=fsdp yet; "
+                              "use ddp, or start from a checkpoint written by an fsdp run with --resume")
+        state, _, tok, source = load_init_weights(cfg)
+        check_tokenizer(tok, dm.tokenizer, source, str(cfg.data.dir))
+        out.append(InitWeights(state, source))
+    return out
+
+
+def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
+    """Lines saying how the recipe's schedule differs from the one the checkpoint trained with, and the effect."""
+    from fp4lightning.checkpoint import read_checkpoint
+
+    ckpt, _ = read_checkpoint(ckpt_path)
+    hp = ckpt.get("hyper_parameters", {})
+    step = int(ckpt.get("global_step", 0))
+    lines = []
+    old = {k: hp.get(k) for k in ("max_steps", "warmup_fraction", "min_lr_ratio", "lr")}
+    new = {"max_steps": cfg.schedule.max_steps, "warmup_fraction": cfg.schedule.warmup_fraction,
+           "min_lr_ratio": cfg.schedule.min_lr_ratio, "lr": cfg.optimizer.lr}
+    names = {"lr": "optimizer.lr"}
+    changed = [k for k in new if old[k] is not None and old[k] != new[k]]
+    if not changed:
+        return lines
+    import math
+
+    from fp4lightning.module import warmup_cosine
+
+    def lr_at(h: dict) -> float:
+        warmup = max(1, math.ceil(h["warmup_fraction"] * h["max_steps"]))  # as LlamaLightningModule
+        return h["lr"] * warmup_cosine(step, h["max_steps"], warmup, h["min_lr_ratio"])
+
+    for k in changed:
+        lines.append(f"resume: {names.get(k, 'schedule.' + k)} changed {old[k]} -> {new[k]} since the checkpoint")
+    lines.append(f"resume: the warmup + cosine LR schedule is recomputed for the new values: at step {step} the LR "
+                 f"is {lr_at(new):.3e} (the checkpoint's schedule would give {lr_at(old):.3e}); it decays to "
+                 f"{new['min_lr_ratio'] * new['lr']:.3e} at step {new['max_steps']}")
+    return lines
 
 
 def plot_losses(log_dir: Path, png: Path) -> Path | None:
@@ -409,6 +474,8 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         shutil.copyfile(dm.data.dir / "tokenizer.json", out / "tokenizer.json")
         if ckpt_path:
             print(f"resuming from {ckpt_path}", flush=True)
+            for line in describe_resume(cfg, ckpt_path):
+                print(line, flush=True)
     status, result = "failed", None
     threads = torch.get_num_threads()
     try:

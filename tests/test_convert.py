@@ -93,3 +93,42 @@ def test_bad_arguments():
         FP4Config(occ_alpha=1.5)
     with pytest.raises(ValueError, match="grad_format"):
         FP4Config(grad_format="fp16")
+
+
+# ----------------------------------------------------------------------------- foreign models
+class MaskedLM(nn.Module):
+    """A BERT-like model: the output layer is called ``decoder``; attention is nn.MultiheadAttention."""
+
+    def __init__(self, vocab=96, d=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.ffn = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.decoder = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.decoder(h + self.ffn(h))
+
+
+def test_output_head_found_by_structure_and_linear_likes_reported(recwarn):
+    model = MaskedLM()
+    convert_to_fp4(model)
+    assert fp4_modules(model) == ["ffn.0", "ffn.2"]
+    assert type(model.decoder) is nn.Linear
+    msgs = [str(w.message) for w in recwarn.list if "convert_to_fp4" in str(w.message)]
+    assert any("keeping decoder (output head: out_features=96 is the vocabulary size" in m for m in msgs), msgs
+    assert any(m.startswith("convert_to_fp4: keeping attn (nn.MultiheadAttention") for m in msgs), msgs
+    assert any("keeping attn.out_proj (" in m and "subclass of nn.Linear" in m for m in msgs), msgs
+    assert len(msgs) == len(set(msgs)) == 3  # each skipped layer once
+    # a tied head is the head too, whatever its name
+    tied = MaskedLM(vocab=32)  # vocab == width: only the tying identifies the head
+    tied.decoder.weight = tied.embed.weight
+    with pytest.warns(UserWarning, match=r"keeping decoder \(output head: weight tied to an nn.Embedding\)"):
+        convert_to_fp4(tied)
+    assert type(tied.decoder) is nn.Linear
+    # the model still runs and trains through the converted layers
+    out = model(torch.randint(0, 96, (2, 16)))
+    out.float().mean().backward()
+    assert model.ffn[0].weight.grad is not None

@@ -328,20 +328,6 @@ def test_eval_command_and_compare(bf16_ckpt, fp4_ckpt, tasks_dir, data_dir, tmp_
     assert "| fp4l_cloze | acc |" in table and table.strip() in printed
 
 
-@pytest.mark.slow
-def test_lm_eval_cli_with_our_model(bf16_ckpt, tasks_dir, tmp_path, monkeypatch):
-    from fp4lightning.eval.lm_eval_cli import main
-
-    monkeypatch.chdir(tmp_path)
-    main(["run", "--model", "fp4lightning", "--model_args", f"pretrained={bf16_ckpt},linear=high",
-          "--tasks", "fp4l_cloze", "--include_path", str(tasks_dir), "--limit", "2", "--batch_size", "4",
-          "--output_path", str(tmp_path / "out")])
-    files = list((tmp_path / "out").rglob("results_*.json"))
-    assert len(files) == 1
-    res = json.loads(files[0].read_text())
-    assert "acc_norm,none" in res["results"]["fp4l_cloze"] and res["config"]["linear"] == "high"
-
-
 # ----------------------------------------------------------------------------- Hugging Face parity
 @pytest.mark.slow
 def test_matches_lm_eval_hf_model_on_exported_checkpoint(bf16_ckpt, tasks_dir, tmp_path):
@@ -356,15 +342,19 @@ def test_matches_lm_eval_hf_model_on_exported_checkpoint(bf16_ckpt, tasks_dir, t
     export = save_hf(model, tmp_path / "hf", tok)
     reqs = _instances("loglikelihood", _requests(tasks_dir, n=9))
     ours = _lm(bf16_ckpt, batch_size=4).loglikelihood(reqs, disable_tqdm=True)
-    # our contexts start with BOS as training documents did; the hf model adds it when told to
-    hf = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32", add_bos_token=True)
+    # our contexts start with BOS as training documents did; the exported tokenizer adds it by
+    # default, so lm-eval's hf model with no extra flags scores every choice the same
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(export)("The assert statement").input_ids[0] == tok.bos_id
+    hf = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32")
     theirs = hf.loglikelihood(reqs, disable_tqdm=True)
     torch.testing.assert_close(torch.tensor([x for x, _ in ours], dtype=torch.float64),
                                torch.tensor([x for x, _ in theirs], dtype=torch.float64),
                                rtol=LOGLIK_RTOL, atol=1e-4)
     assert [g for _, g in ours] == [g for _, g in theirs]
-    # rolling: both condition the first window on BOS and add no BOS inside the text
-    hf_plain = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32")
+    # rolling: hf prefixes BOS itself, so it matches with add_bos_token=False (docs/evaluation.md)
+    hf_plain = HFLM(pretrained=str(export), batch_size=3, device="cpu", dtype="float32", add_bos_token=False)
     doc = (tasks_dir / "fp4l_ppl.jsonl").read_text().splitlines()[0]
     rreqs = _instances("loglikelihood_rolling", [(json.loads(doc)["text"][:3000],)])
     torch.testing.assert_close(
@@ -407,3 +397,77 @@ def test_hub_tasks_fail_fast_offline(bf16_ckpt, capsys):
     assert time.perf_counter() - t0 < 30  # no network retries
     assert main([str(bf16_ckpt), "--tasks", "wikitext"]) == 2
     assert "--tasks offline" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- lm-eval's CLI, user tasks, auto batch
+def _user_task_dir(tasks_dir: Path, root: Path) -> Path:
+    """A folder holding the user's own task YAML (a renamed copy of ``fp4l_cloze``)."""
+    import yaml
+
+    cfg = yaml.safe_load((tasks_dir / "fp4l_cloze.yaml").read_text())
+    cfg["task"] = "my_cloze"
+    cfg.pop("tag", None)
+    d = root / "my_tasks"
+    d.mkdir()
+    (d / "my_cloze.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return d
+
+
+def _run_cli(args: list[str], cwd: Path, timeout: float = 240) -> "subprocess.CompletedProcess":
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_lm_eval_console_script_finds_the_model(bf16_ckpt, tasks_dir, tmp_path):
+    """``fp4lightning-lm-eval`` (installed console script) is lm-eval's CLI with our model registered."""
+    from importlib.metadata import entry_points
+
+    eps = entry_points(group="console_scripts", name="fp4lightning-lm-eval")
+    assert len(eps) == 1, "fp4lightning-lm-eval is not installed: pip install -e . again"
+    ep = next(iter(eps))
+    user = _user_task_dir(tasks_dir, tmp_path)
+    # exactly what the installed script does: load the entry point and call it
+    code = (f"import sys; from importlib.metadata import entry_points; "
+            f"sys.argv=['fp4lightning-lm-eval', *sys.argv[1:]]; "
+            f"sys.exit(next(iter(entry_points(group='console_scripts', name={ep.name!r}))).load()())")
+    proc = _run_cli([code, "run", "--model", "fp4lightning", "--model_args",
+                     f"pretrained={bf16_ckpt},linear=high", "--batch_size", "auto", "--tasks", "my_cloze",
+                     "--include_path", str(user), "--limit", "2", "--output_path", str(tmp_path / "out")],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list((tmp_path / "out").rglob("results_*.json"))
+    assert len(files) == 1, proc.stderr[-2000:]
+    res = json.loads(files[0].read_text())
+    assert "acc_norm,none" in res["results"]["my_cloze"] and res["config"]["linear"] == "high"
+
+
+@pytest.mark.slow
+def test_eval_command_include_path_and_auto_batch(bf16_ckpt, tasks_dir, tmp_path):
+    """``fp4lightning eval --include_path DIR --batch-size auto``, through the CLI's own parser."""
+    from fp4lightning.cli import main as cli_main
+
+    user = _user_task_dir(tasks_dir, tmp_path)
+    out = tmp_path / "res"
+    assert cli_main(["eval", str(bf16_ckpt), "--tasks", "my_cloze", "--include_path", str(user),
+                     "--batch-size", "auto", "--limit", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["results"]) == {"my_cloze"} and "acc_norm,none" in res["results"]["my_cloze"]
+    assert res["fp4lightning"]["batch_size"] >= 1 and res["fp4lightning"]["include_path"] == [str(user)]
+
+
+def test_auto_batch_size_scores_like_a_fixed_one(bf16_ckpt, tasks_dir):
+    lm = _lm(bf16_ckpt, batch_size="auto", max_batch_size=16)
+    assert lm.batch_size == 16  # a 2-layer model at 128 tokens fits 16 sequences on any CPU
+    reqs = _instances("loglikelihood", _requests(tasks_dir, n=3))
+    a = lm.loglikelihood(reqs, disable_tqdm=True)
+    b = _lm(bf16_ckpt, batch_size=1).loglikelihood(reqs, disable_tqdm=True)
+    torch.testing.assert_close(torch.tensor([x for x, _ in a]), torch.tensor([x for x, _ in b]),
+                               rtol=LOGLIK_RTOL, atol=LOGLIK_ATOL)
+    with pytest.raises(ValueError, match="batch_size must be an integer or auto"):
+        _lm(bf16_ckpt, batch_size="big")

@@ -162,7 +162,10 @@ def save_hf(model: Llama, out_dir: str | Path, tokenizer=None) -> Path:
     """Write a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
     ``tokenizer`` (an :class:`fp4lightning.tokenizer.Tokenizer`) is saved alongside as a
-    ``PreTrainedTokenizerFast`` so ``AutoTokenizer.from_pretrained(out_dir)`` works too.
+    ``PreTrainedTokenizerFast`` so ``AutoTokenizer.from_pretrained(out_dir)`` works too. Its
+    post-processor prepends BOS (as LLaMA's tokenizer does), because every training document
+    started with BOS: ``tokenizer(text)`` and lm-eval's ``hf`` model then see the same tokens
+    as training and the ``fp4lightning`` lm-eval model (docs/evaluation.md).
     """
     transformers = _require_transformers()
     out_dir = Path(out_dir)
@@ -173,15 +176,41 @@ def save_hf(model: Llama, out_dir: str | Path, tokenizer=None) -> Path:
     hf.save_pretrained(out_dir)
     if tokenizer is not None:
         fast = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer.backend,
+            tokenizer_object=_bos_first(tokenizer),
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
+            model_max_length=model.config.max_seq_len,
         )
         fast.save_pretrained(out_dir)
     (out_dir / "fp4lightning.json").write_text(
         json.dumps({"note": "exported by fp4lightning export-hf; weights are the high-precision master weights"})
     )
     return out_dir
+
+
+def _bos_first(tokenizer):
+    """A copy of the ``tokenizers`` backend whose ``encode`` starts with BOS (special tokens on)."""
+    from tokenizers import processors
+
+    from fp4lightning.tokenizer import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.to_str()).backend
+    bos = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", pair=f"{tokenizer.bos_token} $A {tokenizer.bos_token} $B",
+        special_tokens=[(tokenizer.bos_token, tokenizer.bos_id)],
+    )
+    old = backend.post_processor
+    backend.post_processor = bos if old is None else processors.Sequence([old, bos])
+    return backend
+
+
+#: printed after export-hf: how lm-eval's ``hf`` model scores the export like ``fp4lightning``
+LM_EVAL_HINT = (
+    "lm-eval: --model hf --model_args pretrained={out},dtype=float32 adds BOS to every context by default "
+    "(the exported tokenizer does, as training did), so accuracy tasks score as with --model fp4lightning; "
+    "for perplexity (loglikelihood_rolling) tasks add add_bos_token=False, since lm-eval's hf model "
+    "also prefixes BOS itself there"
+)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -199,4 +228,6 @@ def run(args) -> int:
     model, tokenizer, _ = load_checkpoint(args.ckpt)
     out = save_hf(model, args.out_dir, tokenizer)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    if tokenizer is not None:
+        print(LM_EVAL_HINT.format(out=out))
     return 0

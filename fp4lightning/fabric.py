@@ -1,0 +1,145 @@
+"""FP4 training with ``lightning.Fabric``: :class:`FP4FabricPrecision` (arXiv 2501.17116, sections 3-4).
+
+Fabric and the Trainer call precision plugins through different methods (Fabric's
+``backward(tensor, module)`` / ``optimizer_step(optimizer)`` against the Trainer's hooks that
+reach ``model.trainer``), so :class:`~fp4lightning.precision.FP4Precision` only serves the
+Trainer and refuses Fabric with a pointer here. This plugin shares its core: the same layer
+swap (:func:`~fp4lightning.convert.convert_to_fp4`, output head kept in high precision), the
+same bf16/fp16 autocast around the non-GeMM work, and for fp16 the same
+:class:`~fp4lightning.precision.DynamicLossScaler` (skip the step on inf/NaN, halve the scale,
+grow it after a run of good steps). See docs/lightning.md::
+
+    fabric = L.Fabric(accelerator="cuda", plugins=[FP4FabricPrecision("paper")])
+    model, optimizer = fabric.setup(model, optimizer)
+    loss = model(x).loss
+    fabric.backward(loss)
+    optimizer.step()
+
+Reduced-precision optimizer states: build :class:`~fp4lightning.optim.LowPrecisionAdamW`
+yourself before ``fabric.setup`` (Fabric has no hook through which a plugin swaps optimizers).
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Literal
+
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from .config import FP4Config
+from .convert import convert_to_fp4, fp4_modules
+from .precision import COMPUTE_DTYPES, DynamicLossScaler
+
+__all__ = ["FP4FabricPrecision"]
+
+
+class FP4FabricPrecision(FabricPrecision):
+    """Fabric precision plugin: FP4 GeMMs in every eligible ``nn.Linear``, bf16/fp16 autocast around them.
+
+    Args:
+        config: an :class:`~fp4lightning.config.FP4Config` or a preset name (default ``"paper"``).
+        compute_dtype: ``"bf16"`` (default) or ``"fp16"`` (adds dynamic loss scaling).
+        module_filter_fn: ``fn(module, fqn) -> bool``; False keeps that Linear in high precision.
+        weights_dtype: ``None`` (as built) or ``torch.bfloat16`` for modules built under
+            ``fabric.init_module()``.
+        scaler: a :class:`~fp4lightning.precision.DynamicLossScaler` for fp16 (default: a fresh one).
+    """
+
+    precision: Literal["fp4-bf16", "fp4-fp16"] = "fp4-bf16"
+
+    def __init__(self, config: FP4Config | str | None = None, *, compute_dtype: str = "bf16",
+                 module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                 weights_dtype: torch.dtype | None = None, scaler: DynamicLossScaler | None = None) -> None:
+        if isinstance(config, str):
+            config = FP4Config.from_preset(config)
+        if config is not None and not isinstance(config, FP4Config):
+            raise TypeError(f"FP4FabricPrecision: config must be an FP4Config or a preset name, "
+                            f"got {type(config).__name__}")
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"FP4FabricPrecision: compute_dtype={compute_dtype!r} is not one of {list(COMPUTE_DTYPES)}")
+        if scaler is not None and compute_dtype != "fp16":
+            raise ValueError("FP4FabricPrecision: a loss scaler is only used with compute_dtype='fp16'")
+        self.config = config or FP4Config()
+        self.module_filter_fn = module_filter_fn
+        self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
+        self.precision = f"fp4-{compute_dtype}"  # type: ignore[assignment]
+        self.weights_dtype = weights_dtype
+        self.scaler = (scaler or DynamicLossScaler()) if compute_dtype == "fp16" else None
+        self._device: str | None = None
+        self._found_inf: dict[int, bool] = {}  # optimizer id -> unscaled this step, with inf/NaN?
+
+    # ------------------------------------------------------------------ model
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Swap the eligible ``nn.Linear`` layers for ``FP4Linear`` in place (as the Trainer plugin)."""
+        if self.weights_dtype is not None:
+            module.to(dtype=self.weights_dtype)
+        convert_to_fp4(module, self.config, self.module_filter_fn)
+        n = len(fp4_modules(module))
+        if n == 0:
+            rank_zero_warn("FP4FabricPrecision: the model has no Linear layer that can run in FP4; training runs in "
+                           f"plain {self.precision.split('-')[1]} autocast")
+        else:
+            rank_zero_info(f"FP4FabricPrecision: {n} Linear layers run their GeMMs in FP4 E2M1")
+        param = next(iter(module.parameters()), None)
+        if param is not None and param.device.type != "meta":
+            self._device = param.device.type
+        return module
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return nullcontext() if self.weights_dtype is None else _DtypeContextManager(self.weights_dtype)
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    def forward_context(self) -> AbstractContextManager:
+        device = self._device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.autocast(device_type=device, dtype=self.compute_dtype, cache_enabled=False)
+
+    def convert_output(self, data: Any) -> Any:
+        # the loss leaves autocast in its compute dtype; hand fp32 to the user's code (as Fabric's AMP)
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        return apply_to_collection(data, Tensor, lambda t: t.float() if t.is_floating_point() else t)
+
+    # ------------------------------------------------------------------ backward / step
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        tensor.backward(*args, **kwargs)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Divide the gradients by the loss scale once per step (``fabric.clip_gradients`` calls this)."""
+        if self.scaler is not None and id(optimizer) not in self._found_inf:
+            self._found_inf[id(optimizer)] = self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """bf16: a plain step. fp16: unscale, then step, or skip it and back the scale off on inf/NaN."""
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        self.unscale_gradients(optimizer)
+        found_inf = self._found_inf.pop(id(optimizer))
+        self.scaler.update(found_inf)
+        if found_inf:
+            rank_zero_info(f"FP4FabricPrecision: inf/NaN gradient, step skipped; loss scale now "
+                           f"{self.scaler.scale_value:g}")
+            return None
+        return optimizer.step(**kwargs)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.scale_value if self.scaler is not None else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
