@@ -46,6 +46,8 @@ def convert_to_fp4(
         raise TypeError("convert_to_fp4 converts the Linear layers *inside* a module, in place; "
                         "wrap a bare nn.Linear with FP4Linear.from_linear(layer) instead")
     skipped: list[str] = []
+    from .block_linear import positional_keep  # keep_first_n / keep_last_n transformer blocks
+    by_position = positional_keep(module, config.keep_first_n, config.keep_last_n)
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:  # exact type: subclasses (and FP4Linear) are left alone
@@ -57,6 +59,9 @@ def convert_to_fp4(
                 keep = not _skipped_by_config(fqn, config)
             if not keep:
                 skipped.append(f"{fqn} (excluded by the module filter)")
+                continue
+            if any(fqn.startswith(p) for p in by_position):
+                skipped.append(f"{fqn} (keep_first_n/keep_last_n)")
                 continue
             why = check_fp4_shape(child.in_features, child.out_features)
             if why:

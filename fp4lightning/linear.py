@@ -188,6 +188,9 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         )
     if x.numel() == 0:
         return torch.nn.functional.linear(x, weight, bias)
+    if cfg.block_format != "none":  # NVFP4 / MXFP4 recipes
+        from .block_linear import block_fp4_linear
+        return block_fp4_linear(x, weight, bias, cfg)
     return _FP4LinearFn.apply(x, weight, bias, cfg, w_quant)
 
 
@@ -235,7 +238,7 @@ class FP4Linear(nn.Linear):
         return cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_meta:
+        if self.weight.is_meta or self.config.block_format != "none":
             return fp4_linear(x, self.weight, self.bias, self.config)
         return fp4_linear(x, self.weight, self.bias, self.config, self._weight_quant())
 

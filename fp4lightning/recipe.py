@@ -40,7 +40,7 @@ __all__ = [
 
 PRECISIONS = ("fp4", "bf16-mixed", "32-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
-FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ")
+FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ", "nvfp4", "mxfp4", "mxfp4-rht-sr")
 
 
 class RecipeError(ValueError):
