@@ -51,6 +51,7 @@ __all__ = [
     "stochastic_round_e2m1",
     "e8m0_to_float",
     "block_gemm_reference",
+    "fake_quantize_block",
 ]
 
 BLOCK_FORMATS = ("nvfp4", "mxfp4")
@@ -115,33 +116,32 @@ class BlockFP4:
 
 
 # --------------------------------------------------------------------------- rounding
-def _grid(device: torch.device) -> torch.Tensor:
-    return _lut(device, torch.float32)[:8]  # the 8 magnitudes, ascending
+def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """fp32 ``y`` in [-6, 6] rounded onto the E2M1 grid (values, sign kept; NaN stays NaN).
 
-
-def _encode_nearest(y: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8) of fp32 ``y`` already clamped to [-6, 6]; ties to even; NaN -> 0."""
-    idx = _magnitude_index(torch.nan_to_num(y.abs(), nan=0.0)).to(torch.uint8)
-    return idx | (torch.signbit(y).view(torch.uint8) << 3)
-
-
-def _encode_stochastic(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """4-bit codes of fp32 ``y`` in [-6, 6], rounded stochastically between its two neighbours.
-
-    With ``lo <= |y| <= hi`` the neighbouring magnitudes, ``hi`` is chosen with probability
-    ``(|y| - lo) / (hi - lo)``: ``E[q] = y`` exactly. Values on the grid stay put.
+    The grid has spacing 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6], so rounding is
+    ``round(y / step) * step``. ``torch.round`` breaks ties to the even integer, which is
+    exactly the even-mantissa E2M1 neighbour (0.25 -> 0, 2.5 -> 2, 5 -> 4). Stochastic:
+    ``floor(|y| / step) + (u < frac)``, so ``E[q] = y`` and q is one of y's two neighbours.
     """
-    a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=E2M1_MAX)
-    grid = _grid(y.device)
-    # index of the largest grid magnitude <= a (0..7)
-    lo = (torch.bucketize(a, grid, right=True, out_int32=True) - 1).clamp_(0, 7)
-    hi = (lo + 1).clamp_(max=7)
-    lo_v, hi_v = grid[lo.long()], grid[hi.long()]
-    width = hi_v - lo_v
-    p_up = torch.where(width > 0, (a - lo_v) / torch.where(width > 0, width, 1.0), torch.zeros_like(a))
-    u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-    idx = torch.where(u < p_up, hi, lo).to(torch.uint8)
-    return idx | (torch.signbit(y).view(torch.uint8) << 3)
+    a = y.abs()
+    # step = 2**(exponent of clamp(a, 1, 4)) / 2, read off the fp32 bits: 0.5, 1 or 2
+    step = (a.clamp(1.0, 4.0).view(torch.int32) & 0x7F800000).sub_(1 << 23).view(torch.float32)
+    if rounding == "nearest":
+        return torch.round(y / step).mul_(step)
+    if rounding == "stochastic":
+        t = a / step
+        lo = torch.floor(t)
+        u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+        q = lo.add_((u < t.sub_(lo)).float()).mul_(step)
+        return torch.copysign(q, y)
+    raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+
+
+def _codes_of(v: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8) of values already on the E2M1 grid; NaN -> code 0."""
+    idx = _magnitude_index(torch.nan_to_num(v.abs(), nan=0.0)).to(torch.uint8)
+    return idx | (torch.signbit(v).view(torch.uint8) << 3)
 
 
 def stochastic_round_e2m1(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -150,17 +150,11 @@ def stochastic_round_e2m1(x: torch.Tensor, generator: torch.Generator | None = N
     Unbiased inside [-6, 6]; beyond it values saturate to +/-6. Reproducible given
     ``generator``'s state.
     """
-    xf = x.float().clamp(-E2M1_MAX, E2M1_MAX)
-    codes = _encode_stochastic(xf, generator)
-    return _lut(x.device, torch.float32)[codes.long()]
+    return _round_values(x.float().clamp(-E2M1_MAX, E2M1_MAX), "stochastic", generator)
 
 
 def _encode(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    if rounding == "nearest":
-        return _encode_nearest(y)
-    if rounding == "stochastic":
-        return _encode_stochastic(y, generator)
-    raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+    return _codes_of(_round_values(y, rounding, generator))
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -200,12 +194,11 @@ def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(b == E8M0_NAN, torch.full_like(s, float("nan")), s)
 
 
-def quantize_mxfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> BlockFP4:
-    """OCP MXFP4: 32-element blocks along the last dim, E8M0 scale ``2**(floor(log2 amax) - 2)``."""
-    x = _check_2d(x, "quantize_mxfp4")
-    m, k = x.shape
+def _mx_prepare(x: torch.Tensor, rounding: str):
+    """Scaled blocks ``(M, Kp/32, 32)`` clamped to [-6, 6], biased E8M0 exponents, fp32 block scales, post scale."""
+    m, _ = x.shape
     b = BLOCK_SIZES["mxfp4"]
-    xb = _pad_to(x.float(), 1, b).reshape(m, -1, b)  # (M, Kp/32, 32)
+    xb = _pad_to(x.float(), 1, b).contiguous().reshape(m, -1, b)  # (M, Kp/32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
     # floor(log2(amax)) read off the fp32 exponent bits (exact; a subnormal amax gives -127)
     e = (torch.bitwise_right_shift(amax.view(torch.int32), 23) & 0xFF) - E8M0_BIAS
@@ -216,11 +209,18 @@ def quantize_mxfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.
     y = xb / scale
     post = 1.0
     if rounding == "stochastic":
-        y = y * MXFP4_SR_PRESCALE
+        y.mul_(MXFP4_SR_PRESCALE)
         post = 1.0 / MXFP4_SR_PRESCALE
-    y = y.clamp(-E2M1_MAX, E2M1_MAX)
+    return y.clamp_(-E2M1_MAX, E2M1_MAX), biased.squeeze(-1), scale, post
+
+
+def quantize_mxfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> BlockFP4:
+    """OCP MXFP4: 32-element blocks along the last dim, E8M0 scale ``2**(floor(log2 amax) - 2)``."""
+    x = _check_2d(x, "quantize_mxfp4")
+    m, k = x.shape
+    y, biased, _, post = _mx_prepare(x, rounding)
     codes = _encode(y, rounding, generator).reshape(m, -1)
-    return BlockFP4(_pack(codes), biased.squeeze(-1), None, "mxfp4", False, (m, k), post)
+    return BlockFP4(_pack(codes), biased, None, "mxfp4", False, (m, k), post)
 
 
 # --------------------------------------------------------------------------- NVFP4
@@ -228,6 +228,35 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """Per-tensor fp32 decode scale ``amax / (448 * 6)`` (1.0 for an all-zero tensor)."""
     g = amax.float() / NVFP4_GLOBAL_DENOM
     return torch.where(g > 0, g, torch.ones_like(g))
+
+
+def _nv_prepare(x: torch.Tensor, block_2d: bool, global_scale):
+    """Scaled blocks clamped to [-6, 6], E4M3 block scales, the global scale.
+
+    The scaled tensor is ``(M, Kp/16, 16)``, or ``(Mp/16, 16, Kp/16, 16)`` with 2-D tiles.
+    """
+    b = BLOCK_SIZES["nvfp4"]
+    xf = _pad_to(x.float(), 1, b).contiguous()
+    if block_2d:
+        xf = _pad_to(xf, 0, b)
+    mp, kp = xf.shape
+    if global_scale is True:
+        global_scale = nvfp4_global_scale(torch.linalg.vector_norm(xf, float("inf")))
+    elif global_scale is False:
+        global_scale = None
+    xb = xf.reshape(mp // b, b, kp // b, b) if block_2d else xf.reshape(mp, kp // b, b)
+    bmax = xb.abs().amax(dim=(1, 3)) if block_2d else xb.abs().amax(-1)  # (Mp/16 or M, Kp/16)
+    block_scale = bmax / E2M1_MAX
+    if global_scale is None:
+        s8 = block_scale.clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+        recip = 1.0 / s8.float()
+    else:
+        global_scale = global_scale.float().reshape(())
+        s8 = (block_scale / global_scale).clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+        recip = (1.0 / global_scale) / s8.float()
+    y = xb * (recip[:, None, :, None] if block_2d else recip.unsqueeze(-1))
+    # NaN input: the block scale is NaN (E4M3 NaN), so the block decodes to NaN
+    return y.clamp_(-E2M1_MAX, E2M1_MAX), s8, global_scale
 
 
 def quantize_nvfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None,
@@ -240,34 +269,44 @@ def quantize_nvfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.
     """
     x = _check_2d(x, "quantize_nvfp4")
     m, k = x.shape
-    b = BLOCK_SIZES["nvfp4"]
-    xf = _pad_to(x.float(), 1, b)
-    if block_2d:
-        xf = _pad_to(xf, 0, b)
-    mp, kp = xf.shape
-    if global_scale is True:
-        global_scale = nvfp4_global_scale(torch.linalg.vector_norm(xf, float("inf")))
-    elif global_scale is False:
-        global_scale = None
-    if block_2d:
-        bmax = xf.reshape(mp // b, b, kp // b, b).abs().amax(dim=(1, 3))  # (Mp/16, Kp/16)
+    y, s8, g = _nv_prepare(x, block_2d, global_scale)
+    codes = _encode(y, rounding, generator).reshape(_rows(y, block_2d), -1)[:m]  # (M, Kp)
+    return BlockFP4(_pack(codes), s8, g, "nvfp4", block_2d, (m, k))
+
+
+def _rows(y: torch.Tensor, block_2d: bool) -> int:
+    return y.shape[0] * y.shape[1] if block_2d else y.shape[0]
+
+
+def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
+                        generator: torch.Generator | None = None, block_2d: bool = False,
+                        dtype: torch.dtype = torch.float32):
+    """``(values, factor, block_scales)``: the same quantization as ``quantize_block``, decoded.
+
+    ``values`` (M, K) in ``dtype`` is ``e2m1 * block_scale`` (exact in bf16 and fp32), and
+    ``values * factor`` is ``quantize_block(...).dequantize()`` (``factor``: the global and
+    post scale, a float or 0-dim tensor). ``block_scales`` is the fp32 decode scale per
+    block, (M, Kp/b) or (Mp/16, Kp/16). No packing: this is what the reference GeMMs use.
+    """
+    x = _check_2d(x, "fake_quantize_block")
+    m, k = x.shape
+    if fmt == "mxfp4":
+        if block_2d:
+            raise ValueError("2-D weight blocks are defined for NVFP4 (16x16) only; set weight_block_2d=False "
+                             "with block32_e8m0")
+        y, biased, _, factor = _mx_prepare(x, rounding)
+        dec = e8m0_to_float(biased)
+        bshape = dec.unsqueeze(-1)
+    elif fmt == "nvfp4":
+        y, s8, g = _nv_prepare(x, block_2d, True)
+        dec = s8.float()
+        bshape = dec[:, None, :, None] if block_2d else dec.unsqueeze(-1)
+        factor = g
     else:
-        bmax = xf.reshape(mp, kp // b, b).abs().amax(-1)  # (M, Kp/16)
-    block_scale = bmax / E2M1_MAX
-    if global_scale is None:
-        s8 = block_scale.clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
-        recip = 1.0 / s8.float()
-    else:
-        global_scale = global_scale.float().reshape(())
-        s8 = (block_scale / global_scale).clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
-        recip = (1.0 / global_scale) / s8.float()
-    if block_2d:
-        recip = recip.repeat_interleave(b, 0)  # (Mp, Kp/16)
-    y = xf.reshape(mp, kp // b, b) * recip.unsqueeze(-1)
-    y = y.clamp(-E2M1_MAX, E2M1_MAX).reshape(mp, kp)[:m]
-    codes = _encode(y, rounding, generator)
-    # NaN input: the block scale is NaN (E4M3 NaN), so the block decodes to NaN
-    return BlockFP4(_pack(codes), s8, global_scale, "nvfp4", block_2d, (m, k))
+        raise ValueError(f"unknown block format {fmt!r}; choose one of {BLOCK_FORMATS}")
+    vals = _round_values(y, rounding, generator)
+    vals = vals.mul_(bshape).reshape(_rows(y, block_2d), -1)[:m, :k]
+    return vals.to(dtype), factor, dec
 
 
 def quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator: torch.Generator | None = None,

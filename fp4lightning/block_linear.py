@@ -22,8 +22,9 @@ before it is quantized and adds the residual's products in high precision (fprop
 wgrad); DGE multiplies the weight gradient by ``f'(W * s)`` with ``s`` each weight
 element's block encode scale.
 
-This is the reference (PyTorch) path: each GeMM dequantizes its operands block by block
-(exact in bf16/fp32) and runs one dense matmul, with per-tensor factors in the epilogue.
+This is the reference (PyTorch) path: each operand is quantized and decoded in one pass to
+``e2m1 * block_scale`` (exact in bf16 and fp32; nothing is packed), each GeMM is one dense
+matmul, and the per-tensor factors (NVFP4's global scale) are applied in the epilogue.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from .config import SR_OPERANDS  # the six GeMM operands SR can apply to (GeMM.operand)
-from .block_formats import BlockFP4, _operand, _pack, _unpack, quantize_block
+from .block_formats import BLOCK_SIZES, fake_quantize_block
 from .hadamard import apply_rht, rht_matrix
 
 __all__ = ["BLOCK_FORMAT_NAMES", "SR_OPERANDS", "block_fp4_linear", "positional_keep"]
@@ -58,28 +59,31 @@ def _rounding(cfg, operand: str, t: torch.Tensor):
     return "stochastic", torch.Generator(device=t.device).manual_seed(seed)
 
 
-def _quant(t: torch.Tensor, fmt: str, cfg, operand: str, block_2d: bool = False) -> BlockFP4:
+def _quant(t: torch.Tensor, fmt: str, cfg, operand: str, cd: torch.dtype, block_2d: bool = False):
+    """(values * block scales in ``cd``, tensor-wide factor, block decode scales) of one operand."""
     rounding, gen = _rounding(cfg, operand, t)
-    return quantize_block(t, fmt, rounding, gen, block_2d=block_2d)
+    return fake_quantize_block(t, fmt, rounding, gen, block_2d=block_2d, dtype=cd)
 
 
-def _transpose_2d(q: BlockFP4) -> BlockFP4:
-    """The same 2-D-tiled block tensor, transposed (codes and tile scales), no re-quantization."""
-    m, k = q.shape
-    b = q.block
-    codes = _unpack(q.codes)[:, :k]  # (M, K)
-    ct = torch.nn.functional.pad(codes.t(), (0, (-m) % b)).contiguous()  # (K, Mp)
-    return BlockFP4(_pack(ct), q.scales.t().contiguous(), q.global_scale, q.fmt, True, (k, m), q.post_scale)
-
-
-def _gemm(qa: BlockFP4, qb: BlockFP4, cd: torch.dtype, a_extra: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``A B^T`` of block-FP4 operands; ``a_extra`` (high precision) is added to A's values."""
-    av, ga = _operand(qa, cd)
-    bv, gb = _operand(qb, cd)
-    if a_extra is not None:  # OCC's outliers, carried into the same product in high precision
-        av = av.float().add_(a_extra.float() / ga).to(cd)
+def _gemm(a, b, a_extra: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``A B^T`` of two fake-quantized operands ``(values, factor, _)``; per-tensor factors
+    in the epilogue. ``a_extra`` (high precision, OCC's outliers) joins A's values."""
+    av, ga, _ = a
+    bv, gb, _ = b
+    if a_extra is not None:
+        av = av.float().add_(a_extra.float() / ga).to(av.dtype)
     y = (av @ bv.t()).float()
-    return y.mul_(ga * gb)
+    g = ga * gb
+    return y if isinstance(g, float) and g == 1.0 else y.mul_(g)
+
+
+def _element_decode(q, shape, block_2d: bool, b: int) -> torch.Tensor:
+    """(N, K) fp32 decode scale of every element of a fake-quantized weight (for DGE)."""
+    _, factor, dec = q
+    el = dec.repeat_interleave(b, dim=1)
+    if block_2d:
+        el = el.repeat_interleave(b, dim=0)
+    return el[: shape[0], : shape[1]] * factor
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,57 +111,60 @@ class _BlockFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cfg):
         out_dtype = _out_dtype(x)
+        cd = _compute_dtype(out_dtype)
         fmt = BLOCK_FORMAT_NAMES[cfg.block_format]
         n, k = weight.shape
         x2d = x.reshape(-1, k)
         with torch.autocast(x.device.type, enabled=False):
             xc, r, bounds = _occ(x2d, cfg)
-            qa = _quant(xc, fmt, cfg, "fprop.a")
-            qw = _quant(weight.detach(), fmt, cfg, "fprop.w", block_2d=cfg.weight_block_2d)
-            y = _gemm(qa, qw, _compute_dtype(out_dtype), r)
+            qa = _quant(xc, fmt, cfg, "fprop.a", cd)
+            qw = _quant(weight.detach(), fmt, cfg, "fprop.w", cd, block_2d=cfg.weight_block_2d)
+            y = _gemm(qa, qw, r)
             if bias is not None:
                 y.add_(bias.float())
         ctx.save_for_backward(x2d, weight)
+        # 2-D tiles: W^T's quantization is W's, transposed - keep it for dgrad
         ctx.cfg, ctx.fmt, ctx.bounds, ctx.qw = cfg, fmt, bounds, (qw if cfg.weight_block_2d else None)
-        ctx.has_bias, ctx.out_dtype, ctx.x_dtype, ctx.x_shape = bias is not None, out_dtype, x.dtype, x.shape
+        ctx.has_bias, ctx.cd, ctx.x_dtype, ctx.x_shape = bias is not None, cd, x.dtype, x.shape
         return y.to(out_dtype).reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
         x2d, weight = ctx.saved_tensors
-        cfg, fmt = ctx.cfg, ctx.fmt
+        cfg, fmt, cd = ctx.cfg, ctx.fmt, ctx.cd
         n, k = weight.shape
-        cd = _compute_dtype(ctx.out_dtype)
         dyf = dy.reshape(-1, n).float()
         grad_x = grad_w = grad_b = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                # dgrad: reduction over N; 2-D tiles let fprop's quantized W serve as W^T
-                qg = _quant(dyf, fmt, cfg, "dgrad.g")
+                # dgrad: reduction over N
+                qg = _quant(dyf, fmt, cfg, "dgrad.g", cd)
                 if ctx.qw is not None and "dgrad.w" not in cfg.stochastic_rounding:
-                    qwt = _transpose_2d(ctx.qw)
+                    wv, gw, _ = ctx.qw
+                    qwt = (wv.t(), gw, None)
                 else:
-                    qwt = _quant(weight.detach().t().contiguous(), fmt, cfg, "dgrad.w", block_2d=cfg.weight_block_2d)
-                grad_x = _gemm(qg, qwt, cd).to(ctx.x_dtype).reshape(ctx.x_shape)
+                    qwt = _quant(weight.detach().t(), fmt, cfg, "dgrad.w", cd, block_2d=cfg.weight_block_2d)
+                grad_x = _gemm(qg, qwt).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 # wgrad: reduction over tokens M; optional RHT of both operands along M
                 xc, r, _ = _occ(x2d, cfg, ctx.bounds)
-                g_op, a_op = dyf, xc.float()
+                g_op, a_op = dyf, xc
                 if cfg.rht_wgrad:
                     q = rht_matrix(cfg.rht_seed, device=dyf.device)
                     g_op, a_op = apply_rht(g_op, q, 0), apply_rht(a_op, q, 0)
-                qg = _quant(g_op.t().contiguous(), fmt, cfg, "wgrad.g")
-                qa = _quant(a_op.t().contiguous(), fmt, cfg, "wgrad.a")
-                grad_w = _gemm(qg, qa, cd)
+                qg = _quant(g_op.t(), fmt, cfg, "wgrad.g", cd)
+                qa = _quant(a_op.t(), fmt, cfg, "wgrad.a", cd)
+                grad_w = _gemm(qg, qa)
                 if r is not None:  # OCC compensation's share dY^T R, in high precision
                     grad_w.add_(dyf.t() @ r.float())
                 if cfg.dge:
                     from .dge import dge_derivative
 
-                    qw = ctx.qw if ctx.qw is not None else _quant(weight.detach(), fmt, cfg, "fprop.w")
-                    dec = qw.element_scales()[:n, :k] * (qw.global_scale if qw.global_scale is not None else 1.0)
-                    grad_w.mul_(dge_derivative(weight.detach().float() / (dec * qw.post_scale), cfg.dge_k,
-                                               cfg.dge_clamp))
+                    qw = ctx.qw
+                    if qw is None:  # re-derive fprop's (round-to-nearest) weight scales
+                        qw = _quant(weight.detach(), fmt, cfg.replace(stochastic_rounding=()), "fprop.w", cd)
+                    dec = _element_decode(qw, (n, k), cfg.weight_block_2d, BLOCK_SIZES[fmt])
+                    grad_w.mul_(dge_derivative(weight.detach().float() / dec, cfg.dge_k, cfg.dge_clamp))
                 grad_w = grad_w.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dyf.sum(0).to(weight.dtype)
