@@ -11,6 +11,8 @@ from tests._numerics import heavy_tailed, sqnr
 
 kb = pytest.importorskip("fp4lightning.kernels.block", reason="triton is not importable here")
 
+#: kernels run on CUDA tensors when there is a GPU (compiled), else on CPU under the interpreter
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 accumulation order differs from the reference matmul's: ~1e-7 relative
 GEMM_MIN_SQNR_DB = 100.0
 
@@ -23,16 +25,16 @@ def _inputs(m, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_quantizer_bitwise(dtype):
-    x = _inputs(40, 128).to(dtype)
-    q, s = kb.quantize_mxfp4(x)
+    x = _inputs(24, 96).to(dtype)
+    q, s = (t.cpu() for t in kb.quantize_mxfp4(x.to(DEV)))
     ref = quantize_mxfp4(x)
     assert torch.equal(s, ref.scales) and torch.equal(q, ref.codes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4_quantizer_bitwise(dtype):
-    x = _inputs(40, 96).to(dtype)
-    q, s, g = kb.quantize_nvfp4(x)
+    x = _inputs(24, 64).to(dtype)
+    q, s, g = (t.cpu() for t in kb.quantize_nvfp4(x.to(DEV)))
     ref = quantize_nvfp4(x)
     assert torch.equal(g, ref.global_scale)
     assert torch.equal(s.view(torch.uint8), ref.scales.view(torch.uint8)) and torch.equal(q, ref.codes)
@@ -40,17 +42,18 @@ def test_nvfp4_quantizer_bitwise(dtype):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_block_gemm_matches_reference(fmt):
-    a, w = _inputs(48, 128), torch.randn(40, 128)
+    a, w = _inputs(40, 64), torch.randn(24, 64)  # 2 MXFP4 / 4 NVFP4 K blocks
     quant = quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4
     qa, qw = quant(a), quant(w)
     factor = 1.0 if fmt == "mxfp4" else qa.global_scale * qw.global_scale
-    got = kb.block_gemm(qa.codes, qa.scales, qw.codes, qw.scales, fmt, factor)
+    dev = [t.to(DEV) for t in (qa.codes, qa.scales, qw.codes, qw.scales)]
+    got = kb.block_gemm(*dev, fmt, factor if isinstance(factor, float) else factor.to(DEV)).cpu()
     assert sqnr(got, block_gemm_reference(qa, qw).double()) > GEMM_MIN_SQNR_DB
 
 
 def test_kernel_inputs_checked():
     with pytest.raises(ValueError, match="multiple of 32"):
-        kb.quantize_mxfp4(torch.randn(4, 48))
-    q, s = kb.quantize_mxfp4(torch.randn(4, 64))
+        kb.quantize_mxfp4(torch.randn(4, 48, device=DEV))
+    q, s = kb.quantize_mxfp4(torch.randn(4, 64, device=DEV))
     with pytest.raises(ValueError, match="shapes do not match"):
         kb.block_gemm(q, s, q[:, :16], s, "mxfp4")
