@@ -12,7 +12,8 @@ writes
   fidelity table (the paper's Table 1 analogue) on the trained model's real activations.
 
 Variants: ``bf16`` (bf16-mixed), ``fp32`` (32-true), ``fp4`` (the ``paper`` preset), or any
-FP4 preset name (``w4a4-direct``, ``fp4-no-dge``, ``fp4-no-occ``, ``paper``).
+FP4 preset name (``w4a4-direct``, ``fp4-no-dge``, ``fp4-no-occ``, ``paper``, and the block-scaled
+``nvfp4``, ``mxfp4``, ``mxfp4-rht-sr``).
 """
 from __future__ import annotations
 
@@ -206,6 +207,13 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
         md += [f"## OCC fidelity on the trained {src} model's activations (paper Table 1 analogue)", "",
                "Inputs of every FP4 linear layer on held-out batches, quantized per token; pooled over layers.", "",
                format_occ_table(occ), ""]
+        from .block_analysis import checkpoint_report, format_block_table  # every format, same tensors
+
+        act_rows, w_rows = checkpoint_report(Path(summary["variants"][src]["checkpoint"]), Path(base.data.dir),
+                                             base.data.seq_len)
+        summary["block_fidelity"] = {"variant": src, "activations": act_rows, "weights": w_rows}
+        md += [f"## Quantization fidelity of every FP4 format on the trained {src} model (SQNR)", "",
+               format_block_table(act_rows, w_rows), ""]
     (out_dir / "comparison.md").write_text("\n".join(md))
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, default=str))
     print("\n".join(md), flush=True)

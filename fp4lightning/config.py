@@ -9,6 +9,22 @@ Presets (``FP4Config.from_preset(name)``):
                     (the paper's "direct cast" baseline).
 * ``fp4-no-dge``  - ``paper`` with STE instead of DGE.
 * ``fp4-no-occ``  - ``paper`` without outlier clamping.
+
+Block-scaled recipes (beyond the paper; docs/lightning.md, "Block-scaled recipes"):
+
+* ``nvfp4``        - NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149): 16-element
+                     blocks with E4M3 scales and a per-tensor fp32 scale, 16x16 weight
+                     tiles, a 16-point random Hadamard transform on the wgrad operands,
+                     stochastic rounding of the gradient in both backward GeMMs, first
+                     and last transformer blocks in high precision (the paper keeps about
+                     16% of a 12B model's blocks; here one at each end, raise
+                     ``keep_first_n`` / ``keep_last_n`` for deep models). No DGE / OCC.
+* ``mxfp4``        - plain OCP MXFP4 (OCP Microscaling Formats spec v1.0): 32-element
+                     blocks with E8M0 power-of-two scales, round-to-nearest everywhere.
+* ``mxfp4-rht-sr`` - MXFP4 with the random Hadamard transform on the wgrad operands and
+                     stochastic rounding of every backward-GeMM operand (Tseng et al. 2025,
+                     "Training LLMs with MXFP4"; Quartet, Castro et al. 2025, uses the same
+                     unbiased backward).
 """
 from __future__ import annotations
 
@@ -27,7 +43,10 @@ _CHOICES = {
     "scale_mode": ("float", "pow2"),
     "occ_quantile": ("sample", "exact"),
     "grad_format": ("e5m2", "e4m3", "bf16"),
+    "block_format": ("none", "block16_e4m3", "block32_e8m0"),
 }
+#: GeMM operands that ``stochastic_rounding`` may name (block formats only)
+SR_OPERANDS = ("fprop.a", "fprop.w", "dgrad.g", "dgrad.w", "wgrad.g", "wgrad.a")
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,23 @@ class FP4Config:
     grad_format: str = "e5m2"
     #: fnmatch patterns of fully qualified module names to leave in high precision
     skip_modules: tuple[str, ...] = field(default=DEFAULT_SKIP_MODULES)
+    # --- block-scaled recipes (fp4lightning.block_linear); "none" = the paper's per-row scales
+    #: "block16_e4m3" (NVFP4: 16-element blocks, E4M3 scales, per-tensor fp32 scale) or
+    #: "block32_e8m0" (MXFP4: 32-element blocks, power-of-two scales); the block size follows
+    block_format: str = "none"
+    #: 16x16 weight tiles (NVFP4 only): one quantized weight serves fprop and dgrad
+    weight_block_2d: bool = False
+    #: GeMM operands rounded stochastically: any of SR_OPERANDS ("wgrad.g", ...)
+    stochastic_rounding: tuple[str, ...] = ()
+    #: seed of the stochastic rounding draws (mixed with each operand's bits: resumable)
+    sr_seed: int = 0
+    #: 16-point random Hadamard transform of both wgrad operands along the token dim
+    rht_wgrad: bool = False
+    #: seed of the Hadamard transform's random signs
+    rht_seed: int = 0
+    #: keep the first / last N transformer blocks in high precision (convert_to_fp4)
+    keep_first_n: int = 0
+    keep_last_n: int = 0
 
     def __post_init__(self):
         for key, choices in _CHOICES.items():
@@ -72,6 +108,7 @@ class FP4Config:
         if isinstance(self.skip_modules, str) or not all(isinstance(p, str) for p in self.skip_modules):
             raise TypeError("FP4Config.skip_modules must be a tuple of strings (fnmatch patterns)")
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+        _check_block_knobs(self)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "FP4Config":
@@ -89,9 +126,36 @@ class FP4Config:
         return d
 
 
+def _check_block_knobs(cfg: FP4Config) -> None:
+    sr = cfg.stochastic_rounding
+    if isinstance(sr, str) or not all(isinstance(o, str) for o in sr):
+        raise TypeError("FP4Config.stochastic_rounding must be a tuple of operand names, e.g. ('wgrad.g',)")
+    object.__setattr__(cfg, "stochastic_rounding", tuple(sr))
+    bad = [o for o in sr if o not in SR_OPERANDS]
+    if bad:
+        raise ValueError(f"FP4Config.stochastic_rounding: unknown operand(s) {bad}; choose from {SR_OPERANDS}")
+    for key in ("sr_seed", "rht_seed", "keep_first_n", "keep_last_n"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"FP4Config.{key} must be a non-negative integer, got {v!r}")
+    if cfg.block_format == "none":
+        for key, off in (("weight_block_2d", False), ("stochastic_rounding", ()), ("rht_wgrad", False)):
+            if getattr(cfg, key) != off:
+                raise ValueError(f"FP4Config.{key} needs a block format; set block_format to 'block16_e4m3' "
+                                 "or 'block32_e8m0' (or use the nvfp4 / mxfp4 presets)")
+    if cfg.weight_block_2d and cfg.block_format != "block16_e4m3":
+        raise ValueError("FP4Config.weight_block_2d: 16x16 weight tiles are defined for block_format="
+                         "'block16_e4m3' (NVFP4) only")
+
+
 PRESETS: dict[str, FP4Config] = {
     "paper": FP4Config(),
     "w4a4-direct": FP4Config(dge=False, occ=False),
     "fp4-no-dge": FP4Config(dge=False),
     "fp4-no-occ": FP4Config(occ=False),
+    "nvfp4": FP4Config(block_format="block16_e4m3", weight_block_2d=True, stochastic_rounding=("dgrad.g", "wgrad.g"),
+                       rht_wgrad=True, dge=False, occ=False, keep_first_n=1, keep_last_n=1),
+    "mxfp4": FP4Config(block_format="block32_e8m0", dge=False, occ=False),
+    "mxfp4-rht-sr": FP4Config(block_format="block32_e8m0", rht_wgrad=True, dge=False, occ=False,
+                              stochastic_rounding=("dgrad.g", "dgrad.w", "wgrad.g", "wgrad.a")),
 }

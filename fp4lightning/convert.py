@@ -88,6 +88,8 @@ def convert_to_fp4(
                         "wrap a bare nn.Linear with FP4Linear.from_linear(layer) instead")
     skipped: list[str] = []
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    from .block_linear import positional_keep  # keep_first_n / keep_last_n transformer blocks
+    by_position = positional_keep(module, config.keep_first_n, config.keep_last_n)
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             fqn = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -107,6 +109,9 @@ def convert_to_fp4(
                         continue
             if not keep:
                 skipped.append(f"{fqn} (excluded by the module filter)")
+                continue
+            if any(fqn.startswith(p) for p in by_position):
+                skipped.append(f"{fqn} (keep_first_n/keep_last_n)")
                 continue
             why = check_fp4_shape(child.in_features, child.out_features)
             if why:

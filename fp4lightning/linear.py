@@ -204,6 +204,9 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         )
     if x.numel() == 0:
         return torch.nn.functional.linear(x, weight, bias)
+    if cfg.block_format != "none":  # NVFP4 / MXFP4 recipes
+        from .block_linear import block_fp4_linear
+        return block_fp4_linear(x, weight, bias, cfg)
     return _FP4LinearFn.apply(x, weight, bias, cfg, w_quant)
 
 

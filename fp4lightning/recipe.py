@@ -43,7 +43,7 @@ __all__ = [
 #: what ``fp4lightning.Trainer(precision=...)`` accepts: FP4 (fp4lightning.trainer.FP4_PRECISIONS) and Lightning's own
 PRECISIONS = ("fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "32-true", "64-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
-FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ")
+FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ", "nvfp4", "mxfp4", "mxfp4-rht-sr")
 
 
 class RecipeError(ValueError):

@@ -15,4 +15,6 @@ fi
 echo "[setup] creating $VENV and installing fp4lightning (first time: ~2 minutes)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+# the test-only torchao oracle (pyproject extra `oracle`), without its dependencies
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps 'torchao==0.18.0'
 echo "$want" > "$stamp"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fp4lightning.analysis import VARIANTS, capture_linear_inputs, occ_fidelity_report
+from fp4lightning.block_analysis import ACT_FORMATS
 from fp4lightning.cli import main as cli_main
 from fp4lightning.compare import variant_overrides
 from fp4lightning.models.llama import Llama, llama_config
@@ -41,6 +42,8 @@ def test_compare_two_variants_writes_png_and_tables(tmp_path_factory):
     for v in summary["variants"].values():
         assert v["val_loss"] > 0 and v["train_loss"] > 0 and v["zero_shot"]
     assert len(summary["occ_fidelity"]["rows"]) == len(VARIANTS)
+    assert "Quantization fidelity of every FP4 format" in md and "NVFP4" in md
+    assert len(summary["block_fidelity"]["activations"]) == len(ACT_FORMATS)
 
 
 def test_occ_report_on_model_activations():

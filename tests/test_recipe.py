@@ -127,7 +127,7 @@ def test_overrides_win_over_the_file(tmp_path):
         (["optimizer.lr=fast"], r"`optimizer\.lr`.*expects float"),
         (["trainer.precision=fp8"], r"`trainer\.precision` = 'fp8'.*choose one of: fp4, fp4-bf16, fp4-fp16, bf16-mixed, bf16-true.*32-true"),
         (["model.name=llama2-70b"], r"`model\.name`.*llama2-13b.*tiny"),
-        (["fp4.preset=nvfp4"], r"`fp4\.preset`.*paper, w4a4-direct, fp4-no-dge, fp4-no-occ"),
+        (["fp4.preset=nvfp8"], r"`fp4\.preset`.*paper, w4a4-direct, fp4-no-dge, fp4-no-occ"),
         (["fp4.overrides.occ_alhpa=0.9"], r"`fp4\.overrides\.occ_alhpa`.*occ_alpha"),
         (["trainer.strategy=deepspeed"], r"`trainer\.strategy`.*auto, ddp, fsdp"),
         (["data.global_batch_size=24"], r"`data\.global_batch_size` = 24 must be a multiple"),

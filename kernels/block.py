@@ -1,0 +1,187 @@
+"""Triton kernels for the block-scaled FP4 formats: MXFP4 / NVFP4 quantizers and a block-scaled GeMM.
+
+Twins of the PyTorch reference in ``fp4lightning/block_formats.py`` (see its docstring for
+the formats). They target CUDA GPUs *without* FP4 tensor cores: the GeMM decodes each
+K-block of E2M1 codes, applies that block's scale to the operand, and accumulates in fp32,
+one ``tl.dot`` per block of 32 (MXFP4) or 16 (NVFP4) along K.
+
+All rounding is exact integer/fp32 arithmetic (``_common.minifloat_bits``), never an
+in-kernel float downcast, so the codes and scales are bit-identical to the reference
+(and hence to torchao) under the interpreter and on a GPU. Scope: round-to-nearest,
+1-D blocks, K a multiple of the block, finite inputs (a NaN block is the reference's job).
+Tested under ``TRITON_INTERPRET=1`` only (``tests/test_block_kernels.py``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, decode_e2m1, minifloat_bits, sign_bit
+
+__all__ = ["quantize_mxfp4", "quantize_nvfp4", "block_gemm"]
+
+_DOT_FP32 = 4  # decode_e2m1 target: fp32 values (exact)
+
+
+# --------------------------------------------------------------------------- quantizers
+@triton.jit
+def _e2m1_pack_store(y, q_ptr, rows, col0, M, stride_qm, BLOCK_M: tl.constexpr, B: tl.constexpr):
+    """Round fp32 ``y`` (BLOCK_M, B), already in [-6, 6], to E2M1 codes; store packed bytes."""
+    idx = minifloat_bits(tl.abs(y), 1, 0)  # 0..7, ties to even
+    code = idx | (sign_bit(y) << 3)
+    lo, hi = tl.split(tl.reshape(code, (BLOCK_M, B // 2, 2)))
+    byte = (lo | (hi << 4)).to(tl.uint8)
+    bcols = col0 // 2 + tl.arange(0, B // 2)
+    tl.store(q_ptr + rows[:, None] * stride_qm + bcols[None, :], byte, mask=(rows < M)[:, None])
+
+
+@triton.jit
+def _mx_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr):
+    # --- one program: BLOCK_M rows x one 32-element block
+    pid_m, pid_b = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_b * 32 + tl.arange(0, 32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+    x = x.to(tl.float32)
+    # --- E8M0 scale: 2^(floor(log2 amax) - 2), read off the exponent bits
+    amax = tl.max(tl.abs(x), axis=1)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2
+    biased = tl.minimum(tl.maximum(e, -127), 128) + 127
+    scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+    # --- scale, saturate, round, pack
+    y = tl.minimum(tl.maximum(x / scale[:, None], -6.0), 6.0)
+    _e2m1_pack_store(y, q_ptr, rows, pid_b * 32, M, stride_qm, BLOCK_M, 32)
+    tl.store(s_ptr + rows * stride_sm + pid_b, biased.to(tl.uint8), mask=rows < M)
+
+
+@triton.jit
+def _e4m3_value(bits):
+    """fp32 value of non-negative E4M3 bit patterns (int32, no NaN)."""
+    e = bits >> 3
+    m = (bits & 7).to(tl.float32)
+    normal = (1.0 + m * 0.125) * ((e + 120) << 23).to(tl.float32, bitcast=True)  # 2^(e - 7)
+    return tl.where(e > 0, normal, m * 0.001953125)  # subnormal: m / 8 * 2^-6
+
+
+@triton.jit
+def _nv_quant_kernel(x_ptr, q_ptr, s_ptr, g_ptr, M, stride_xm, stride_qm, stride_sm, BLOCK_M: tl.constexpr):
+    # --- one program: BLOCK_M rows x one 16-element block
+    pid_m, pid_b = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_b * 16 + tl.arange(0, 16)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+    x = x.to(tl.float32)
+    g = tl.load(g_ptr)  # per-tensor decode scale amax / (448 * 6)
+    # --- E4M3 block scale of (amax / 6) / g, saturating, at least the smallest normal 2^-6
+    amax = tl.max(tl.abs(x), axis=1)
+    s = tl.minimum(tl.maximum((amax / 6.0) / g, 0.015625), 448.0)
+    bits = minifloat_bits(s, 3, -6)
+    s8 = _e4m3_value(bits)
+    recip = (1.0 / g) / s8
+    y = tl.minimum(tl.maximum(x * recip[:, None], -6.0), 6.0)
+    _e2m1_pack_store(y, q_ptr, rows, pid_b * 16, M, stride_qm, BLOCK_M, 16)
+    tl.store(s_ptr + rows * stride_sm + pid_b, bits.to(tl.uint8), mask=rows < M)
+
+
+def _check(x: torch.Tensor, b: int, name: str) -> torch.Tensor:
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"{name}: expected a 2-D floating-point tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.shape[1] % b:
+        raise ValueError(f"{name}: K={x.shape[1]} must be a multiple of {b}; use the reference "
+                         "(fp4lightning.block_formats), which pads")
+    if not INTERPRET and x.device.type != "cuda":
+        raise RuntimeError(f"{name}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1 set before import)")
+    return x.contiguous()
+
+
+def quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
+    """(packed codes (M, K/2) uint8, biased E8M0 exponents (M, K/32) uint8), as the reference."""
+    x = _check(x, 32, "quantize_mxfp4")
+    m, k = x.shape
+    q = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    s = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
+    _mx_quant_kernel[(triton.cdiv(m, block_m), k // 32)](x, q, s, m, x.stride(0), q.stride(0), s.stride(0),
+                                                         BLOCK_M=block_m)
+    return q, s
+
+
+def quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
+    """(packed codes, E4M3 block scales (M, K/16) float8_e4m3fn, fp32 global scale), as the reference."""
+    from fp4lightning.block_formats import nvfp4_global_scale
+
+    x = _check(x, 16, "quantize_nvfp4")
+    m, k = x.shape
+    g = nvfp4_global_scale(torch.linalg.vector_norm(x.float(), float("inf"))).reshape(1)
+    q = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    s = torch.empty(m, k // 16, dtype=torch.uint8, device=x.device)
+    _nv_quant_kernel[(triton.cdiv(m, block_m), k // 16)](x, q, s, g, m, x.stride(0), q.stride(0), s.stride(0),
+                                                         BLOCK_M=block_m)
+    return q, s.view(torch.float8_e4m3fn), g.reshape(())
+
+
+# --------------------------------------------------------------------------- GeMM
+@triton.jit
+def _block_scales(s_ptr, rows, kb, M, stride_sm, FMT: tl.constexpr):
+    raw = tl.load(s_ptr + rows * stride_sm + kb, mask=rows < M, other=127 if FMT == 0 else 56).to(tl.int32)
+    if FMT == 0:  # E8M0: 2^(raw - 127); raw 0 reads as 2^-126 like the reference
+        s = tl.maximum((raw << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+    else:  # E4M3
+        s = _e4m3_value(raw)
+    return s
+
+
+@triton.jit
+def _decode_tile(q_ptr, rows, kb, M, stride_qm, BLOCK: tl.constexpr, B: tl.constexpr):
+    bcols = kb * (B // 2) + tl.arange(0, B // 2)
+    byte = tl.load(q_ptr + rows[:, None] * stride_qm + bcols[None, :], mask=(rows < M)[:, None], other=0)
+    lo = decode_e2m1(byte & 0xF, 4)
+    hi = decode_e2m1(byte >> 4, 4)
+    return tl.reshape(tl.join(lo, hi), (BLOCK, B))
+
+
+@triton.jit
+def _block_gemm_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, y_ptr,  # pointers
+    M, N, K,  # sizes
+    stride_am, stride_sam, stride_bn, stride_sbn, stride_ym,  # strides
+    B: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # --- one K block per step: decode codes, apply the block scale, fp32 dot
+    for kb in range(0, K // B):
+        a = _decode_tile(a_ptr, rm, kb, M, stride_am, BLOCK_M, B)
+        b = _decode_tile(b_ptr, rn, kb, N, stride_bn, BLOCK_N, B)
+        a = a * _block_scales(sa_ptr, rm, kb, M, stride_sam, FMT)[:, None]
+        b = b * _block_scales(sb_ptr, rn, kb, N, stride_sbn, FMT)[:, None]
+        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
+
+
+def block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: float | torch.Tensor = 1.0,
+               block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+    """fp32 ``A B^T`` of two block-FP4 operands (packed codes + block scales along K) times ``factor``.
+
+    ``fmt``: ``"mxfp4"`` (uint8 E8M0 scales) or ``"nvfp4"`` (float8_e4m3fn scales; pass the
+    product of the two global scales as ``factor``).
+    """
+    if fmt not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"block_gemm: unknown format {fmt!r}; choose 'mxfp4' or 'nvfp4'")
+    b = 32 if fmt == "mxfp4" else 16
+    m, kh = a_codes.shape
+    n = b_codes.shape[0]
+    k = 2 * kh
+    if b_codes.shape[1] != kh or a_scales.shape != (m, k // b) or b_scales.shape != (n, k // b):
+        raise ValueError(f"block_gemm: shapes do not match: codes {tuple(a_codes.shape)} / {tuple(b_codes.shape)}, "
+                         f"scales {tuple(a_scales.shape)} / {tuple(b_scales.shape)} for {fmt} blocks of {b}")
+    sa, sb = a_scales.view(torch.uint8).contiguous(), b_scales.view(torch.uint8).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32, device=a_codes.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _block_gemm_kernel[grid](a_codes, sa, b_codes, sb, y, m, n, k, a_codes.stride(0), sa.stride(0),
+                             b_codes.stride(0), sb.stride(0), y.stride(0),
+                             B=b, FMT=0 if fmt == "mxfp4" else 1, BLOCK_M=block_m, BLOCK_N=block_n)
+    return y if isinstance(factor, float) and factor == 1.0 else y * factor
