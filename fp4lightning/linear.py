@@ -225,6 +225,9 @@ class FP4Linear(nn.Linear):
         every in-place update of the weight bumps its ``_version``, which invalidates this.
         """
         w = self.weight
+        gathered = getattr(w, "fp4_weight_quant", None)  # FSDP2 FP4 all-gather (fp4lightning.fsdp)
+        if gathered is not None:
+            return gathered
         key = (w.data_ptr(), w._version, w.dtype, w.device, self.config.scale_mode, self.config.weight_granularity)
         cache = getattr(self, "_wq_cache", None)
         if cache is None or cache[0] != key:
