@@ -25,6 +25,7 @@ Lightning's ``ModelParallelStrategy`` and usable from a plain ``torchrun`` scrip
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -268,6 +269,12 @@ def _dge_hook(fsdp_module: nn.Module):
     return hook
 
 
+def _checkpointed(forward, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def _drop_weight_cache(module: nn.Module, args: Any) -> None:
     module.__dict__.pop("_wq_cache", None)
 
@@ -281,6 +288,7 @@ def fully_shard_fp4(
     mp_policy: Optional[Any] = None,
     block_types: tuple[type, ...] = (),
     stats: Optional[AllGatherStats] = None,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Apply FSDP2 to ``model`` (each ``block_types`` module, then the root), in place.
 
@@ -292,6 +300,8 @@ def fully_shard_fp4(
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. ``param_dtype=torch.bfloat16``).
         block_types: module classes sharded as their own FSDP units (default: LLaMA's ``Block``).
         stats: an :class:`AllGatherStats` to count bytes into (the model's ``fp4_gather_stats``).
+        activation_checkpointing: recompute each block in backward (non-reentrant
+            ``torch.utils.checkpoint``; parameter names do not change, so checkpoints stay compatible).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -318,6 +328,8 @@ def fully_shard_fp4(
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
     units = [m for m in model.modules() if isinstance(m, block_types)]
     for unit in units:
+        if activation_checkpointing:
+            unit.forward = functools.partial(_checkpointed, unit.forward)
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
     for unit in [*units, model]:
