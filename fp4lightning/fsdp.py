@@ -87,9 +87,10 @@ class AllGatherStats:
     fp4_bytes: int = 0
     bf16_equivalent_bytes: int = 0
     gathers: int = 0
+    dge_reduce_scatters: int = 0  # reduce-scatters whose output got the sharded DGE factor
 
     def reset(self) -> None:
-        self.fp4_bytes = self.bf16_equivalent_bytes = self.gathers = 0
+        self.fp4_bytes = self.bf16_equivalent_bytes = self.gathers = self.dge_reduce_scatters = 0
 
 
 class FP4ShardedWeight(torch.Tensor):
@@ -240,16 +241,17 @@ def _wrap_weights(module: nn.Module, stats: AllGatherStats, world: int) -> list[
 
 
 @torch.no_grad()
-def _dge_hook(fsdp_module: nn.Module):
+def _dge_hook(fsdp_module: nn.Module, stats: AllGatherStats):
     """Post-reduce-scatter hook: multiply each FP4-gathered weight's gradient shard by f'(W_shard s_w)."""
     from .dge import dge_derivative
     from .linear import _quantize_weight
 
     group = fsdp_module._get_fsdp_state()._fsdp_param_group
-    if group is None:
+    if group is None or not any(getattr(fp._module_info.module, "_sharded_dge", None) for fp in group.fsdp_params):
         return None
 
     def hook(reduce_output: torch.Tensor) -> None:
+        stats.dge_reduce_scatters += 1
         offset = 0
         for fp in group.fsdp_params:
             numel = fp.padded_sharded_param_size.numel()
@@ -333,8 +335,8 @@ def fully_shard_fp4(
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
     for unit in [*units, model]:
-        hook = _dge_hook(unit)
-        if hook is not None and any(getattr(m, "_sharded_dge", None) for m in unit.modules()):
+        hook = _dge_hook(unit, stats)
+        if hook is not None:
             unit.set_all_reduce_hook(hook)
     model.fp4_gather_stats = stats
     return model

@@ -92,13 +92,11 @@ def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
 def _strategy(cfg: RecipeConfig):
     if cfg.trainer.strategy != "fsdp":
         return cfg.trainer.strategy
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from fp4lightning.strategy import FP4FSDPStrategy
 
     # FSDP2 (fully_shard) applied by LlamaLightningModule.configure_model with FP4 weight all-gather;
     # every rank is a data-parallel rank (no tensor parallelism); sharded (DCP) checkpoint folders
-    return ModelParallelStrategy(
-        data_parallel_size=cfg.trainer.devices * cfg.trainer.num_nodes, tensor_parallel_size=1
-    )
+    return FP4FSDPStrategy(data_parallel_size=cfg.trainer.devices * cfg.trainer.num_nodes)
 
 
 def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:

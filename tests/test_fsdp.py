@@ -219,28 +219,29 @@ def _gather_checks(rank, out_dir):
 
 
 def _lightning_checks(rank, out_dir, seed):
-    """Lightning's ModelParallelStrategy (FSDP2) trains the FP4 LightningModule; its sharded checkpoint
+    """FP4FSDPStrategy (Lightning's ModelParallelStrategy, FSDP2) trains the FP4 LightningModule; its sharded checkpoint
     consolidates into the single-process model (load_checkpoint, what export-hf reads)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fp4lightning.fsdp import FP4ShardedWeight
     from fp4lightning.module import LlamaLightningModule
+    from fp4lightning.strategy import FP4FSDPStrategy
 
     module = LlamaLightningModule(
         model=dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=2, ffn_dim=128, max_seq_len=32),
         lr=1e-3, max_steps=3, fp4={"preset": "paper", "overrides": {}}, fp4_in_module=True,
     )
-    data = torch.randint(0, VOCAB, (6, 17), generator=torch.Generator().manual_seed(seed + rank))
+    data = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(seed + rank))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=W, strategy=ModelParallelStrategy(data_parallel_size=W, tensor_parallel_size=1),
-        precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=W, strategy=FP4FSDPStrategy(), accumulate_grad_batches=2,
+        precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     res = {"lt_fp4_sharded": isinstance(module.model.layers[0].mlp.up_proj.weight._local_tensor, FP4ShardedWeight),
-           "lt_gathers": module.model.fp4_gather_stats.gathers}
+           "lt_gathers": module.model.fp4_gather_stats.gathers,
+           "lt_dge_reduce_scatters": module.model.fp4_gather_stats.dge_reduce_scatters}
     ckpt = os.path.join(out_dir, "lightning.ckpt")
     trainer.save_checkpoint(ckpt)
     full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -268,6 +269,8 @@ def test_fp4_all_gather_forward_bytes_and_checkpoints(tmp_path):
         assert r["sharded_local_type"] == "FP4ShardedWeight"
     assert r0["full_types"] == ["Tensor"]  # consolidated checkpoints hold plain tensors
     assert r0["lt_fp4_sharded"] and r0["lt_gathers"] > 0, r0
+    # 2 optimizer steps x 2 accumulated micro-batches: one reduce-scatter per block per step, not per micro-batch
+    assert r0["lt_dge_reduce_scatters"] == 2 * 2, r0
     assert r0["lt_ckpt_is_dir"] and r0["lt_consolidated_equal"], r0
     assert "config.json" in r0["lt_hf_files"] and "model.safetensors" in r0["lt_hf_files"], r0
 
