@@ -44,6 +44,7 @@ __all__ = [
     "fully_shard_fp4",
     "fp4_all_gather_bytes",
     "bf16_all_gather_bytes",
+    "FP8ReduceScatter",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,12 @@ class AllGatherStats:
     bf16_equivalent_bytes: int = 0
     gathers: int = 0
     dge_reduce_scatters: int = 0  # reduce-scatters whose output got the sharded DGE factor
+    grad_bytes: int = 0  # sent by this rank in FP8 gradient reduce-scatters (payload + amax all-reduce)
+    grad_fp32_bytes: int = 0  # what the same reduce-scatters send in fp32
 
     def reset(self) -> None:
-        self.fp4_bytes = self.bf16_equivalent_bytes = self.gathers = self.dge_reduce_scatters = 0
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
 
 
 class FP4ShardedWeight(torch.Tensor):
@@ -271,6 +275,80 @@ def _dge_hook(fsdp_module: nn.Module, stats: AllGatherStats):
     return hook
 
 
+try:  # FSDP2's comm interface (torch >= 2.8); not re-exported from torch.distributed.fsdp
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover
+    _ReduceScatterBase = object
+
+
+class FP8ReduceScatter(_ReduceScatterBase):
+    """FSDP2 gradient reduce-scatter with FP8 on the wire (``FSDPModule.set_custom_reduce_scatter``).
+
+    The scheme of the DDP hook (:mod:`fp4lightning.comm`, arXiv 2501.17116 section 6): one amax per
+    parameter (over every rank's gradient) agreed with one ``all_reduce(MAX)``, a common power-of-two
+    scale, E4M3 (or E5M2) codes sent as ``uint8`` with ``all_to_all_single`` (gloo and NCCL have no FP8
+    sum), decoded and summed in fp32 by the rank that owns the shard. Each rank sends ``(W-1)/W`` of the
+    unit's gradient bytes at 1 byte per element: a quarter of fp32. A non-finite gradient on any rank makes
+    the shard NaN on every rank (the loss scaler or the optimizer step sees it everywhere).
+    """
+
+    def __init__(self, group_params, fmt: str, stats: AllGatherStats):
+        from .comm import FP8_FORMATS
+
+        if fmt not in FP8_FORMATS:
+            raise ValueError(f"grad_format={fmt!r}: FP8 reduce-scatter takes one of {tuple(FP8_FORMATS)}")
+        self.fmt = fmt
+        self.sizes = [fp.padded_sharded_param_size.numel() for fp in group_params]
+        self.stats = stats
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        from .comm import FP8_FORMATS, _decode_fp8_raw_into, _encode_fp8_, _pow2_scales, ring_all_reduce_bytes
+
+        world = group.size()
+        n = output_tensor.numel()
+        if sum(self.sizes) != n:
+            raise RuntimeError(f"FP8ReduceScatter: layout of {sum(self.sizes)} elements, got a {n}-element shard")
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise NotImplementedError(f"FP8ReduceScatter supports AVG and SUM, not {op}; leave "
+                                      "set_gradient_divide_factor unset")
+        dtype8, fmax = FP8_FORMATS[self.fmt]
+        x = input_tensor.view(world, n).float()  # row r: the part rank r owns
+        segs = x.split(self.sizes, dim=1)
+        amax = torch.stack([s.abs().amax() if s.numel() else x.new_zeros(()) for s in segs])
+        flag = (~torch.isfinite(amax).all()).float().view(1)
+        red = torch.cat([torch.nan_to_num(amax, nan=0.0, posinf=0.0), flag])
+        dist.all_reduce(red, op=dist.ReduceOp.MAX, group=group)
+        sent = ring_all_reduce_bytes(red.numel(), 4, world)
+        if red[-1].item() > 0:
+            output_tensor.fill_(float("nan"))
+            self._count(sent, n, world)
+            return None
+        scale = torch.repeat_interleave(_pow2_scales(red[:-1], fmax), torch.tensor(self.sizes))  # (n,)
+        codes = _encode_fp8_(x * scale, torch.empty(world, n, dtype=dtype8, device=x.device), self.fmt)
+        received = torch.empty(world, n, dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(received, codes.view(torch.uint8), group=group)
+        acc = torch.empty(n, device=x.device)
+        tmp = torch.empty_like(acc)
+        factor = _decode_fp8_raw_into(received[0], self.fmt, acc)
+        for j in range(1, world):  # rank order: the same sum on every rank
+            _decode_fp8_raw_into(received[j], self.fmt, tmp)
+            acc += tmp
+        acc.mul_(factor).div_(scale)
+        if op == dist.ReduceOp.AVG:
+            acc.div_(world)
+        output_tensor.copy_(acc)
+        self._count(sent + (world - 1) * n, n, world)
+        return None
+
+    def _count(self, sent: int, n: int, world: int) -> None:
+        self.stats.grad_bytes += sent
+        self.stats.grad_fp32_bytes += (world - 1) * n * 4
+
+
 def _checkpointed(forward, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
@@ -291,6 +369,7 @@ def fully_shard_fp4(
     block_types: tuple[type, ...] = (),
     stats: Optional[AllGatherStats] = None,
     activation_checkpointing: bool = False,
+    grad_format: str = "fp32",
 ) -> nn.Module:
     """Apply FSDP2 to ``model`` (each ``block_types`` module, then the root), in place.
 
@@ -304,6 +383,8 @@ def fully_shard_fp4(
         stats: an :class:`AllGatherStats` to count bytes into (the model's ``fp4_gather_stats``).
         activation_checkpointing: recompute each block in backward (non-reentrant
             ``torch.utils.checkpoint``; parameter names do not change, so checkpoints stay compatible).
+        grad_format: gradient reduce-scatter format: ``"fp32"`` (FSDP2's own, in the reduce dtype of
+            ``mp_policy``) or ``"e4m3"`` / ``"e5m2"`` (:class:`FP8ReduceScatter`).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -338,5 +419,9 @@ def fully_shard_fp4(
         hook = _dge_hook(unit, stats)
         if hook is not None:
             unit.set_all_reduce_hook(hook)
+        if grad_format != "fp32":
+            group = unit._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                unit.set_custom_reduce_scatter(FP8ReduceScatter(group.fsdp_params, grad_format, stats))
     model.fp4_gather_stats = stats
     return model
