@@ -181,6 +181,16 @@ def _decode_fp8_raw_into(codes: Tensor, fmt: str, out: Tensor) -> float:
     return 1.0
 
 
+def _decode_fp8_exact_view(codes: Tensor, fmt: str) -> tuple[Tensor, float]:
+    """FP8 ``codes`` (uint8) as a tensor that holds the values exactly up to the returned power-of-two
+    factor and that fp32 arithmetic accepts: fp16 on CPU for e4m3 (the bit trick of
+    :func:`_decode_fp8_raw_into` without its final fp32 copy), else fp32."""
+    if fmt == "e4m3" and codes.device.type == "cpu":
+        bits = codes.view(torch.int8).to(torch.int16)
+        return bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16), 256.0
+    return codes.view(FP8_FORMATS[fmt][0]).float(), 1.0
+
+
 def _decode_fp8_into(codes: Tensor, fmt: str, out: Tensor) -> Tensor:
     """Exact fp32 values of the FP8 ``codes`` (uint8) written into ``out``."""
     factor = _decode_fp8_raw_into(codes, fmt, out)
@@ -388,11 +398,10 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
             state.step_nonfinite = True
             return buf.fill_(float("nan"))
         out = x  # fp32 scratch (the bucket itself for fp32 gradients)
-        tmp = torch.empty(n, device=buf.device)
         mult = (1.0 / world) / all_scales.double()  # powers of two when W is one: exact
         for r in range(world):
-            factor = _decode_fp8_raw_into(gathered[r, :n], fmt, tmp)
-            for seg_out, seg_in, m in zip(out.split(sizes), tmp.split(sizes), (mult[r] * factor).tolist()):
+            vals, factor = _decode_fp8_exact_view(gathered[r, :n], fmt)
+            for seg_out, seg_in, m in zip(out.split(sizes), vals.split(sizes), (mult[r] * factor).tolist()):
                 if r == 0:
                     torch.mul(seg_in, m, out=seg_out)
                 else:
