@@ -1,6 +1,6 @@
 """Gradient communication at W ranks on gloo: FP8 hook against fp32 all-reduce and bf16 compression.
 
-One run, one process group, the same model and batches for every format (METHOD.md section 6):
+One run, one process group, the same model and batches for every format (arXiv 2501.17116, section 3.2):
   * fp32: PyTorch's ``allreduce_hook`` (what DDP does without a hook);
   * bf16: PyTorch's ``bf16_compress_hook``;
   * e4m3: ``fp4lightning.comm.fp8_compress_hook`` (amax MAX-reduce, all_to_all + all_gather of FP8 bytes);
