@@ -1,4 +1,4 @@
-"""FP8 gradient communication for data-parallel training (arXiv 2501.17116, section 3.2; docs/distributed.md).
+"""FP8 gradient communication for data-parallel training (arXiv 2501.17116; docs/distributed.md).
 
 The paper sends gradients between data-parallel ranks in FP8, reusing MS-AMP: a per-tensor amax is
 all-reduced with MAX, every rank derives the same power-of-two scale from it, the gradient is cast to

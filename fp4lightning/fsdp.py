@@ -1,5 +1,5 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) for models with ``FP4Linear`` layers, and an FP4 weight
-all-gather (arXiv 2501.17116, sections 3 and 6; this project's docs/distributed.md).
+all-gather (arXiv 2501.17116, section 3; this project's docs/distributed.md).
 
 FSDP2 shards every parameter along dim 0. For a linear weight ``W`` (out x in) that is the output-channel
 dimension, and the paper's weight quantizer is per output channel (section 3.1): the scale of a row
@@ -284,7 +284,7 @@ except ImportError:  # pragma: no cover
 class FP8ReduceScatter(_ReduceScatterBase):
     """FSDP2 gradient reduce-scatter with FP8 on the wire (``FSDPModule.set_custom_reduce_scatter``).
 
-    The scheme of the DDP hook (:mod:`fp4lightning.comm`, arXiv 2501.17116 section 6): one amax per
+    The scheme of the DDP hook (:mod:`fp4lightning.comm`; FP8 gradient communication as in arXiv 2501.17116): one amax per
     parameter (over every rank's gradient) agreed with one ``all_reduce(MAX)``, a common power-of-two
     scale, E4M3 (or E5M2) codes sent as ``uint8`` with ``all_to_all_single`` (gloo and NCCL have no FP8
     sum), decoded and summed in fp32 by the rank that owns the shard. Each rank sends ``(W-1)/W`` of the

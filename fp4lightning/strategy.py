@@ -1,4 +1,4 @@
-"""Data-parallel strategy with FP8 gradient communication (arXiv 2501.17116, section 3.2; docs/distributed.md).
+"""Data-parallel strategy with FP8 gradient communication (arXiv 2501.17116; docs/distributed.md).
 
 :class:`FP4DDPStrategy` is Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (gloo on CPU,
 NCCL on GPUs, multi-node through Lightning's cluster environments and ``torchrun``) with three changes:
