@@ -1,15 +1,22 @@
 """Gradient communication at W ranks on gloo: FP8 hook against fp32 all-reduce and bf16 compression.
 
-One run, one process group, the same model and batches for every format (METHOD.md section 6):
+One run, one process group, the same model and batches for every format (arXiv 2501.17116, section 3.2):
   * fp32: PyTorch's ``allreduce_hook`` (what DDP does without a hook);
   * bf16: PyTorch's ``bf16_compress_hook``;
   * e4m3: ``fp4lightning.comm.fp8_compress_hook`` (amax MAX-reduce, all_to_all + all_gather of FP8 bytes);
+  * e4m3-async: ``fp4lightning.comm.fp8_async_gather_hook`` (one asynchronous all_gather of FP8 bytes plus
+    the senders' scales per bucket, decoded in the future's callback while backward continues);
   * none: ``DDP.no_sync()``, no communication at all, to separate the sync cost from compute.
 Prints, per model (the project's LLaMA ``tiny`` and a mid-size one), bytes each rank sent per step
 (counted by the hooks, see docs/distributed.md) and median time per training step (forward,
 backward with gradient sync, AdamW step), both as ratios against fp32.
 
     .venv/bin/python benchmarks/bench_comm.py [--world 2] [--steps 10] [--models tiny,mid]
+    .venv/bin/python benchmarks/bench_comm.py --network-model   # formulas only, no processes
+
+``--network-model`` prints the modelled time on the wire per rank (bytes / link bandwidth) for DDP
+gradient sync and FSDP2 weight all-gather + gradient reduce-scatter, using the byte formulas the hooks
+count (docs/distributed.md); it is arithmetic, not a measurement.
 """
 
 import argparse
@@ -35,7 +42,7 @@ MODELS = {
     "tiny": ({}, 4, 64),
     "mid": ({"dim": 512, "n_layers": 8, "n_heads": 8, "ffn_dim": 1376}, 1, 64),
 }
-FORMATS = ("fp32", "bf16", "e4m3", "none")
+FORMATS = ("fp32", "bf16", "e4m3", "e4m3-async", "none")
 
 
 def _free_port() -> int:
@@ -56,8 +63,9 @@ class _Run:
         self.fmt, self.state = fmt, None
         if fmt != "none":
             # check_finite=False keeps the baselines exactly PyTorch's hooks (plus byte counting)
-            self.state = CommState(grad_format=fmt, check_finite=False)
-            self.ddp.register_comm_hook(self.state, hook_for_format(fmt))
+            grad_format, scheme = ("e4m3", "async_all_gather") if fmt == "e4m3-async" else (fmt, "reduce_scatter")
+            self.state = CommState(grad_format=grad_format, scheme=scheme, check_finite=False)
+            self.ddp.register_comm_hook(self.state, hook_for_format(grad_format, scheme))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every format
         self.tokens = torch.randint(0, self.cfg.vocab_size, (steps, batch, seq + 1), generator=gen)
@@ -117,9 +125,36 @@ def _print_table(rows, world: int, args) -> None:
         for fmt in FORMATS:
             t, b, _ = res[fmt]
             label = {"fp32": "fp32 all-reduce", "bf16": "bf16_compress_hook", "e4m3": "FP8 E4M3 hook",
+                     "e4m3-async": "FP8 E4M3 async all_gather hook",
                      "none": "no sync (no_sync)"}[fmt]
             print(f"| {name} | {numel / 1e6:.1f}M | {label} | {b:,} | {b / b32:.3f} | {t * 1e3:.1f} "
                   f"| {t / t32:.2f} | {(t - t_none) * 1e3:.1f} |")
+
+
+# bytes one rank sends per step (N parameters, W ranks); see docs/distributed.md "Bytes on the wire"
+def _ddp_bytes(n: float, w: int) -> dict:
+    ring = 2 * n * (w - 1) / w
+    return {"DDP fp32 all-reduce": 4 * ring, "DDP bf16 all-reduce": 2 * ring,
+            "DDP FP8 reduce_scatter hook": ring, "DDP FP8 async_all_gather hook": n * (w - 1)}
+
+
+def _fsdp_bytes(n: float, w: int) -> dict:
+    part = n * (w - 1) / w  # all-gather / reduce-scatter volume per rank, per byte of element
+    # weights gathered twice per micro-batch (forward, and again for backward after resharding)
+    return {"FSDP2 bf16 gather x2 + fp32 RS": 2 * 2 * part + 4 * part,
+            "FSDP2 FP4 gather x2 + fp32 RS": 2 * 0.5 * part + 4 * part,
+            "FSDP2 FP4 gather x2 + FP8 RS": 2 * 0.5 * part + part}
+
+
+def _network_model() -> None:
+    print(f"# bench_comm --network-model ({datetime.date.today().isoformat()}): seconds on the wire per rank per "
+          "sync = bytes / link; FP4 gather counts 0.5 byte/element (+4 bytes/row, negligible)")
+    print("| model | W | scheme | GB per rank | 25 Gbit/s | 100 Gbit/s |")
+    print("|---|---|---|---|---|---|")
+    for name, n in (("mid 29.5M", 29.5e6), ("LLaMA-2 7B", 6.74e9), ("LLaMA-2 13B", 13.0e9)):
+        for w in (2, 8):
+            for scheme, b in {**_ddp_bytes(n, w), **_fsdp_bytes(n, w)}.items():
+                print(f"| {name} | {w} | {scheme} | {b / 1e9:.3f} | {b * 8 / 25e9:.3f} | {b * 8 / 100e9:.3f} |")
 
 
 def main() -> None:
@@ -129,7 +164,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (type: int, default: 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (type: int, default: 1)")
     p.add_argument("--models", default="tiny,mid", help=f"comma list from {sorted(MODELS)} (default: tiny,mid)")
+    p.add_argument("--network-model", action="store_true", help="print the bytes/bandwidth model and exit")
     args = p.parse_args()
+    if args.network_model:
+        return _network_model()
     mp.spawn(_worker, args=(args.world, _free_port(), args), nprocs=args.world, join=True)
 
 

@@ -150,7 +150,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Path]:
             from lightning.fabric.utilities.load import _load_distributed_checkpoint
             from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
 
-            ckpt = _format_checkpoint(_load_distributed_checkpoint(path))
+            ckpt = _load_distributed_checkpoint(path)
+            # FSDPStrategy folders hold "model"; ModelParallelStrategy (FSDP2) folders "state_dict" already
+            ckpt = ckpt if "state_dict" in ckpt else _format_checkpoint(ckpt)
         else:
             # our checkpoints hold tensors and plain containers only, so the safe loader suffices
             ckpt = torch.load(path, map_location="cpu", weights_only=True)

@@ -1,4 +1,4 @@
-"""FP8 gradient communication for data-parallel training (arXiv 2501.17116; METHOD.md section 6).
+"""FP8 gradient communication for data-parallel training (arXiv 2501.17116; docs/distributed.md).
 
 The paper sends gradients between data-parallel ranks in FP8, reusing MS-AMP: a per-tensor amax is
 all-reduced with MAX, every rank derives the same power-of-two scale from it, the gradient is cast to
@@ -46,6 +46,7 @@ __all__ = [
     "GRAD_FORMATS",
     "CommState",
     "fp8_compress_hook",
+    "fp8_async_gather_hook",
     "allreduce_counting_hook",
     "hook_for_format",
     "fp8_all_reduce_mean_",
@@ -60,7 +61,7 @@ FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e5m2": (torch.float8_e5m2, F8E5M2_MAX),  # 57344
 }
 GRAD_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
-SCHEMES = ("reduce_scatter", "all_gather")
+SCHEMES = ("reduce_scatter", "all_gather", "async_all_gather")
 
 # 2^126 keeps the scale finite in fp32 even for an amax of a few subnormals.
 _MAX_SCALE_EXP = 126
@@ -77,8 +78,11 @@ class CommState:
         grad_format: wire format of the gradients: ``"e4m3"`` (default, the paper's), ``"e5m2"``,
             ``"bf16"`` (PyTorch's ``bf16_compress_hook``) or ``"fp32"`` (plain all-reduce).
         process_group: group to reduce over; ``None`` means the default (world) group.
-        scheme: FP8 exchange, ``"reduce_scatter"`` (all_to_all + all_gather, default) or
-            ``"all_gather"`` (the fallback: all_gather of the whole FP8 payload).
+        scheme: FP8 exchange, ``"reduce_scatter"`` (all_to_all + all_gather, default),
+            ``"all_gather"`` (the fallback: all_gather of the whole FP8 payload) or
+            ``"async_all_gather"`` (:func:`fp8_async_gather_hook`: one asynchronous all_gather per bucket,
+            each rank's own scales in the payload, overlapped with backward; ``N (W-1)`` bytes, which
+            equals the reduce-scatter's ``2 N (W-1) / W`` at W = 2).
         check_finite: for ``bf16``/``fp32`` also record whether the reduced gradient is finite
             (costs one pass over the bucket; the FP8 hook gets this for free from its amax).
 
@@ -175,6 +179,16 @@ def _decode_fp8_raw_into(codes: Tensor, fmt: str, out: Tensor) -> float:
         return 256.0
     out.copy_(codes.view(FP8_FORMATS[fmt][0]))
     return 1.0
+
+
+def _decode_fp8_exact_view(codes: Tensor, fmt: str) -> tuple[Tensor, float]:
+    """FP8 ``codes`` (uint8) as a tensor that holds the values exactly up to the returned power-of-two
+    factor and that fp32 arithmetic accepts: fp16 on CPU for e4m3 (the bit trick of
+    :func:`_decode_fp8_raw_into` without its final fp32 copy), else fp32."""
+    if fmt == "e4m3" and codes.device.type == "cpu":
+        bits = codes.view(torch.int8).to(torch.int16)
+        return bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16), 256.0
+    return codes.view(FP8_FORMATS[fmt][0]).float(), 1.0
 
 
 def _decode_fp8_into(codes: Tensor, fmt: str, out: Tensor) -> Tensor:
@@ -334,6 +348,71 @@ def fp8_compress_hook(state: CommState, bucket: dist.GradBucket) -> torch.future
     return _completed(buf)
 
 
+def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: FP8 gradient mean with one asynchronous collective per bucket.
+
+    Each rank scales every gradient tensor of the bucket by the power of two of its *own* amax
+    (``2^floor(log2(FP8_MAX / amax))``), casts to FP8 and appends the scales (fp32 bytes) to the codes;
+    one ``all_gather`` (``async_op=True``) moves the payload, issued from the hook on the autograd thread
+    in bucket order (the same order on every rank), and backward continues while it is in flight. The
+    future's callback only decodes: every rank sums the W decoded payloads in rank order in fp32, each
+    exactly rescaled by its sender's power-of-two scale, so the result is bit-identical on all ranks.
+    No amax all-reduce is needed (the scales travel with the payload); a non-finite gradient on a rank
+    travels as a NaN scale and turns the bucket NaN on every rank. One rounding (the sender's), not two.
+    Bytes per rank: ``(W - 1) (N + 4 T)`` for N elements in T tensors.
+    """
+    fmt = state.grad_format
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"fp8_async_gather_hook needs an FP8 grad_format ('e4m3' or 'e5m2'), got {fmt!r}.")
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buf = bucket.buffer()
+    sizes = [g.numel() for g in bucket.gradients()]
+    n, t = buf.numel(), len(sizes)
+    state.buckets += 1
+    dtype8, fmax = FP8_FORMATS[fmt]
+
+    x = buf if buf.dtype == torch.float32 else buf.float()
+    segs = x.split(sizes)
+    amax = torch.stack([_abs_max(seg) for seg in segs])
+    finite = torch.isfinite(amax)
+    scales = torch.where(finite, _pow2_scales(torch.nan_to_num(amax, nan=0.0, posinf=0.0), fmax),
+                         torch.full_like(amax, float("nan")))
+    payload = torch.empty(n + 4 * t, dtype=torch.uint8, device=buf.device)
+    payload[n:].view(torch.float32).copy_(scales)
+    if bool(finite.all()):
+        for seg, sc in zip(segs, scales.tolist()):
+            seg.mul_(sc)  # exact: a power of two (x is scratch: the bucket is overwritten with the mean)
+        _encode_fp8_(x, payload[:n].view(dtype8), fmt)
+    else:
+        payload[:n].zero_()
+    flat_gathered = torch.empty(world * (n + 4 * t), dtype=torch.uint8, device=buf.device)
+    work = _all_gather_single(flat_gathered, payload, group=group, async_op=True)
+    gathered = flat_gathered.view(world, n + 4 * t)
+    state.add_bytes((world - 1) * (n + 4 * t))
+
+    def _reduce(fut: torch.futures.Future) -> Tensor:
+        fut.wait()
+        all_scales = gathered[:, n:].contiguous().view(torch.float32).view(world, t)
+        if not bool(torch.isfinite(all_scales).all()):
+            state.step_nonfinite = True
+            return buf.fill_(float("nan"))
+        out = x  # fp32 scratch (the bucket itself for fp32 gradients)
+        mult = (1.0 / world) / all_scales.double()  # powers of two when W is one: exact
+        for r in range(world):
+            vals, factor = _decode_fp8_exact_view(gathered[r, :n], fmt)
+            for seg_out, seg_in, m in zip(out.split(sizes), vals.split(sizes), (mult[r] * factor).tolist()):
+                if r == 0:
+                    torch.mul(seg_in, m, out=seg_out)
+                else:
+                    seg_out.add_(seg_in, alpha=m)
+        if out is not buf:
+            buf.copy_(out)
+        return buf
+
+    return work.get_future().then(_reduce)
+
+
 def allreduce_counting_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook for the ``fp32`` and ``bf16`` baselines.
 
@@ -367,10 +446,12 @@ def allreduce_counting_hook(state: CommState, bucket: dist.GradBucket) -> torch.
     return fut.then(_record)
 
 
-def hook_for_format(grad_format: str) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
-    """The communication hook that implements ``grad_format`` (one of :data:`GRAD_FORMATS`)."""
+def hook_for_format(
+    grad_format: str, scheme: str = "reduce_scatter"
+) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
+    """The communication hook that implements ``grad_format`` (one of :data:`GRAD_FORMATS`) and ``scheme``."""
     if grad_format in FP8_FORMATS:
-        return fp8_compress_hook
+        return fp8_async_gather_hook if scheme == "async_all_gather" else fp8_compress_hook
     if grad_format in ("bf16", "fp32"):
         return allreduce_counting_hook
     raise ValueError(f"grad_format={grad_format!r} is not supported; choose one of {GRAD_FORMATS}.")

@@ -241,7 +241,10 @@ class FP4Linear(nn.Linear):
         # The weight is re-quantized on every call, never cached: no cache key sees every
         # update path (fused AdamW and ``.data`` edits do not bump ``weight._version``), and
         # a stale weight would silently train the wrong model.
-        return fp4_linear(x, self.weight, self.bias, self.config)
+        # Under FSDP2 with the FP4 all-gather (fp4lightning.fsdp) the gathered weight carries the
+        # packed codes and scales its shards were quantized to, for this forward only.
+        gathered = getattr(self.weight, "fp4_weight_quant", None)
+        return fp4_linear(x, self.weight, self.bias, self.config, gathered)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -98,6 +98,14 @@ class LlamaLightningModule(L.LightningModule):
                 # keeping the output head in high precision is the method, not news
                 warnings.filterwarnings("ignore", message=r"convert_to_fp4: keeping lm_head ")
                 convert_to_fp4(model, fp4_config_from_spec(self.hparams.fp4))
+        if getattr(self, "_device_mesh", None) is not None:  # ModelParallelStrategy: FSDP2 (docs/distributed.md)
+            from fp4lightning.fsdp import fully_shard_fp4
+
+            fully_shard_fp4(model, self._device_mesh["data_parallel"], fp4_all_gather=True,
+                            activation_checkpointing=True)
+            if any(p.is_meta for p in model.parameters()):
+                model.to_empty(device=self.trainer.strategy.root_device)
+                model.init_weights()  # LLaMA's init on each shard (Lightning would call nn.Linear's)
         self.model = model
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

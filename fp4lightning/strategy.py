@@ -1,4 +1,4 @@
-"""Data-parallel strategy with FP8 gradient communication (arXiv 2501.17116; METHOD.md section 6).
+"""Data-parallel strategy with FP8 gradient communication (arXiv 2501.17116; docs/distributed.md).
 
 :class:`FP4DDPStrategy` is Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (gloo on CPU,
 NCCL on GPUs, multi-node through Lightning's cluster environments and ``torchrun``) with three changes:
@@ -18,6 +18,7 @@ Any Lightning precision plugin can be passed as ``precision_plugin=`` (for examp
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -26,7 +27,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -34,7 +35,7 @@ from torch.optim import Optimizer
 
 from fp4lightning.comm import CommState, hook_for_format
 
-__all__ = ["FP4DDPStrategy"]
+__all__ = ["FP4DDPStrategy", "FP4FSDPStrategy"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ class FP4DDPStrategy(DDPStrategy):
         grad_format: gradient wire format: ``"e4m3"`` (default; the paper's), ``"e5m2"``, ``"bf16"``
             (PyTorch's ``bf16_compress_hook``) or ``"fp32"`` (plain DDP all-reduce, the baseline).
         scheme: FP8 exchange: ``"reduce_scatter"`` (all_to_all + all_gather, ``2N(W-1)/W`` bytes) or
-            ``"all_gather"`` (``N(W-1)`` bytes; used automatically where all_to_all is missing).
+            ``"all_gather"`` (``N(W-1)`` bytes; used automatically where all_to_all is missing) or
+            ``"async_all_gather"`` (one overlapped all_gather per bucket, ``N(W-1)`` bytes: the fastest
+            at W = 2, where its bytes equal the reduce-scatter's; see docs/distributed.md).
         nonfinite: ``"skip"`` (default): a step whose synchronised gradient is non-finite is skipped on
             every rank (by the precision plugin's loss scaler if it has one, else by dropping the
             gradients before ``optimizer.step``); ``"propagate"``: leave the NaN gradients to the optimizer.
@@ -71,7 +74,7 @@ class FP4DDPStrategy(DDPStrategy):
         self,
         grad_format: str = "e4m3",
         *,
-        scheme: Literal["reduce_scatter", "all_gather"] = "reduce_scatter",
+        scheme: Literal["reduce_scatter", "all_gather", "async_all_gather"] = "reduce_scatter",
         nonfinite: Literal["skip", "propagate"] = "skip",
         log_bytes: bool = True,
         accelerator: Any = None,
@@ -123,7 +126,7 @@ class FP4DDPStrategy(DDPStrategy):
         # DDPStrategy registers comm hooks only on CUDA; the hook below is device-agnostic (gloo and NCCL).
         assert isinstance(self.model, DistributedDataParallel)
         self.comm_state.process_group = None  # default group: the one Lightning initialised
-        self.model.register_comm_hook(self.comm_state, hook_for_format(self.grad_format))
+        self.model.register_comm_hook(self.comm_state, hook_for_format(self.grad_format, self.comm_state.scheme))
         self._hook_registered = True
         log.debug("FP4DDPStrategy: registered %s gradient communication hook", self.grad_format)
 
@@ -194,3 +197,42 @@ class FP4DDPStrategy(DDPStrategy):
 
 
 FP4DDPStrategy.register_strategies(StrategyRegistry)
+
+
+class FP4FSDPStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) for pure data parallelism, skipping the gradient
+    reduce-scatter on gradient-accumulation micro-batches.
+
+    The LightningModule applies :func:`fp4lightning.fsdp.fully_shard_fp4` in ``configure_model`` (FP4
+    weight all-gather). Stock Lightning blocks gradient sync only for DDP; with FSDP2 every micro-batch
+    would reduce-scatter. Here the unsharded gradients accumulate locally and one reduce-scatter runs per
+    optimizer step (``FSDPModule.set_requires_gradient_sync``), as ``no_sync`` does for DDP.
+
+    Args:
+        data_parallel_size: number of ranks (default: all of them).
+        **kwargs: ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout`` as for
+            ``ModelParallelStrategy``.
+    """
+
+    strategy_name = "fp4_fsdp"
+
+    def __init__(self, data_parallel_size: Union[int, Literal["auto"]] = "auto", **kwargs: Any) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # all ranks data-parallel (the parent would put them in TP)
+            self._data_parallel_size = len(self.parallel_devices or []) * self.num_nodes
+        super().setup_environment()
+
+    @contextmanager
+    def block_backward_sync(self):
+        from torch.distributed.fsdp import FSDPModule
+
+        mods = [m for m in (self.model.modules() if self.model is not None else []) if isinstance(m, FSDPModule)]
+        for m in mods:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for m in mods:
+                m.set_requires_gradient_sync(True, recurse=False)

@@ -98,25 +98,11 @@ def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
 def _strategy(cfg: RecipeConfig):
     if cfg.trainer.strategy != "fsdp":
         return cfg.trainer.strategy
-    from lightning.pytorch.strategies import FSDPStrategy
+    from fp4lightning.strategy import FP4FSDPStrategy
 
-    from fp4lightning.models.llama import Block, init_weights_
-
-    std = cfg.llama_config().init_std
-
-    def param_init_fn(module: torch.nn.Module) -> None:
-        # FSDP materialises meta-built modules one at a time; give them LLaMA's init, not
-        # nn.Linear's default (kaiming), which reset_parameters() would apply
-        module.to_empty(device=torch.device("cuda", torch.cuda.current_device()), recurse=False)
-        init_weights_(module, std, recurse=False)
-
-    return FSDPStrategy(
-        auto_wrap_policy={Block},
-        activation_checkpointing_policy={Block},
-        sharding_strategy="FULL_SHARD",
-        state_dict_type="sharded",  # each rank writes its shard; load_checkpoint consolidates
-        param_init_fn=param_init_fn,
-    )
+    # FSDP2 (fully_shard) applied by LlamaLightningModule.configure_model with FP4 weight all-gather;
+    # every rank is a data-parallel rank (no tensor parallelism); sharded (DCP) checkpoint folders
+    return FP4FSDPStrategy(data_parallel_size=cfg.trainer.devices * cfg.trainer.num_nodes)
 
 
 def _checkpoint_candidates(ckpt_dir: Path) -> list[Path]:

@@ -201,6 +201,25 @@ def _hook_checks(rank: int, seed: int) -> dict:
     out["ddp_bytes"] = state.step_bytes
     out["ddp_numel"] = sum(p.numel() for p in model.parameters())
     out["ddp_buckets"] = state.buckets
+
+    # --- the asynchronous one-collective hook on the same model and batch; then a NaN on rank 1
+    ddp2 = nn.parallel.DistributedDataParallel(model)
+    state = comm.CommState("e4m3", scheme="async_all_gather")
+    ddp2.register_comm_hook(state, comm.fp8_async_gather_hook)
+    model.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(ddp2(inputs), target).backward()
+    synced = [p.grad.detach().clone() for p in model.parameters()]
+    out["async_sqnr_min_tensor"] = min(sqnr(a, b) for a, b in zip(synced, exact) if a.numel() >= 1000)
+    out["async_digest"] = _digest(synced)
+    out["async_bytes"], out["async_nonfinite"] = state.pop_step()
+    out["async_n_tensors"] = len(synced)
+    model.zero_grad(set_to_none=True)
+    bad = inputs.clone()
+    if rank == 1:
+        bad[3, 5] = float("nan")
+    nn.functional.mse_loss(ddp2(bad), target).backward()
+    out["async_nan_everywhere"] = all(bool(torch.isnan(p.grad).all()) for p in model.parameters())
+    out["async_nan_flag"] = state.step_nonfinite
     return out
 
 
@@ -251,6 +270,12 @@ def test_fp8_hook_numerics_bytes_nonfinite(tmp_path):
         assert r["ddp_params_untouched"]
         assert abs(r["ddp_bytes"] - 2 * r["ddp_numel"] * (W - 1) / W) < 64 * r["ddp_buckets"]
     assert r0["ddp_grad_digest"] == r1["ddp_grad_digest"]
+    # async hook: one rounding with each sender's own scale (like the all_gather scheme), one collective
+    for r in (r0, r1):
+        assert r["async_sqnr_min_tensor"] > SQNR_E4M3_ALL_GATHER_DB, r["async_sqnr_min_tensor"]
+        assert r["async_bytes"] == (W - 1) * (r["ddp_numel"] + 4 * r["async_n_tensors"]) and not r["async_nonfinite"]
+        assert r["async_nan_everywhere"] and r["async_nan_flag"]
+    assert r0["async_digest"] == r1["async_digest"]
 
 
 # ---------------------------------------------------------------------------------------------
