@@ -55,6 +55,8 @@ class FP4Config:
     grad_format: str = "e5m2"
     #: fnmatch patterns of fully qualified module names to leave in high precision
     skip_modules: tuple[str, ...] = field(default=DEFAULT_SKIP_MODULES)
+    #: experiment (docs/results.md): STE times DGE's factor frozen at init; needs dge=False
+    dge_frozen_factor: bool = False
 
     def __post_init__(self):
         for key, choices in _CHOICES.items():
