@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .config import PRESETS
 
-__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "read_metrics", "spread", "paired_gap",
+__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "read_metrics", "spread", "paired_gap", "paired_diff",
            "add_arguments", "run", "HELP", "EXPERIMENT_VARIANTS"]
 
 HELP = "train one recipe under several precisions (BF16, FP4, ablations) and seeds, and compare them"
@@ -140,6 +140,13 @@ def paired_gap(values: list[float], reference: list[float]) -> dict:
     return spread([v / r - 1 for v, r in zip(values, reference)])
 
 
+def paired_diff(values: list[float], reference: list[float]) -> dict:
+    """Absolute difference ``v - ref`` per seed (e.g. FP4 minus BF16 loss, nats), with its spread."""
+    if len(values) != len(reference):
+        raise ValueError(f"paired_diff: {len(values)} values against {len(reference)} reference values")
+    return spread([v - r for v, r in zip(values, reference)])
+
+
 def _pm(s: dict, fmt: str = ".4f", scale: float = 1.0) -> str:
     """``mean ± std`` (just the mean for one seed)."""
     if s["std"] is None:
@@ -211,19 +218,19 @@ def plot_curves(metrics: dict[str, list[dict]], png: Path, title: str) -> Path:
 
 def loss_table(rows: list[dict], reference: str) -> str:
     """Markdown: final losses as mean ± std over seeds, the paired gap to ``reference``."""
-    lines = [f"| variant | lr | seeds | final train loss | final val loss | val vs {reference} | resolved (>2 SE) "
-             "| val ppl | wall time |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| variant | lr | seeds | final train loss | final val loss | val - {reference} | val vs {reference} "
+             "| resolved (>2 SE) | val ppl | wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r.get("val_gap")
         if g is None:
-            gap = resolved = "-"
+            diff = gap = resolved = "-"
         else:
-            gap = _pm(g, "+.2f", 100) + "%"
+            diff, gap = _pm(r["val_diff"], "+.4f"), _pm(g, "+.2f", 100) + "%"
             se = g["std"] / math.sqrt(g["n"]) if g["std"] is not None else None
             resolved = "n/a (1 seed)" if se is None else ("yes" if abs(g["mean"]) > 2 * se else "no")
         lines.append(f"| {r['variant']} | {r['lr']:g} | {r['val_loss']['n']} | {_pm(r['train_loss'])} | "
-                     f"{_pm(r['val_loss'])} | {gap} | {resolved} | {math.exp(r['val_loss']['mean']):.2f} | "
+                     f"{_pm(r['val_loss'])} | {diff} | {gap} | {resolved} | {math.exp(r['val_loss']['mean']):.2f} | "
                      f"{r['wall_s']['mean'] / 60:.1f} min |")
     return "\n".join(lines)
 
@@ -415,6 +422,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
         if v.name != reference:
             for key in ("train", "val"):
                 s[f"{key}_gap"] = paired_gap(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
+                s[f"{key}_diff"] = paired_diff(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
         rows.append({"variant": v.name, **s})
     seeds_note = (f"{len(seed_list)} seeds ({', '.join(map(str, seed_list))}); values are mean ± sample standard "
                   f"deviation over seeds" if len(seed_list) > 1 else f"one seed ({seed_list[0]})")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp4lightning.compare import paired_gap, parse_variant, spread
+from fp4lightning.compare import paired_diff, paired_gap, parse_variant, spread
 from fp4lightning.config import FP4Config
 from fp4lightning.dge import dge_derivative
 from fp4lightning.dge_probe import frozen_dge_factor, interval_position, model_weight_stats, weight_quant_stats
@@ -116,5 +116,7 @@ def test_spread_and_paired_gap_hand_case():
     assert spread([4.0])["std"] is None
     g = paired_gap([4.4, 5.5], [4.0, 5.0])  # +10% in both seeds
     assert g["mean"] == pytest.approx(0.1) and g["std"] == pytest.approx(0.0, abs=1e-12)
+    d = paired_diff([4.5, 5.25], [4.0, 5.0])  # FP4 minus BF16, per seed
+    assert d["values"] == [0.5, 0.25] and d["mean"] == 0.375 and d["std"] == pytest.approx(0.25 / math.sqrt(2))
     with pytest.raises(ValueError, match="2 values against 1"):
         paired_gap([1.0, 2.0], [1.0])
