@@ -21,7 +21,9 @@ Three explanations are on the table, and this module holds the tools that test e
 
 The frozen factor is cached on the weight ``Parameter`` itself, so it lives as long as the
 model does; it is not written to checkpoints, so a resumed run would freeze the factor of
-the resumed weights instead (the experiments train in one go).
+the resumed weights instead (the experiments train in one go). It needs the layer to see
+the same ``Parameter`` object every step (single device or DDP); under FSDP, which rebuilds
+the parameters, it would be recomputed and is not supported.
 """
 from __future__ import annotations
 
