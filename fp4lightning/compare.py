@@ -238,7 +238,8 @@ def loss_table(rows: list[dict], reference: str) -> str:
 def per_seed_table(rows: list[dict], seeds: list[int]) -> str:
     lines = ["| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
     for r in rows:
-        lines.append(f"| {r['variant']} | " + " | ".join(f"{v:.4f}" for v in r["val_loss"]["values"]) + " |")
+        cells = [f"{v:.4f} / {t:.4f}" for v, t in zip(r["val_loss"]["values"], r["train_loss"]["values"])]
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -433,7 +434,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
           f"weights and sees the same batches in the same order. Final train loss = mean over the last 10% of "
           f"logged steps. Gaps are relative to {reference}, computed per seed (paired) and then averaged; "
           "'resolved' means |mean gap| > 2 standard errors (std / sqrt(seeds)).", "",
-          loss_table(rows, reference), "", "Final validation loss per seed:", "", per_seed_table(rows, seed_list), "",
+          loss_table(rows, reference), "", "Final validation / train loss per seed:", "", per_seed_table(rows, seed_list), "",
           "Validation loss against step (mean over seeds):", "",
           val_curve_table({v: [{"val": r["val"]} for r in runs] for v, runs in metrics.items()}), "",
           f"![loss curves]({png.name})", ""]
