@@ -151,7 +151,7 @@ def _pm(s: dict, fmt: str = ".4f", scale: float = 1.0) -> str:
     """``mean ± std`` (just the mean for one seed)."""
     if s["std"] is None:
         return f"{scale * s['mean']:{fmt}}"
-    return f"{scale * s['mean']:{fmt}} ± {scale * s['std']:{fmt}}"
+    return f"{scale * s['mean']:{fmt}} ± {scale * s['std']:{fmt.lstrip('+')}}"
 
 
 def _final_train_loss(train: dict[int, float], frac: float = 0.1) -> float:
