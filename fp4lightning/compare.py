@@ -1,19 +1,30 @@
-"""``fp4lightning compare``: one recipe trained under several precisions, side by side.
+"""``fp4lightning compare``: one recipe trained under several precisions and seeds, side by side.
 
 The paper's claims (arXiv 2501.17116, sections 4-5) are comparisons: FP4 against BF16 on
 the loss curve and zero-shot accuracy, and ablations that drop DGE or OCC or use direct
-casts. This command trains the same recipe once per variant with the same seed, so every
-variant starts from the same weights and sees the same batches in the same order, then
-writes
+casts. This command trains the same recipe once per variant and seed. Within one seed every
+variant starts from the same weights and sees the same batches in the same order (the
+recipe's ``seed`` keys both the initialisation and the data order); ``--seeds N`` repeats
+the whole set with seeds ``seed, seed+1, ..., seed+N-1``. It writes
 
-* ``loss_curves.png`` - train (smoothed) and validation loss, one line per variant;
-* ``comparison.md`` / ``comparison.json`` - final train/validation loss with the relative
-  gap to BF16, the zero-shot table (lm-eval, offline tasks by default), and the OCC
-  fidelity table (the paper's Table 1 analogue) on the trained model's real activations.
+* ``loss_curves.png`` - train (smoothed) and validation loss, the mean over seeds with a
+  band of one standard deviation;
+* ``comparison.md`` / ``comparison.json`` - final train/validation loss (mean, standard
+  deviation and per-seed values) with the gap to the reference, paired by seed; the
+  zero-shot table (lm-eval, offline tasks by default) with its spread; the OCC fidelity
+  table (the paper's Table 1 analogue) on a trained model's real activations; and, with
+  ``--dge-probe N``, the weights' quantization error and in-interval positions over
+  training (``fp4lightning.dge_probe``);
+* ``summary.json`` - the machine-readable core: ``{"recipe", "steps", "tokens", "variants":
+  {NAME: {"preset", "lr", "seeds", "final_val_loss", "mean", "std"}}}``.
 
-Variants: ``bf16`` (bf16-mixed), ``fp32`` (32-true), ``fp4`` (the ``paper`` preset), or any
-FP4 preset name (``w4a4-direct``, ``fp4-no-dge``, ``fp4-no-occ``, ``paper``, and the block-scaled
-``nvfp4``, ``mxfp4``, ``mxfp4-rht-sr``).
+Variants: ``bf16`` (bf16-mixed), ``fp32`` (32-true), ``fp4`` (the ``paper`` preset), any FP4
+preset name (``w4a4-direct``, ``fp4-no-dge``, ``fp4-no-occ``, ``paper``, and the block-scaled
+``nvfp4``, ``mxfp4``, ``mxfp4-rht-sr``), or an experiment
+from :data:`EXPERIMENT_VARIANTS` (``fp4-dge-frozen``). ``NAME@lr=X`` runs a variant at peak
+learning rate X (``bf16@lr=1e-3,bf16@lr=4e-3``: one entry per rate). The reference for the
+gaps is ``--reference``, by default the BF16 variant with the lowest mean validation loss
+(the tuned baseline of a learning-rate sweep).
 """
 from __future__ import annotations
 
@@ -21,27 +32,84 @@ import argparse
 import csv
 import json
 import math
+import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import PRESETS
 
-__all__ = ["compare", "variant_overrides", "read_metrics", "add_arguments", "run", "HELP"]
+__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "read_metrics", "spread", "paired_gap", "paired_diff",
+           "add_arguments", "run", "HELP", "EXPERIMENT_VARIANTS"]
 
-HELP = "train one recipe under several precisions (BF16, FP4, ablations) and compare them"
+HELP = "train one recipe under several precisions (BF16, FP4, ablations) and seeds, and compare them"
 DEFAULT_VARIANTS = "bf16,fp4,w4a4-direct,fp4-no-dge,fp4-no-occ"
 HIGH_PRECISION = {"bf16": "bf16-mixed", "fp32": "32-true"}
+#: variants that are an FP4 preset plus FP4Config overrides (the DGE experiments, docs/results.md)
+EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
+    # STE times DGE's per-element factor frozen at initialisation (fp4lightning.dge_probe)
+    "fp4-dge-frozen": ("fp4-no-dge", {"dge_frozen_factor": True}),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the comparison: a precision/preset and optionally its own learning rate."""
+
+    name: str  # as given on the command line, e.g. "bf16@lr=1e-3"
+    base: str  # "bf16", "fp4", a preset or an experiment variant
+    lr: float | None = None  # None: the recipe's
+
+    @property
+    def preset(self) -> str:
+        """The FP4 preset (``paper`` for ``fp4``) or the high-precision name (``bf16``, ``fp32``)."""
+        if self.base in HIGH_PRECISION:
+            return self.base
+        if self.base in EXPERIMENT_VARIANTS:
+            return self.base
+        return "paper" if self.base == "fp4" else self.base
+
+    @property
+    def high_precision(self) -> bool:
+        return self.base in HIGH_PRECISION
+
+    def overrides(self) -> list[str]:
+        if self.base in HIGH_PRECISION:
+            out = [f"trainer.precision={HIGH_PRECISION[self.base]}"]
+        elif self.base in EXPERIMENT_VARIANTS:
+            preset, changes = EXPERIMENT_VARIANTS[self.base]
+            out = ["trainer.precision=fp4", f"fp4.preset={preset}",
+                   *(f"fp4.overrides.{k}={json.dumps(v)}" for k, v in changes.items())]
+        else:
+            out = ["trainer.precision=fp4", f"fp4.preset={self.preset}"]
+        if self.lr is not None:
+            out.append(f"optimizer.lr={self.lr!r}")
+        return out
+
+
+def parse_variant(spec: str) -> Variant:
+    """``NAME`` or ``NAME@lr=X`` -> :class:`Variant`; unknown names and settings fail naming them."""
+    base, _, rest = spec.strip().partition("@")
+    known = ("bf16", "fp32", "fp4", *sorted(PRESETS), *EXPERIMENT_VARIANTS)
+    if base not in HIGH_PRECISION and base != "fp4" and base not in PRESETS and base not in EXPERIMENT_VARIANTS:
+        raise ValueError(f"unknown variant {base!r}; choose from {', '.join(dict.fromkeys(known))}")
+    lr = None
+    if rest:
+        key, _, value = rest.partition("=")
+        if key != "lr" or not value:
+            raise ValueError(f"variant {spec!r}: only '@lr=VALUE' may follow the name (e.g. bf16@lr=1e-3)")
+        try:
+            lr = float(value)
+        except ValueError:
+            raise ValueError(f"variant {spec!r}: learning rate {value!r} is not a number") from None
+        if not lr > 0:
+            raise ValueError(f"variant {spec!r}: learning rate must be positive")
+    return Variant(spec.strip(), base, lr)
 
 
 def variant_overrides(variant: str) -> list[str]:
-    """Recipe overrides that select ``variant``."""
-    if variant in HIGH_PRECISION:
-        return [f"trainer.precision={HIGH_PRECISION[variant]}"]
-    preset = "paper" if variant == "fp4" else variant
-    if preset not in PRESETS:
-        raise ValueError(f"unknown variant {variant!r}; choose from bf16, fp32, fp4 or an FP4 preset "
-                         f"({', '.join(sorted(PRESETS))})")
-    return ["trainer.precision=fp4", f"fp4.preset={preset}"]
+    """Recipe overrides that select ``variant`` (``NAME`` or ``NAME@lr=X``)."""
+    return parse_variant(variant).overrides()
 
 
 def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
@@ -57,6 +125,34 @@ def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
                     if row.get(name):
                         out[key][step] = float(row[name])
     return out
+
+
+def spread(values: list[float]) -> dict:
+    """``{"mean", "std", "n", "values"}``; ``std`` is the sample standard deviation, None below 2 values."""
+    vals = [float(v) for v in values]
+    return {"mean": statistics.fmean(vals) if vals else float("nan"),
+            "std": statistics.stdev(vals) if len(vals) > 1 else None, "n": len(vals), "values": vals}
+
+
+def paired_gap(values: list[float], reference: list[float]) -> dict:
+    """Relative gap ``v / ref - 1`` per seed (same seed, same start and data), with its spread."""
+    if len(values) != len(reference):
+        raise ValueError(f"paired_gap: {len(values)} values against {len(reference)} reference values")
+    return spread([v / r - 1 for v, r in zip(values, reference)])
+
+
+def paired_diff(values: list[float], reference: list[float]) -> dict:
+    """Absolute difference ``v - ref`` per seed (e.g. FP4 minus BF16 loss, nats), with its spread."""
+    if len(values) != len(reference):
+        raise ValueError(f"paired_diff: {len(values)} values against {len(reference)} reference values")
+    return spread([v - r for v, r in zip(values, reference)])
+
+
+def _pm(s: dict, fmt: str = ".4f", scale: float = 1.0) -> str:
+    """``mean ± std`` (just the mean for one seed)."""
+    if s["std"] is None:
+        return f"{scale * s['mean']:{fmt}}"
+    return f"{scale * s['mean']:{fmt}} ± {scale * s['std']:{fmt.lstrip('+')}}"
 
 
 def _final_train_loss(train: dict[int, float], frac: float = 0.1) -> float:
@@ -76,25 +172,42 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_curves(metrics: dict[str, dict], png: Path, title: str) -> Path:
+def _mean_curve(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """Steps every seed logged, the mean over seeds and the sample std (0 for one seed)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    mean = [statistics.fmean(c[s] for c in curves) for s in steps]
+    std = [statistics.stdev(c[s] for c in curves) if len(curves) > 1 else 0.0 for s in steps]
+    return steps, mean, std
+
+
+def plot_curves(metrics: dict[str, list[dict]], png: Path, title: str) -> Path:
+    """Train (moving average) and validation loss per variant: mean over seeds, +-1 std band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for variant, m in metrics.items():
-        if m["train"]:
-            xs = sorted(m["train"])
-            window = max(1, len(xs) // 30)
-            ax_t.plot([s + 1 for s in xs], _smooth([m["train"][s] for s in xs], window), label=variant, lw=1.2)
-        if m["val"]:
-            xs = sorted(m["val"])
-            ax_v.plot([s + 1 for s in xs], [m["val"][s] for s in xs], "o-", label=variant, lw=1.2, ms=3)
+    for variant, runs in metrics.items():
+        for ax, key, style in ((ax_t, "train", "-"), (ax_v, "val", "o-")):
+            curves = [r[key] for r in runs if r[key]]
+            if not curves:
+                continue
+            if key == "train":  # smooth each seed, then average
+                window = max(1, len(curves[0]) // 30)
+                curves = [dict(zip(sorted(c), _smooth([c[s] for s in sorted(c)], window))) for c in curves]
+            steps, mean, std = _mean_curve(curves)
+            xs = [s + 1 for s in steps]
+            (line,) = ax.plot(xs, mean, style, label=variant, lw=1.2, ms=3)
+            if len(curves) > 1:
+                ax.fill_between(xs, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                                color=line.get_color(), alpha=0.2, lw=0)
+    n = max((len(r) for r in metrics.values()), default=1)
+    band = f"; mean over {n} seeds, band = 1 std" if n > 1 else ""
     for ax, name in ((ax_t, "train loss (moving average)"), (ax_v, "validation loss")):
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats / token)")
-        ax.set_title(name)
+        ax.set_title(name + band)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
@@ -104,15 +217,57 @@ def plot_curves(metrics: dict[str, dict], png: Path, title: str) -> Path:
     return png
 
 
-def loss_table(rows: list[dict]) -> str:
-    lines = ["| variant | final train loss | vs BF16 | final val loss | vs BF16 | val ppl | wall time |",
-             "|---|---|---|---|---|---|---|"]
+def loss_table(rows: list[dict], reference: str) -> str:
+    """Markdown: final losses as mean ± std over seeds, the paired gap to ``reference``."""
+    lines = [f"| variant | lr | seeds | final train loss | final val loss | val - {reference} | val vs {reference} "
+             "| resolved (>2 SE) | val ppl | wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        def gap(key):
-            g = r.get(f"{key}_gap")
-            return "-" if g is None else f"{100 * g:+.2f}%"
-        lines.append(f"| {r['variant']} | {r['train_loss']:.4f} | {gap('train')} | {r['val_loss']:.4f} | "
-                     f"{gap('val')} | {math.exp(r['val_loss']):.2f} | {r['wall_s'] / 60:.1f} min |")
+        g = r.get("val_gap")
+        if g is None:
+            diff = gap = resolved = "-"
+        else:
+            diff, gap = _pm(r["val_diff"], "+.4f"), _pm(g, "+.2f", 100) + "%"
+            se = g["std"] / math.sqrt(g["n"]) if g["std"] is not None else None
+            resolved = "n/a (1 seed)" if se is None else ("yes" if abs(g["mean"]) > 2 * se else "no")
+        lines.append(f"| {r['variant']} | {r['lr']:g} | {r['val_loss']['n']} | {_pm(r['train_loss'])} | "
+                     f"{_pm(r['val_loss'])} | {diff} | {gap} | {resolved} | {math.exp(r['val_loss']['mean']):.2f} | "
+                     f"{r['wall_s']['mean'] / 60:.1f} min |")
+    return "\n".join(lines)
+
+
+def per_seed_table(rows: list[dict], seeds: list[int]) -> str:
+    lines = ["| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
+    for r in rows:
+        cells = [f"{v:.4f} / {t:.4f}" for v, t in zip(r["val_loss"]["values"], r["train_loss"]["values"])]
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def val_curve_table(metrics: dict[str, list[dict]]) -> str:
+    """Validation loss (mean over seeds) against step."""
+    steps = sorted(set.union(*(set(r["val"]) for runs in metrics.values() for r in runs)))
+    lines = ["| step | " + " | ".join(str(s + 1) for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    for v, runs in metrics.items():
+        cells = []
+        for s in steps:
+            vals = [r["val"][s] for r in runs if s in r["val"]]
+            cells.append(f"{statistics.fmean(vals):.3f}" if len(vals) == len(runs) else "-")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def zero_shot_table(evals: dict[str, list[dict]]) -> str:
+    """Every task and metric, mean ± std over seeds, one column per variant."""
+    variants = list(evals)
+    keys = list(dict.fromkeys((t, m) for runs in evals.values() for e in runs for t, ms in e.items() for m in ms))
+    lines = ["| task | metric | " + " | ".join(variants) + " |", "|---|---" + "|---:" * len(variants) + "|"]
+    for task, metric in keys:
+        cells = []
+        for v in variants:
+            vals = [e[task][metric] for e in evals[v] if metric in e.get(task, {})]
+            cells.append(_pm(spread(vals), ".4g") if vals else "-")
+        lines.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -132,92 +287,207 @@ def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4
     return occ_fidelity_report(acts)
 
 
+#: DGE probe columns: (record key, label, format, scale)
+_PROBE_COLUMNS = (("rel_err", "weight quant. error (rel. MSE, %)", ".3f", 100.0),
+                  ("mean_dist", "mean distance to grid (x delta)", ".4f", 1.0),
+                  ("near_grid", "share within 0.1 delta of grid (%)", ".2f", 100.0),
+                  ("dge_mean", "mean DGE factor f'", ".4f", 1.0))
+
+
+def _probe_summary(probes: dict[str, list[list[dict]]]) -> tuple[dict, str]:
+    """Per variant and probed step: each column's spread over seeds; and its markdown table."""
+    out: dict[str, dict] = {}
+    lines = ["| variant | step | " + " | ".join(c[1] for c in _PROBE_COLUMNS) + " |",
+             "|---|---" + "|---" * len(_PROBE_COLUMNS) + "|"]
+    for v, runs in probes.items():
+        if not runs or not all(runs):
+            continue
+        steps = sorted(set.intersection(*({r["step"] for r in recs} for recs in runs)))
+        out[v] = {}
+        for step in steps:
+            recs = [next(r for r in recs if r["step"] == step) for recs in runs]
+            for r in recs:
+                r["near_grid"] = r["position_hist"][0] + r["position_hist"][-1]
+            out[v][step] = {key: spread([r[key] for r in recs]) for key, *_ in _PROBE_COLUMNS}
+            out[v][step]["position_hist"] = [statistics.fmean(col) for col in zip(*(r["position_hist"] for r in recs))]
+        shown = steps if len(steps) <= 6 else [steps[round(i * (len(steps) - 1) / 5)] for i in range(6)]
+        for step in shown:
+            lines.append(f"| {v} | {step} | " + " | ".join(_pm(out[v][step][k], f, sc) for k, _, f, sc in _PROBE_COLUMNS)
+                         + " |")
+    return out, "\n".join(lines)
+
+
+def _plot_probe(summary: dict, png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for v, by_step in summary.items():
+        steps = sorted(by_step)
+        for ax, key in zip(axes[:2], ("rel_err", "near_grid")):
+            mean = [by_step[s][key]["mean"] for s in steps]
+            std = [by_step[s][key]["std"] or 0.0 for s in steps]
+            (line,) = ax.plot(steps, mean, "o-", ms=3, lw=1.2, label=v)
+            ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                            color=line.get_color(), alpha=0.2, lw=0)
+        hist = by_step[steps[-1]]["position_hist"]
+        n = len(hist)
+        axes[2].step([(i + 0.5) / n for i in range(n)], hist, where="mid", label=f"{v} (step {steps[-1]})")
+    for ax, t in zip(axes, ("weight quantization error (relative MSE)", "share of weights within 0.1 delta of grid",
+                            "position inside the E2M1 interval (final)")):
+        ax.set_title(t)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_xlabel("optimizer step")
+    axes[1].set_xlabel("optimizer step")
+    axes[2].set_xlabel("(|W s| - left grid point) / delta")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def compare(recipe: str | None, overrides: list[str], variants: list[str], out_dir: Path | None = None,
             eval_tasks: str | None = "offline", eval_limit: int | None = None, occ_report: bool = True,
-            reuse: bool = False) -> dict:
-    """Train ``recipe`` under each variant and write the comparison; returns its JSON summary."""
-    from .eval.run import compare_table, evaluate_checkpoint, headline_metrics, results_table
+            reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
+    """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
     from .recipe import load_recipe
     from .train import train
 
-    for v in variants:  # fail on a bad variant before hours of training
-        variant_overrides(v)
+    parsed = [parse_variant(v) for v in variants]  # fail on a bad variant before hours of training
+    if len({v.name for v in parsed}) != len(parsed) or not parsed:
+        raise ValueError(f"variants must be distinct and at least one, got {variants}")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {seeds}")
+    if reference is not None and reference not in {v.name for v in parsed}:
+        raise ValueError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
     base = load_recipe(recipe, overrides)
+    seed_list = [base.seed + i for i in range(seeds)]
     out_dir = Path(out_dir or f"runs/compare-{base.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"recipe": recipe, "overrides": overrides, "variants": {}, "out_dir": str(out_dir)}
-    metrics: dict[str, dict] = {}
-    for v in variants:
-        run_dir = out_dir / v
-        cfg = load_recipe(recipe, [*overrides, f"name={base.name}-{v}", f"out_dir={run_dir}", *variant_overrides(v)])
-        last = run_dir / "checkpoints" / "last.ckpt"
-        t0 = time.perf_counter()
-        if reuse and last.exists():
-            print(f"[compare] {v}: reusing {last}", flush=True)
-            wall = json.loads((run_dir / "compare_wall.json").read_text())["wall_s"] \
-                if (run_dir / "compare_wall.json").exists() else float("nan")
-        else:
-            print(f"[compare] training variant {v} ({' '.join(variant_overrides(v))})", flush=True)
-            train(cfg)
-            wall = time.perf_counter() - t0
-            (run_dir / "compare_wall.json").write_text(json.dumps({"wall_s": wall}))
-        metrics[v] = read_metrics(run_dir)
-        if not metrics[v]["val"]:
-            raise RuntimeError(f"variant {v}: no validation loss was logged in {run_dir}/logs; "
-                               "set trainer.val_check_interval so validation runs at least once")
-        summary["variants"][v] = {
-            "checkpoint": str(last),
-            "train_loss": _final_train_loss(metrics[v]["train"]),
-            "val_loss": metrics[v]["val"][max(metrics[v]["val"])],
-            "wall_s": wall,
+    summary: dict = {"recipe": recipe, "overrides": overrides, "seeds": seed_list, "variants": {},
+                     "out_dir": str(out_dir)}
+    metrics: dict[str, list[dict]] = {v.name: [] for v in parsed}
+    probes: dict[str, list[list[dict]]] = {v.name: [] for v in parsed}
+    lrs: dict[str, float] = {}
+    for seed in seed_list:  # seed-major: a cut-off run still leaves complete seeds
+        for v in parsed:
+            run_dir = out_dir / v.name / f"seed{seed}"
+            cfg = load_recipe(recipe, [*overrides, f"seed={seed}", f"name={base.name}-{v.name}-seed{seed}",
+                                       f"out_dir={run_dir}", *v.overrides()])
+            lrs[v.name] = cfg.optimizer.lr
+            last = run_dir / "checkpoints" / "last.ckpt"
+            probe_path = run_dir / "dge_probe.jsonl"
+            t0 = time.perf_counter()
+            if reuse and last.exists() and (not dge_probe or probe_path.exists()):
+                print(f"[compare] {v.name} seed {seed}: reusing {last}", flush=True)
+                wall = json.loads((run_dir / "compare_wall.json").read_text())["wall_s"] \
+                    if (run_dir / "compare_wall.json").exists() else float("nan")
+            else:
+                print(f"[compare] training {v.name} seed {seed} ({' '.join(v.overrides())})", flush=True)
+                callbacks = []
+                if dge_probe:
+                    from .dge_probe import DGEProbe
+
+                    callbacks.append(DGEProbe(probe_path, dge_probe))
+                train(cfg, callbacks=callbacks)
+                wall = time.perf_counter() - t0
+                (run_dir / "compare_wall.json").write_text(json.dumps({"wall_s": wall}))
+            m = read_metrics(run_dir)
+            if not m["val"]:
+                raise RuntimeError(f"variant {v.name} seed {seed}: no validation loss was logged in {run_dir}/logs; "
+                                   "set trainer.val_every_n_steps so validation runs at least once")
+            metrics[v.name].append({"seed": seed, "checkpoint": str(last), "train_loss": _final_train_loss(m["train"]),
+                                    "val_loss": m["val"][max(m["val"])], "wall_s": wall, **m})
+            if dge_probe:
+                from .dge_probe import read_probe
+
+                probes[v.name].append(read_probe(probe_path))
+    # --- aggregate over seeds, gaps paired by seed against the reference
+    for v in parsed:
+        runs = metrics[v.name]
+        summary["variants"][v.name] = {
+            "preset": v.preset, "lr": lrs[v.name], "seeds": seed_list,
+            "runs": [{k: r[k] for k in ("seed", "checkpoint", "train_loss", "val_loss", "wall_s")} for r in runs],
+            **{k: spread([r[k] for r in runs]) for k in ("train_loss", "val_loss", "wall_s")},
         }
-    ref = "bf16" if "bf16" in summary["variants"] else variants[0]
+    if reference is None:
+        hp = [v.name for v in parsed if v.base == "bf16"]
+        reference = min(hp, key=lambda n: summary["variants"][n]["val_loss"]["mean"]) if hp else parsed[0].name
+    summary["reference"] = reference
+    ref = summary["variants"][reference]
     rows = []
-    for v, s in summary["variants"].items():
-        r = {"variant": v, **s}
-        if v != ref:
+    for v in parsed:
+        s = summary["variants"][v.name]
+        if v.name != reference:
             for key in ("train", "val"):
-                r[f"{key}_gap"] = s[f"{key}_loss"] / summary["variants"][ref][f"{key}_loss"] - 1
-        rows.append(r)
-    summary["reference"] = ref
-    png = plot_curves(metrics, out_dir / "loss_curves.png", f"{base.name}: {', '.join(variants)}")
+                s[f"{key}_gap"] = paired_gap(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
+                s[f"{key}_diff"] = paired_diff(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
+        rows.append({"variant": v.name, **s})
+    seeds_note = (f"{len(seed_list)} seeds ({', '.join(map(str, seed_list))}); values are mean ± sample standard "
+                  f"deviation over seeds" if len(seed_list) > 1 else f"one seed ({seed_list[0]})")
+    png = plot_curves({v: [{"train": r["train"], "val": r["val"]} for r in runs] for v, runs in metrics.items()},
+                      out_dir / "loss_curves.png", f"{base.name}: {', '.join(v.name for v in parsed)}")
     md = [f"# Comparison: {recipe or 'tiny'} {' '.join(overrides)}", "",
-          f"Same seed ({base.seed}), initial weights and batch order for every variant. "
-          f"Final train loss = mean over the last 10% of steps; gaps are relative to {ref}.", "",
-          loss_table(rows), "", f"![loss curves]({png.name})", ""]
+          f"{base.schedule.max_steps} steps, {seeds_note}. Within a seed every variant starts from the same "
+          f"weights and sees the same batches in the same order. Final train loss = mean over the last 10% of "
+          f"logged steps. Gaps are relative to {reference}, computed per seed (paired) and then averaged; "
+          "'resolved' means |mean gap| > 2 standard errors (std / sqrt(seeds)).", "",
+          loss_table(rows, reference), "", "Final validation / train loss per seed:", "", per_seed_table(rows, seed_list), "",
+          "Validation loss against step (mean over seeds):", "",
+          val_curve_table({v: [{"val": r["val"]} for r in runs] for v, runs in metrics.items()}), "",
+          f"![loss curves]({png.name})", ""]
+    if dge_probe:
+        probe_summary, table = _probe_summary(probes)
+        summary["dge_probe"] = {v: {str(k): s for k, s in by.items()} for v, by in probe_summary.items()}
+        probe_png = _plot_probe(probe_summary, out_dir / "dge_probe.png")
+        md += ["## Weights inside their E2M1 intervals (DGE probe)", "",
+               "Pooled over every FP4 layer (in BF16 runs: the layers FP4 would quantize, with the paper's "
+               "per-channel scales). Positions are (|W s| - left grid point) / delta; DGE's factor f' is 1/k at "
+               "grid points and peaks at mid-points.", "", table, "", f"![DGE probe]({probe_png.name})", ""]
     if eval_tasks:
-        evals = {}
-        for v in variants:
-            res = evaluate_checkpoint(summary["variants"][v]["checkpoint"], eval_tasks, limit=eval_limit,
-                                      out_dir=out_dir / v / "eval", verbose=False)
-            evals[v] = headline_metrics(res)
-            summary["variants"][v]["zero_shot"] = evals[v]
-        md += ["## Zero-shot (lm-eval)", ""]
-        for v in variants:
-            md += [f"### {v}", "", results_table(evals[v]), ""]
-        fp4 = next((v for v in variants if v not in HIGH_PRECISION), None)
-        if fp4 and ref in evals and fp4 != ref:
-            md += [f"### {fp4} against {ref}", "", compare_table(evals[fp4], evals[ref], fp4, ref), ""]
+        from .eval.run import evaluate_checkpoint, headline_metrics
+
+        evals: dict[str, list[dict]] = {}
+        for v in parsed:
+            evals[v.name] = []
+            for r, run_s in zip(metrics[v.name], summary["variants"][v.name]["runs"]):
+                res = evaluate_checkpoint(r["checkpoint"], eval_tasks, limit=eval_limit,
+                                          out_dir=out_dir / v.name / f"seed{r['seed']}" / "eval", verbose=False)
+                run_s["zero_shot"] = headline_metrics(res)
+                evals[v.name].append(run_s["zero_shot"])
+        md += ["## Zero-shot (lm-eval)", "", zero_shot_table(evals), ""]
     if occ_report:
         from .analysis import format_occ_table
 
-        src = next((v for v in variants if v not in HIGH_PRECISION), variants[0])
-        occ = _occ_report(Path(summary["variants"][src]["checkpoint"]), Path(base.data.dir), base.data.seq_len)
-        summary["occ_fidelity"] = {"variant": src, "rows": occ}
-        md += [f"## OCC fidelity on the trained {src} model's activations (paper Table 1 analogue)", "",
+        src = next((v for v in parsed if not v.high_precision), parsed[0]).name
+        occ = _occ_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir), base.data.seq_len)
+        summary["occ_fidelity"] = {"variant": src, "seed": seed_list[0], "rows": occ}
+        md += [f"## OCC fidelity on the trained {src} model's activations (seed {seed_list[0]}, paper Table 1 "
+               "analogue)", "",
                "Inputs of every FP4 linear layer on held-out batches, quantized per token; pooled over layers.", "",
                format_occ_table(occ), ""]
         from .block_analysis import checkpoint_report, format_block_table  # every format, same tensors
 
-        act_rows, w_rows = checkpoint_report(Path(summary["variants"][src]["checkpoint"]), Path(base.data.dir),
+        act_rows, w_rows = checkpoint_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir),
                                              base.data.seq_len)
-        summary["block_fidelity"] = {"variant": src, "activations": act_rows, "weights": w_rows}
+        summary["block_fidelity"] = {"variant": src, "seed": seed_list[0], "activations": act_rows, "weights": w_rows}
         md += [f"## Quantization fidelity of every FP4 format on the trained {src} model (SQNR)", "",
                format_block_table(act_rows, w_rows), ""]
+    tokens = base.schedule.max_steps * base.data.global_batch_size * base.data.seq_len
+    core = {"recipe": recipe or "tiny", "steps": base.schedule.max_steps, "tokens": tokens,
+            "variants": {v.name: {"preset": v.preset, "lr": lrs[v.name], "seeds": seed_list,
+                                  "final_val_loss": summary["variants"][v.name]["val_loss"]["values"],
+                                  "mean": summary["variants"][v.name]["val_loss"]["mean"],
+                                  "std": summary["variants"][v.name]["val_loss"]["std"]} for v in parsed}}
+    (out_dir / "summary.json").write_text(json.dumps(core, indent=2))
     (out_dir / "comparison.md").write_text("\n".join(md))
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, default=str))
     print("\n".join(md), flush=True)
-    print(f"\n[compare] wrote {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, {png}", flush=True)
+    print(f"\n[compare] wrote {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, "
+          f"{out_dir / 'summary.json'}, {png}", flush=True)
     return summary
 
 
@@ -225,14 +495,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", default=None, help="recipe YAML (default: the tiny recipe)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides shared by every variant")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help=f"comma-separated: bf16, fp32, fp4, or FP4 presets (default: {DEFAULT_VARIANTS})")
+                        help="comma-separated: bf16, fp32, fp4, FP4 presets or fp4-dge-frozen, each optionally "
+                             f"NAME@lr=X for its own peak learning rate (default: {DEFAULT_VARIANTS})")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train every variant with seeds seed..seed+N-1 (the recipe's seed first); "
+                             "tables report mean, std and per-seed values (default: 1)")
+    parser.add_argument("--reference", default=None,
+                        help="variant the gaps are relative to (default: the BF16 variant with the lowest mean "
+                             "validation loss, else the first)")
+    parser.add_argument("--dge-probe", type=int, default=0, metavar="N",
+                        help="record the weights' quantization error and in-interval positions every N steps "
+                             "(fp4lightning.dge_probe); 0 = off")
     parser.add_argument("--out", default=None, help="output folder (default: runs/compare-<recipe name>)")
     parser.add_argument("--eval-tasks", default="offline",
                         help="lm-eval tasks for the zero-shot table (offline | paper | ...); 'none' skips it")
     parser.add_argument("--eval-limit", type=int, default=None, help="at most this many items per eval task")
     parser.add_argument("--no-occ-report", action="store_true", help="skip the OCC fidelity table")
     parser.add_argument("--reuse", action="store_true",
-                        help="reuse variants whose checkpoint already exists in the output folder")
+                        help="reuse runs whose checkpoint already exists in the output folder")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,5 +524,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--variants must list distinct variants, got {args.variants!r}")
     compare(recipe, overrides, variants, Path(args.out) if args.out else None,
             None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
-            not args.no_occ_report, args.reuse)
+            not args.no_occ_report, args.reuse, seeds=args.seeds, dge_probe=args.dge_probe,
+            reference=args.reference)
     return 0

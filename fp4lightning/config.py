@@ -91,6 +91,8 @@ class FP4Config:
     #: keep the first / last N transformer blocks in high precision (convert_to_fp4)
     keep_first_n: int = 0
     keep_last_n: int = 0
+    #: experiment (docs/results.md): STE times DGE's factor frozen at init; needs dge=False
+    dge_frozen_factor: bool = False
 
     def __post_init__(self):
         for key, choices in _CHOICES.items():

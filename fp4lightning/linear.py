@@ -140,6 +140,9 @@ class _FP4LinearFn(torch.autograd.Function):
                     dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
                     dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
                 )
+                if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.dge_probe
+                    from .dge_probe import frozen_dge_factor
+                    grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)
                 grad_w = grad_w.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dy2d.float().sum(0).to(weight.dtype)

@@ -1,8 +1,9 @@
-"""`fp4lightning compare` on a two-variant, few-step run: PNG and tables appear (a smoke
-test of the tool, not a result), and the OCC fidelity report works on real activations."""
+"""`fp4lightning compare` on a two-seed, two-variant, few-step run: PNGs, tables and
+summary.json appear (a smoke test of the tool, not a result), and the OCC fidelity report works on real activations."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from fp4lightning.analysis import VARIANTS, capture_linear_inputs, occ_fidelity_
 from fp4lightning.block_analysis import ACT_FORMATS
 from fp4lightning.cli import main as cli_main
 from fp4lightning.compare import variant_overrides
+from fp4lightning.dge_probe import read_probe
 from fp4lightning.models.llama import Llama, llama_config
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
@@ -22,28 +24,55 @@ def test_variant_overrides_and_errors():
     assert variant_overrides("fp4-no-dge")[-1] == "fp4.preset=fp4-no-dge"
     with pytest.raises(ValueError, match="unknown variant 'fp3'"):
         variant_overrides("fp3")
+    assert variant_overrides("bf16@lr=1e-3") == ["trainer.precision=bf16-mixed", "optimizer.lr=0.001"]
+    assert variant_overrides("fp4-dge-frozen") == ["trainer.precision=fp4", "fp4.preset=fp4-no-dge",
+                                                   "fp4.overrides.dge_frozen_factor=true"]
 
 
 @pytest.mark.slow
-def test_compare_two_variants_writes_png_and_tables(tmp_path_factory):
+def test_compare_seeds_through_cli(tmp_path_factory):
+    """2 seeds x 2 variants, a few steps, through the real CLI: every output appears, the
+    statistics are those of the per-seed values, and within a seed both variants start from
+    the same weights while the seeds start from different ones (the DGE probe's step-0 record)."""
     corpus = prepared_test_corpus(tmp_path_factory)
     out = tmp_path_factory.mktemp("compare")
-    args = ["compare", *tiny_overrides(corpus, out / "unused", "schedule.max_steps=6", "trainer.val_every_n_steps=3",
-                                       "model.max_seq_len=512"),
-            "--variants", "bf16,fp4", "--out", str(out), "--eval-limit", "4"]
+    args = ["compare", *tiny_overrides(corpus, out / "unused", "schedule.max_steps=4", "trainer.val_every_n_steps=2",
+                                       "model.max_seq_len=512", "seed=7"),
+            "--variants", "bf16,fp4@lr=3e-3", "--seeds", "2", "--dge-probe", "2", "--out", str(out),
+            "--eval-limit", "2"]
     assert cli_main(args) == 0
     png = out / "loss_curves.png"
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+    assert (out / "dge_probe.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "comparison.md").read_text()
-    assert "| bf16 |" in md and "| fp4 |" in md and "vs BF16" in md
-    assert "Zero-shot" in md and "OCC fidelity" in md
-    summary = json.loads((out / "comparison.json").read_text())
-    assert set(summary["variants"]) == {"bf16", "fp4"}
-    for v in summary["variants"].values():
-        assert v["val_loss"] > 0 and v["train_loss"] > 0 and v["zero_shot"]
-    assert len(summary["occ_fidelity"]["rows"]) == len(VARIANTS)
+    assert "| bf16 |" in md and "| fp4@lr=3e-3 |" in md and "vs bf16" in md and " ± " in md
+    assert "seed 7 | seed 8" in md and "Zero-shot" in md and "OCC fidelity" in md and "DGE probe" in md
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"recipe", "steps", "tokens", "variants"}
+    assert summary["steps"] == 4 and summary["tokens"] == 4 * 4 * 64
+    assert set(summary["variants"]) == {"bf16", "fp4@lr=3e-3"}
+    for name, preset, lr in (("bf16", "bf16", 1e-2), ("fp4@lr=3e-3", "paper", 3e-3)):
+        v = summary["variants"][name]
+        assert set(v) == {"preset", "lr", "seeds", "final_val_loss", "mean", "std"}
+        assert (v["preset"], v["lr"], v["seeds"]) == (preset, lr, [7, 8])
+        assert len(v["final_val_loss"]) == 2 and v["final_val_loss"][0] != v["final_val_loss"][1]
+        assert v["mean"] == pytest.approx(statistics.fmean(v["final_val_loss"]))
+        assert v["std"] == pytest.approx(statistics.stdev(v["final_val_loss"]))
+    full = json.loads((out / "comparison.json").read_text())
+    gap = full["variants"]["fp4@lr=3e-3"]["val_gap"]["values"]
+    bf16, fp4 = (summary["variants"][n]["final_val_loss"] for n in ("bf16", "fp4@lr=3e-3"))
+    assert gap == pytest.approx([f / b - 1 for f, b in zip(fp4, bf16)])
+    assert full["variants"]["bf16"]["runs"][1]["zero_shot"]
+    assert len(full["occ_fidelity"]["rows"]) == len(VARIANTS)
+    first = {(v, s): read_probe(out / v / f"seed{s}" / "dge_probe.jsonl")[0] for v in ("bf16", "fp4@lr=3e-3")
+             for s in (7, 8)}
+    assert all(r["step"] == 0 for r in first.values())
+    assert first["bf16", 7]["rel_err"] == first["fp4@lr=3e-3", 7]["rel_err"]  # same init within a seed
+    assert first["bf16", 8]["rel_err"] == first["fp4@lr=3e-3", 8]["rel_err"]
+    assert first["bf16", 7]["rel_err"] != first["bf16", 8]["rel_err"]  # a new init per seed
+    assert read_probe(out / "bf16" / "seed7" / "dge_probe.jsonl")[-1]["step"] == 4
     assert "Quantization fidelity of every FP4 format" in md and "NVFP4" in md
-    assert len(summary["block_fidelity"]["activations"]) == len(ACT_FORMATS)
+    assert len(full["block_fidelity"]["activations"]) == len(ACT_FORMATS)
 
 
 def test_occ_report_on_model_activations():
