@@ -123,8 +123,9 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     s = scale[:, None] if dim == 1 else scale[None, :]
     scaled = torch.where(torch.isfinite(s), g * s, 0.0)
     scaled = scaled.clamp(-fmax, fmax)
-    if carrier is not None and fp8_dtype == torch.float8_e5m2:
-        return _round_e5m2(scaled).to(carrier), scale  # same values as the FP8 cast, vectorized
+    if carrier is not None and fp8_dtype == torch.float8_e5m2 and torch.compiler.is_compiling():
+        # same values as the FP8 cast; compiled, the arithmetic vectorizes and the cast does not
+        return _round_e5m2(scaled).to(carrier), scale
     g8 = scaled.to(fp8_dtype)
     return (g8 if carrier is None else g8.to(carrier)), scale
 
