@@ -183,8 +183,8 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 # --------------------------------------------------------------------------- GeMMs (reference)
 def _fp4_values(packed: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    # a 256-entry byte table gather: measured faster on CPU than the compiled arithmetic
-    # decode (fused.decode_fp4), whose interleaving store does not vectorize
+    # a 256-entry byte table gather: measured faster on CPU than a compiled arithmetic
+    # decode, whose interleaving store does not vectorize
     return decode_packed_fp4(packed, k, dtype)
 
 
