@@ -1,7 +1,8 @@
 """FP4Linear against bf16 nn.Linear, side by side in one run (CPU or GPU).
 
 Prints, per LLaMA-like layer shape:
-  * forward+backward time of FP4Linear over bf16-autocast nn.Linear;
+  * forward+backward time of FP4Linear (``paper`` and ``w4a4-direct`` presets) over
+    bf16-autocast nn.Linear, interleaved in one run;
   * OCC's share of the FP4Linear forward (quantile + clamp + sparse residual + compensation);
   * bytes saved for backward, FP4Linear over bf16 nn.Linear (saved_tensors_hooks);
 and, once, the OCC quantile estimate's cost and error against the exact quantile.
@@ -57,13 +58,12 @@ def bench_shape(m, k, n, dev, iters):
     lin = nn.Linear(k, n, device=dev)
     fp4 = FP4Linear.from_linear(lin, FP4Config())
     fp4_noocc = FP4Linear.from_linear(lin, FP4Config(occ=False))
+    fp4_direct = FP4Linear.from_linear(lin, FP4Config.from_preset("w4a4-direct"))
     x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).requires_grad_(True)
     dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
 
     def fwd_bwd(mod):
-        def run():
-            with torch.no_grad():  # as after an optimizer step: FP4Linear must re-quantize W
-                mod.weight.add_(0.0)
+        def run():  # FP4Linear quantizes W on every call (it keeps no weight cache)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 y = mod(x)
             y.backward(dy)
@@ -71,8 +71,6 @@ def bench_shape(m, k, n, dev, iters):
 
     def fwd(mod):
         def run():
-            with torch.no_grad():
-                mod.weight.add_(0.0)
             with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
                 mod(x)
         return run
@@ -81,11 +79,13 @@ def bench_shape(m, k, n, dev, iters):
     t_bf16 = _time(fwd_bwd(lin), dev, iters)
     t_fp4 = _time(fwd_bwd(fp4), dev, iters)
     t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
+    t_direct = _time(fwd_bwd(fp4_direct), dev, iters)
+    t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
     t_fwd = _time(fwd(fp4), dev, iters)
     t_fwd_noocc = _time(fwd(fp4_noocc), dev, iters)
     occ_share = max(0.0, (t_fwd - t_fwd_noocc) / t_fwd)
     b_fp4, b_bf16 = saved_bytes(fp4, x, dev), saved_bytes(lin, x, dev)
-    return dict(shape=f"{m}x{k}->{n}", bf16_ms=t_bf16 * 1e3, fp4_ms=t_fp4 * 1e3, ratio=t_fp4 / t_bf16,
+    return dict(shape=f"{m}x{k}->{n}", bf16_ms=t_bf16 * 1e3, fp4_ms=t_fp4 * 1e3, ratio=t_fp4 / t_bf16, direct_ratio=t_direct / t_bf16,
                 occ_share=occ_share, bytes_ratio=b_fp4 / b_bf16, fp4_mb=b_fp4 / 2**20, bf16_mb=b_bf16 / 2**20)
 
 
@@ -112,15 +112,17 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    from fp4lightning import fused
+
     print(f"# device={dev} torch={torch.__version__} threads={torch.get_num_threads()} "
-          f"backend={os.environ.get('FP4LIGHTNING_BACKEND', 'auto')}")
-    print("| shape (tokens x in -> out) | bf16 fwd+bwd ms | FP4 fwd+bwd ms | FP4/bf16 time | OCC share of FP4 fwd "
-          "| saved MB bf16 | saved MB FP4 | FP4/bf16 saved bytes |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"backend={os.environ.get('FP4LIGHTNING_BACKEND', 'auto')} compiled={fused.compile_enabled(dev)}")
+    print("| shape (tokens x in -> out) | bf16 fwd+bwd ms | FP4 fwd+bwd ms | FP4/bf16 time | w4a4-direct/bf16 time "
+          "| OCC share of FP4 fwd | saved MB bf16 | saved MB FP4 | FP4/bf16 saved bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for s in args.shapes.split(","):
         m, k, n = (int(v) for v in s.split("x"))
         r = bench_shape(m, k, n, dev, args.iters)
-        print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | "
+        print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | {r['direct_ratio']:.2f}x | "
               f"{100 * r['occ_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
     q = bench_quantile(dev)
     print("\nOCC quantile on a 2048x1024 activation (alpha=0.99):")

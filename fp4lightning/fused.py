@@ -24,7 +24,7 @@ import torch
 
 from .formats import E2M1_MAX, _round_e5m2, _round_index, _round_magnitude
 
-__all__ = ["compile_enabled", "fp4_rows", "fp8_scaled", "decode_fp4", "gemm_epilogue", "wgrad_epilogue"]
+__all__ = ["compile_enabled", "fp4_rows", "fp8_scaled", "gemm_epilogue", "wgrad_epilogue"]
 
 COMPILE_CHOICES = ("auto", "0", "1")
 _FAILED: list[str] = []  # the reason compiling failed, once it has
@@ -123,23 +123,11 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     s = scale[:, None] if dim == 1 else scale[None, :]
     scaled = torch.where(torch.isfinite(s), g * s, 0.0)
     scaled = scaled.clamp(-fmax, fmax)
-    if carrier is not None and fp8_dtype == torch.float8_e5m2:
-        return _round_e5m2(scaled).to(carrier), scale  # same values as the FP8 cast, vectorized
+    if carrier is not None and fp8_dtype == torch.float8_e5m2 and torch.compiler.is_compiling():
+        # same values as the FP8 cast; compiled, the arithmetic vectorizes and the cast does not
+        return _round_e5m2(scaled).to(carrier), scale
     g8 = scaled.to(fp8_dtype)
     return (g8 if carrier is None else g8.to(carrier)), scale
-
-
-@_fused
-def decode_fp4(packed: torch.Tensor, dtype: torch.dtype):
-    """Packed E2M1 codes (two per byte, low nibble first) -> values in ``dtype``, by arithmetic.
-
-    Same values as ``formats.decode_packed_fp4`` (code 8 is -0.0): index i = code & 7 maps to
-    i/2 for i < 4, i - 2 for i = 4, 5 and 2 (i - 4) for i = 6, 7.
-    """
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-    i = (codes & 7).float()
-    mag = torch.where(i < 4, i * 0.5, torch.where(i < 6, i - 2.0, (i - 4.0) * 2.0))
-    return torch.where(codes >= 8, -mag, mag).to(dtype)
 
 
 @_fused

@@ -89,7 +89,7 @@ class _FP4LinearFn(torch.autograd.Function):
                     # what backward keeps: ~2% non-zeros; R^T when backward runs on CPU sparse
                     # kernels (saves a transpose there), R for the Triton path's forward product
                     resid_t = a_vals is not None
-                    resid = _sparse_residual(r.t() if resid_t else r)
+                    resid = _sparse_residual(r, transpose=resid_t)
                 else:
                     r = None
             else:
@@ -117,6 +117,7 @@ class _FP4LinearFn(torch.autograd.Function):
         cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
         n = weight.shape[0]
         dy2d = dy.reshape(-1, n)
+        dyf = None  # fp32 dY, made once if the compensation product or the bias gradient needs it
         grad_x = grad_w = grad_b = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
@@ -134,7 +135,8 @@ class _FP4LinearFn(torch.autograd.Function):
                 comp = None
                 if resid is not None:
                     rt = resid if ctx.resid_t else _csr_transpose(resid)
-                    comp = torch.sparse.mm(rt, dy2d.float()).t()
+                    dyf = dy2d.float()
+                    comp = torch.sparse.mm(rt, dyf).t()
                 grad_w = ops.fp4_wgrad(
                     g2, s_g2, a_codes, k, torch.float32,
                     dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
@@ -145,7 +147,7 @@ class _FP4LinearFn(torch.autograd.Function):
                     grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)
                 grad_w = grad_w.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = dy2d.float().sum(0).to(weight.dtype)
+                grad_b = (dy2d.float() if dyf is None else dyf).sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -159,20 +161,29 @@ def _csr(crow: torch.Tensor, col: torch.Tensor, vals: torch.Tensor, shape) -> to
     return torch.sparse_csr_tensor(crow.int(), col.int(), vals, shape, check_invariants=False)
 
 
-def _sparse_residual(r: torch.Tensor) -> torch.Tensor:
-    """Dense residual -> fp32 CSR with int32 indices (~8 bytes per non-zero).
+def _sparse_residual(r: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """Dense residual R -> fp32 CSR of R (or of R^T) with int32 indices (~8 bytes per non-zero).
 
     fp32 because the compensation product is meant to be high precision (and CPU
     sparse kernels take no bf16); int32 indices halve torch's default int64 cost.
-    Built from ``nonzero`` (row-major order is CSR order), cheaper than ``to_sparse_csr``.
+    Built from ``nonzero`` (row-major order is CSR order), cheaper than ``to_sparse_csr``;
+    for R^T the non-zeros are re-ordered by column with one (unstable) sort of unique
+    keys, much cheaper than ``nonzero`` on the transposed view or a stable sort.
     """
+    m, k = r.shape
     idx = (r != 0).nonzero()
-    vals = r[idx[:, 0], idx[:, 1]].float()  # a gather; r[mask] would search the mask again
-    crow = torch.zeros(r.shape[0] + 1, dtype=torch.int64, device=r.device)
-    crow[1:] = torch.bincount(idx[:, 0], minlength=r.shape[0]).cumsum(0)
+    rows, cols = idx[:, 0], idx[:, 1]
+    if transpose:
+        order = torch.argsort(cols * m + rows)
+        rows, cols, m, k = cols[order], rows[order], k, m
+        vals = r[cols, rows].float()  # a gather; r[mask] would search the mask again
+    else:
+        vals = r[rows, cols].float()
+    crow = torch.zeros(m + 1, dtype=torch.int64, device=r.device)
+    crow[1:] = torch.bincount(rows, minlength=m).cumsum(0)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": known, not actionable
         warnings.simplefilter("ignore", UserWarning)
-        return _csr(crow, idx[:, 1], vals, r.shape)
+        return _csr(crow, cols, vals, (m, k))
 
 
 def _csr_transpose(a: torch.Tensor) -> torch.Tensor:

@@ -268,3 +268,27 @@ def test_layer_dw_under_autocast_as_close_as_nn_linear_bf16_is_to_fp32():
         yl.backward(dy.to(yl.dtype))
         dws.append(lin.weight.grad.clone())
     assert sqnr(dw_bf, dw_32) >= sqnr(dws[0], dws[1]) - 3.0, (sqnr(dw_bf, dw_32), sqnr(dws[0], dws[1]))
+
+
+def test_compile_failure_falls_back_to_eager_with_one_notice(monkeypatch):
+    """Where torch.compile cannot build (no C++ compiler), one warning, then the same math eagerly."""
+    from fp4lightning import fused
+
+    monkeypatch.setattr(fused, "_FAILED", [])
+
+    def no_compiler(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx")
+        return run
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
+    double = fused._fused(lambda x: x * 2)
+    with pytest.warns(RuntimeWarning, match="torch.compile unavailable") as rec:
+        a, b = double(torch.ones(3)), double(torch.ones(3))
+    assert len([w for w in rec if "torch.compile unavailable" in str(w.message)]) == 1
+    assert torch.equal(a, torch.full((3,), 2.0)) and torch.equal(b, a)
+    assert not fused.compile_enabled(torch.device("cpu"))
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "yes")
+    with pytest.raises(ValueError, match="FP4LIGHTNING_COMPILE"):
+        fused.compile_enabled(torch.device("cpu"))
