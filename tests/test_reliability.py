@@ -212,10 +212,19 @@ DDP_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_ddp_ranks_skip_and_stop_together(corpus, tmp_path):
     script = tmp_path / "ddp_nonfinite.py"
     script.write_text(DDP_SCRIPT.format(root=str(ROOT)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # an explicit free port: Lightning's own pick races with other processes opening ports
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
     proc = subprocess.run([sys.executable, str(script), str(corpus), str(tmp_path / "run")], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == EXIT_NONFINITE, proc.stderr[-3000:]
