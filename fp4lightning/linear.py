@@ -31,6 +31,7 @@ scaling and the non-finite step check skip such a step either way.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -41,6 +42,12 @@ from .config import FP4Config
 from .occ import occ_bounds
 
 __all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape"]
+
+#: Triton path: capacity of the compact OCC residual saved for backward, as a multiple of the
+#: expected non-zero count 2 (1 - alpha) M K (section 3.3), plus a fixed slack. The quantiles
+#: come from a sample, so the real count moves by ~0.05 points around 2 (1 - alpha) (docs/perf.md).
+OCC_CAPACITY_MARGIN = 1.5
+OCC_CAPACITY_SLACK = 1024
 
 #: Feature sizes must be multiples of this: two FP4 codes share a byte, and the GPU
 #: GeMMs (TMA / FP8 tensor cores) want 16-element aligned rows.
@@ -85,11 +92,13 @@ class _FP4LinearFn(torch.autograd.Function):
                 # under autocast, like nn.Linear's operands.
                 a_codes, a_scale, a_vals, r = ops.quantize_fp4_clamped(
                     x2d, bounds, cfg.scale_mode, per_tensor_a, fold=cfg.occ_compensation, values_dtype=vals_dtype)
-                if cfg.occ_compensation:
-                    # what backward keeps: ~2% non-zeros; R^T when backward runs on CPU sparse
-                    # kernels (saves a transpose there), R for the Triton path's forward product
-                    resid_t = a_vals is not None
-                    resid = _sparse_residual(r, transpose=resid_t)
+                if cfg.occ_compensation and a_vals is None:
+                    # Triton path: a fixed-capacity compact residual, built without a host sync
+                    resid = _compact_residual(r, cfg.occ_alpha)
+                elif cfg.occ_compensation:
+                    # what backward keeps: ~2% non-zeros; R^T in CSR form for the CPU sparse kernels
+                    resid_t = True
+                    resid = _sparse_residual(r, transpose=True)
                 else:
                     r = None
             else:
@@ -100,20 +109,27 @@ class _FP4LinearFn(torch.autograd.Function):
                 y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
             elif r is not None:
+                # Triton path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM on the
+                # dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse one,
+                # which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
+                # R and the E2M1 values are exact in R's dtype, the accumulation is fp32.
                 y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias)
-                w_dq = _dequant_weight(w_codes, w_scale, k, torch.float32)
-                y = y.add_(torch.sparse.mm(resid, w_dq.t())).to(out_dtype)
+                w_q = ops.decode_packed_fp4(w_codes, k, r.dtype)
+                y = y.add_(_mm_f32(r, w_q.t()).div_(w_scale[None, :])).to(out_dtype)
             else:
                 y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
-        ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, resid)
+        compact = isinstance(resid, tuple)
+        ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, *(resid if compact else (resid,)))
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
+        ctx.compact_shape = tuple(x2d.shape) if compact else None
         ctx.resid_t = resid_t
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        a_codes, a_scale, w_codes, w_scale, weight, resid = ctx.saved_tensors
+        a_codes, a_scale, w_codes, w_scale, weight, *resid = ctx.saved_tensors
+        resid = tuple(resid) if ctx.compact_shape is not None else resid[0]
         cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
         n = weight.shape[0]
         dy2d = dy.reshape(-1, n)
@@ -133,7 +149,9 @@ class _FP4LinearFn(torch.autograd.Function):
                 # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
                 # factor: DGE multiplies the whole dL/dW_q
                 comp = None
-                if resid is not None:
+                if ctx.compact_shape is not None:  # Triton path: dense GeMM on R scattered back
+                    comp = _compact_wgrad(dy2d, resid, ctx.compact_shape)
+                elif resid is not None:
                     rt = resid if ctx.resid_t else _csr_transpose(resid)
                     dyf = dy2d.float()
                     comp = torch.sparse.mm(rt, dyf).t()
@@ -155,6 +173,49 @@ def _quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.d
     """(packed codes, per-channel scales, decoded values or None) of the weight."""
     return ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
                             values_dtype=values_dtype)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32: bf16/fp16 operands stay half precision on CUDA (tensor cores, fp32
+    accumulation and output); otherwise both are promoted to fp32."""
+    if a.device.type == "cuda" and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _compact_residual(r: torch.Tensor, alpha: float):
+    """Dense residual R (M x K) -> ``(flat indices, values, overflow)`` with no host sync.
+
+    Fixed capacity ``OCC_CAPACITY_MARGIN * 2 (1 - alpha) M K + OCC_CAPACITY_SLACK`` (at most
+    M K), filled by ``torch.nonzero_static`` in row-major order; unused slots hold index 0 and
+    value 0 (adding them back is exact). Indices are int32 when they fit, values keep R's
+    dtype: 6 bytes per slot for bf16 activations, ~0.18 bytes per activation element at
+    alpha = 0.99. ``overflow`` (a 0-dim bool on the device) is set when R has more non-zeros
+    than slots; backward then returns a NaN weight gradient (never a silently wrong one),
+    which the non-finite step check of loss scaling skips.
+    """
+    flat = r.reshape(-1)
+    n = flat.numel()
+    cap = min(n, math.ceil(n * 2.0 * (1.0 - alpha) * OCC_CAPACITY_MARGIN) + OCC_CAPACITY_SLACK)
+    nz = flat != 0
+    idx = torch.nonzero_static(nz, size=cap, fill_value=-1).reshape(-1)
+    used = idx >= 0
+    idx = idx.clamp_min(0)
+    vals = torch.where(used, flat[idx], torch.zeros((), dtype=flat.dtype, device=flat.device))
+    overflow = nz.sum() > cap
+    return idx.to(torch.int32) if n < 2**31 else idx, vals, overflow
+
+
+def _compact_wgrad(dy2d: torch.Tensor, resid: tuple, shape) -> torch.Tensor:
+    """OCC's share of the weight gradient, ``dY^T R`` (N x K, fp32), from the compact residual:
+    R is scattered back into a transient dense buffer and multiplied on the tensor cores
+    (the same FLOPs as one bf16 GeMM of the layer; no host sync)."""
+    idx, vals, overflow = resid
+    m, k = shape
+    dense = torch.zeros(m * k, dtype=vals.dtype, device=vals.device)
+    dense.index_add_(0, idx.long(), vals)  # padding slots add 0 at index 0: exact
+    comp = _mm_f32(dy2d.t(), dense.view(m, k))
+    return torch.where(overflow, torch.full((), float("nan"), device=comp.device), comp)
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, vals: torch.Tensor, shape) -> torch.Tensor:
@@ -198,11 +259,6 @@ def _csr_transpose(a: torch.Tensor) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return _csr(new_crow, rows[order], a.values()[order], (k, m))
-
-
-def _dequant_weight(w_codes: torch.Tensor, w_scale: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    vals = ops.decode_packed_fp4(w_codes, k, torch.float32)
-    return (vals / w_scale[:, None]).to(dtype)
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
