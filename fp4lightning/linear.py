@@ -47,7 +47,7 @@ __all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape"]
 #: expected non-zero count 2 (1 - alpha) M K (section 3.3), plus a fixed slack. The quantiles
 #: come from a sample, so the real count moves by ~0.05 points around 2 (1 - alpha) (docs/perf.md).
 OCC_CAPACITY_MARGIN = 1.5
-OCC_CAPACITY_SLACK = 1024
+OCC_CAPACITY_SLACK = 256
 
 #: Feature sizes must be multiples of this: two FP4 codes share a byte, and the GPU
 #: GeMMs (TMA / FP8 tensor cores) want 16-element aligned rows.
@@ -93,7 +93,10 @@ class _FP4LinearFn(torch.autograd.Function):
                 a_codes, a_scale, a_vals, r = ops.quantize_fp4_clamped(
                     x2d, bounds, cfg.scale_mode, per_tensor_a, fold=cfg.occ_compensation, values_dtype=vals_dtype)
                 if cfg.occ_compensation and a_vals is None:
-                    # Triton path: a fixed-capacity compact residual, built without a host sync
+                    # Triton path: R in the compute dtype (bf16 under autocast, as the reference
+                    # path's folded operand and nn.Linear's operands), kept for backward in a
+                    # fixed-capacity compact form built without a host sync
+                    r = r.to(vals_dtype)
                     resid = _compact_residual(r, cfg.occ_alpha)
                 elif cfg.occ_compensation:
                     # what backward keeps: ~2% non-zeros; R^T in CSR form for the CPU sparse kernels

@@ -556,6 +556,26 @@ def test_fp4linear_triton_occ_capacity_overflow_gives_nan_wgrad(monkeypatch):
     assert torch.equal(x.grad, dx_ok)  # dA does not use the residual
 
 
+def test_fp4linear_triton_paper_saved_bytes_within_budget(monkeypatch):
+    # the compact residual keeps the Triton path within the reference path's budget
+    from fp4lightning.analysis import saved_tensor_bytes
+    from ._numerics import heavy_tailed
+    from .test_linear import SAVED_BYTES_RATIO_MAX
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
+    lin = torch.nn.Linear(1024, 64).to(DEV)
+    fp4 = FP4Linear.from_linear(lin)
+    x = heavy_tailed(256, 1024).to(DEV).requires_grad_(True)
+
+    def saved(module):
+        def run():
+            with torch.autocast(DEV.type, dtype=torch.bfloat16):
+                module(x)
+        return saved_tensor_bytes(module, run)
+
+    fp4_bytes, bf16_bytes = saved(fp4), saved(lin)
+    assert fp4_bytes / bf16_bytes < SAVED_BYTES_RATIO_MAX, (fp4_bytes, bf16_bytes)
+
+
 # --------------------------------------------------------------------------- strides (issue 11, bug 3)
 def test_kernels_accept_any_strides():
     # transposed and sliced operands are copied once, as nn.Linear accepts them
