@@ -181,7 +181,8 @@ def _quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.d
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in fp32: bf16/fp16 operands stay half precision on CUDA (tensor cores, fp32
     accumulation and output); otherwise both are promoted to fp32."""
-    if a.device.type == "cuda" and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+    if (a.device.type == "cuda" and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+            and hasattr(torch.ops.aten.mm, "dtype")):
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 
