@@ -31,6 +31,8 @@ DEFAULT_SAMPLE_SIZE = 65536
 
 #: Knuth's multiplicative-hash prime; i * P mod n scatters i over [0, n) like a random draw
 _LATTICE_PRIME = 2654435761
+#: largest tensor whose quantiles are read from one sort on CUDA (transient memory ~3x its size)
+_SORT_MAX = 1 << 22
 _SAMPLE_INDEX: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
@@ -50,14 +52,21 @@ def _sample_index(n: int, size: int, device: torch.device) -> torch.Tensor:
 def _kth_quantiles(flat: torch.Tensor, probs: tuple[float, float]) -> torch.Tensor:
     """Linear-interpolated quantiles (torch.quantile's default) by selection."""
     n = flat.numel()
+    # On CUDA one sort of a sample-sized tensor replaces four single-block kthvalue selections
+    # (those took 1.1 ms at 65,536 samples on an H200, 2026-11-30): the same order statistics.
+    srt = flat.sort().values if flat.is_cuda and n <= _SORT_MAX else None
+
+    def kth(i):  # the i-th smallest value, 0-based
+        return srt[i] if srt is not None else flat.kthvalue(i + 1).values
+
     out = []
     for p in probs:
         pos = p * (n - 1)
         lo_i = int(pos)
         frac = pos - lo_i
-        v_lo = flat.kthvalue(lo_i + 1).values
+        v_lo = kth(lo_i)
         if frac > 0 and lo_i + 1 < n:
-            v_hi = flat.kthvalue(lo_i + 2).values
+            v_hi = kth(lo_i + 1)
             v_lo = v_lo + (v_hi - v_lo) * frac
         out.append(v_lo)
     return torch.stack(out)
