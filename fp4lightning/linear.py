@@ -16,8 +16,9 @@ Backward (dY in FP8 E5M2 by default, see ``fp4lightning.ops``):
   or plain STE when DGE is off.
 
 What is saved for backward is the *quantized* activation - packed FP4 codes (half a
-byte per element), its per-token scales and the sparse residual in CSR form - never
-the high-precision input. The packed weight codes are saved too (half a byte per
+byte per element), its per-token scales and the sparse residual in CSR form (on the
+Triton path: a fixed-capacity list of (index, value) pairs built without a host sync, see
+``_compact_residual``) - never the high-precision input. The packed weight codes are saved too (half a byte per
 weight element, against the bf16 copy of W autocast saves for ``nn.Linear``). The
 high-precision weight stays the ``nn.Parameter``, so optimizers and checkpoints see
 an ordinary Linear.
