@@ -17,7 +17,7 @@ __all__ = ["COMMANDS", "main", "build_parser"]
 #: (subcommand, module implementing HELP / add_arguments / run), in --help order
 COMMANDS: list[tuple[str, str]] = [
     ("data", "fp4lightning.data"),
-    ("train", "fp4lightning.train"),
+    ("train", "fp4lightning.pretrain"),
     ("export-hf", "fp4lightning.models.hf"),
     ("import-hf", "fp4lightning.initialize"),
     ("eval", "fp4lightning.eval.run"),

@@ -274,7 +274,7 @@ def zero_shot_table(evals: dict[str, list[dict]]) -> str:
 def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4, batch_size: int = 8) -> list[dict]:
     import torch
 
-    from .analysis import capture_linear_inputs, occ_fidelity_report
+    from .fidelity import capture_linear_inputs, occ_fidelity_report
     from .checkpoint import load_checkpoint
     from .data import PreparedData, ValWindowDataset
 
@@ -354,7 +354,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
     """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
     from .recipe import load_recipe
-    from .train import train
+    from .pretrain import train
 
     parsed = [parse_variant(v) for v in variants]  # fail on a bad variant before hours of training
     if len({v.name for v in parsed}) != len(parsed) or not parsed:
@@ -460,7 +460,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                 evals[v.name].append(run_s["zero_shot"])
         md += ["## Zero-shot (lm-eval)", "", zero_shot_table(evals), ""]
     if occ_report:
-        from .analysis import format_occ_table
+        from .fidelity import format_occ_table
 
         src = next((v for v in parsed if not v.high_precision), parsed[0]).name
         occ = _occ_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir), base.data.seq_len)

@@ -18,7 +18,7 @@ FSDP2 reduce-scatters it, and a post-reduce-scatter hook (``set_all_reduce_hook`
 gradient shard by the DGE factor of its own weight rows. Same value as the unsharded layer's gradient
 up to fp32 rounding order.
 
-Entry point: :func:`fully_shard_fp4` (used by :class:`~fp4lightning.module.LlamaLightningModule` under
+Entry point: :func:`fully_shard_fp4` (used by :class:`~fp4lightning.lightning_module.LlamaLightningModule` under
 Lightning's ``ModelParallelStrategy`` and usable from a plain ``torchrun`` script).
 """
 

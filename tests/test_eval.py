@@ -51,7 +51,7 @@ def _train(data_dir: Path, out: Path, steps: int, fp4: dict | None, tokenizer: b
     import lightning as L
 
     from fp4lightning.data import TokenDataModule
-    from fp4lightning.module import LlamaLightningModule
+    from fp4lightning.lightning_module import LlamaLightningModule
     from fp4lightning.recipe import load_recipe, recipe_to_dict
 
     dm = TokenDataModule(data_dir, seq_len=64, micro_batch_size=8, train_batches=steps, val_batches=1)

@@ -239,7 +239,7 @@ def _lightning_checks(rank, out_dir, seed):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fp4lightning.fsdp import FP4ShardedWeight
-    from fp4lightning.module import LlamaLightningModule
+    from fp4lightning.lightning_module import LlamaLightningModule
     from fp4lightning.strategy import FP4FSDPStrategy
 
     module = LlamaLightningModule(

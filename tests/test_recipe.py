@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
-from fp4lightning.train import _precision_setup, make_module
+from fp4lightning.pretrain import _precision_setup, make_module
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 PAPER = {"llama2-1.3b": 32, "llama2-7b": 64, "llama2-13b": 128}  # recipe -> gradient accumulation

@@ -27,7 +27,7 @@ from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, read_ch
 from fp4lightning.cli import main as cli_main
 from fp4lightning.nonfinite import NonFiniteError
 from fp4lightning.recipe import load_recipe
-from fp4lightning.train import EXIT_NONFINITE, LAST_CKPT, build, train
+from fp4lightning.pretrain import EXIT_NONFINITE, LAST_CKPT, build, train
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 
@@ -135,7 +135,7 @@ PLAN = {2: "gradient", 3: "dY", 5: "activation", 6: "embedding"}
 @pytest.mark.parametrize("precision", ["fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed"])
 def test_nonfinite_step_is_skipped_at_every_stage(corpus, tmp_path, precision, one_thread):
     inj = Injector(PLAN)
-    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.train
+    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.pretrain
         cfg = load_recipe(None, tiny_overrides(corpus, tmp_path, "schedule.max_steps=7",
                                                f"trainer.precision={precision}"))
         result = train(cfg, callbacks=[inj])
@@ -188,7 +188,7 @@ DDP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from fp4lightning.nonfinite import NonFiniteError
     from fp4lightning.recipe import load_recipe
-    from fp4lightning.train import train, EXIT_NONFINITE
+    from fp4lightning.pretrain import train, EXIT_NONFINITE
     from tests.test_reliability import Injector
     from tests.test_train import tiny_overrides
 

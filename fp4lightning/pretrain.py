@@ -2,7 +2,7 @@
 
 Builds the pieces from a resolved :class:`~fp4lightning.recipe.RecipeConfig`: the
 :class:`~fp4lightning.data.TokenDataModule`, the
-:class:`~fp4lightning.module.LlamaLightningModule` (AdamW + warmup/cosine, arXiv
+:class:`~fp4lightning.lightning_module.LlamaLightningModule` (AdamW + warmup/cosine, arXiv
 2501.17116 section 7), a Lightning ``Trainer`` with checkpointing, CSV and TensorBoard
 loggers, and FP4 through :func:`_precision_setup`.
 
@@ -39,7 +39,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from fp4lightning.checkpoint import AtomicCheckpointIO, remove_stale_temporaries
 from fp4lightning.data import TokenDataModule, prepare_command
-from fp4lightning.module import LlamaLightningModule, fp4_config_from_spec
+from fp4lightning.lightning_module import LlamaLightningModule, fp4_config_from_spec
 from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
 from fp4lightning.trainer import Trainer
@@ -389,7 +389,7 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
         return lines
     import math
 
-    from fp4lightning.module import warmup_cosine
+    from fp4lightning.lightning_module import warmup_cosine
 
     def lr_at(h: dict) -> float:
         warmup = max(1, math.ceil(h["warmup_fraction"] * h["max_steps"]))  # as LlamaLightningModule
