@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from fp4lightning.errors import UserError
 from fp4lightning.models.llama import Llama, LlamaConfig
 from fp4lightning.tokenizer import Tokenizer
 
@@ -37,7 +38,7 @@ TMP_GLOB = ".*.ckpt.*.tmp"
 _PREFIX = "model."
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, unreadable or not an fp4lightning checkpoint (names the file)."""
 
 

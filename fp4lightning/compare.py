@@ -28,7 +28,6 @@ gaps is ``--reference``, by default the BF16 variant with the lowest mean valida
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -38,12 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import PRESETS
+from .errors import UsageError
 
-__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "read_metrics", "spread", "paired_gap", "paired_diff",
-           "add_arguments", "run", "HELP", "EXPERIMENT_VARIANTS"]
+__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "read_metrics", "spread", "paired_gap", "paired_diff", "EXPERIMENT_VARIANTS"]
 
-HELP = "train one recipe under several precisions (BF16, FP4, ablations) and seeds, and compare them"
-DEFAULT_VARIANTS = "bf16,fp4,w4a4-direct,fp4-no-dge,fp4-no-occ"
 HIGH_PRECISION = {"bf16": "bf16-mixed", "fp32": "32-true"}
 #: variants that are an FP4 preset plus FP4Config overrides (the DGE experiments, docs/results.md)
 EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
@@ -92,18 +89,18 @@ def parse_variant(spec: str) -> Variant:
     base, _, rest = spec.strip().partition("@")
     known = ("bf16", "fp32", "fp4", *sorted(PRESETS), *EXPERIMENT_VARIANTS)
     if base not in HIGH_PRECISION and base != "fp4" and base not in PRESETS and base not in EXPERIMENT_VARIANTS:
-        raise ValueError(f"unknown variant {base!r}; choose from {', '.join(dict.fromkeys(known))}")
+        raise UsageError(f"unknown variant {base!r}; choose from {', '.join(dict.fromkeys(known))}")
     lr = None
     if rest:
         key, _, value = rest.partition("=")
         if key != "lr" or not value:
-            raise ValueError(f"variant {spec!r}: only '@lr=VALUE' may follow the name (e.g. bf16@lr=1e-3)")
+            raise UsageError(f"variant {spec!r}: only '@lr=VALUE' may follow the name (e.g. bf16@lr=1e-3)")
         try:
             lr = float(value)
         except ValueError:
-            raise ValueError(f"variant {spec!r}: learning rate {value!r} is not a number") from None
+            raise UsageError(f"variant {spec!r}: learning rate {value!r} is not a number") from None
         if not lr > 0:
-            raise ValueError(f"variant {spec!r}: learning rate must be positive")
+            raise UsageError(f"variant {spec!r}: learning rate must be positive")
     return Variant(spec.strip(), base, lr)
 
 
@@ -358,11 +355,11 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
 
     parsed = [parse_variant(v) for v in variants]  # fail on a bad variant before hours of training
     if len({v.name for v in parsed}) != len(parsed) or not parsed:
-        raise ValueError(f"variants must be distinct and at least one, got {variants}")
+        raise UsageError(f"variants must be distinct and at least one, got {variants}")
     if seeds < 1:
-        raise ValueError(f"--seeds must be at least 1, got {seeds}")
+        raise UsageError(f"--seeds must be at least 1, got {seeds}")
     if reference is not None and reference not in {v.name for v in parsed}:
-        raise ValueError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
+        raise UsageError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
     base = load_recipe(recipe, overrides)
     seed_list = [base.seed + i for i in range(seeds)]
     out_dir = Path(out_dir or f"runs/compare-{base.name}")
@@ -489,41 +486,3 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
     print(f"\n[compare] wrote {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, "
           f"{out_dir / 'summary.json'}, {png}", flush=True)
     return summary
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", nargs="?", default=None, help="recipe YAML (default: the tiny recipe)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides shared by every variant")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma-separated: bf16, fp32, fp4, FP4 presets or fp4-dge-frozen, each optionally "
-                             f"NAME@lr=X for its own peak learning rate (default: {DEFAULT_VARIANTS})")
-    parser.add_argument("--seeds", type=int, default=1,
-                        help="train every variant with seeds seed..seed+N-1 (the recipe's seed first); "
-                             "tables report mean, std and per-seed values (default: 1)")
-    parser.add_argument("--reference", default=None,
-                        help="variant the gaps are relative to (default: the BF16 variant with the lowest mean "
-                             "validation loss, else the first)")
-    parser.add_argument("--dge-probe", type=int, default=0, metavar="N",
-                        help="record the weights' quantization error and in-interval positions every N steps "
-                             "(fp4lightning.dge_probe); 0 = off")
-    parser.add_argument("--out", default=None, help="output folder (default: runs/compare-<recipe name>)")
-    parser.add_argument("--eval-tasks", default="offline",
-                        help="lm-eval tasks for the zero-shot table (offline | paper | ...); 'none' skips it")
-    parser.add_argument("--eval-limit", type=int, default=None, help="at most this many items per eval task")
-    parser.add_argument("--no-occ-report", action="store_true", help="skip the OCC fidelity table")
-    parser.add_argument("--reuse", action="store_true",
-                        help="reuse runs whose checkpoint already exists in the output folder")
-
-
-def run(args: argparse.Namespace) -> int:
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        recipe, overrides = None, [recipe, *overrides]
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if len(set(variants)) != len(variants) or not variants:
-        raise ValueError(f"--variants must list distinct variants, got {args.variants!r}")
-    compare(recipe, overrides, variants, Path(args.out) if args.out else None,
-            None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
-            not args.no_occ_report, args.reuse, seeds=args.seeds, dge_probe=args.dge_probe,
-            reference=args.reference)
-    return 0

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from fp4lightning.errors import InputNotFoundError, UserError
 from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
 
 __all__ = [
@@ -90,11 +91,11 @@ BUILTIN_PACKAGES = (
 )
 
 
-class DataSourceError(RuntimeError):
+class DataSourceError(UserError, RuntimeError):
     """A corpus source cannot be read (missing path, no network for hf:, bad checksum)."""
 
 
-class DataNotPreparedError(FileNotFoundError):
+class DataNotPreparedError(InputNotFoundError):
     """The data directory has no prepared shards; the message names the prepare command."""
 
 
@@ -907,54 +908,3 @@ class TokenDataModule(L.LightningDataModule):
         ds = ValWindowDataset(self.data.shards("val"), self.seq_len, n)
         # each rank evaluates a disjoint slice; the torchmetrics states are summed across ranks
         return DataLoader(Subset(ds, range(rank, len(ds), world)), batch_size=self.micro_batch_size)
-
-
-# ----------------------------------------------------------------------------- CLI
-HELP = "prepare a corpus: tokenizer + token shards (`data prepare`)"
-
-
-def add_arguments(parser) -> None:
-    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    p = sub.add_parser("prepare", help="download/read, tokenise and shard a corpus (idempotent)",
-                       description="Train a byte-level BPE on the corpus and write train/val token shards. "
-                                   "A second run with the same arguments reuses what is there.")
-    p.add_argument("--source", default=None,
-                   help="builtin (default), a local file/folder of .txt/.md/.rst/.jsonl/.parquet, or hf:NAME[:CONFIG]")
-    p.add_argument("--out", default=None, help="output folder (default: data/builtin, data/<name>)")
-    p.add_argument("--recipe", default=None,
-                   help="take source, folder, vocabulary size, val fraction and token cap from a recipe's data section")
-    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary (default 4096)")
-    p.add_argument("--val-fraction", type=float, default=None, help="share of documents held out (default 0.02)")
-    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (hf: corpora)")
-    p.add_argument("--text-key", default=None, help="JSONL field / Parquet column / dataset field (default text)")
-    p.add_argument("--cache-dir", default=None, help="where downloads are kept (default: <out>/../downloads)")
-    p.add_argument("--force", action="store_true", help="prepare again even if up to date")
-    p.add_argument("--on-bad-record", choices=("error", "skip"), default="error",
-                   help="a record that is not text (bad UTF-8 in .jsonl, a non-string or null field, a binary file): "
-                        "stop with its file and line (error, default) or drop it and count it (skip)")
-
-
-def run(args) -> int:
-    opts = {"source": "builtin", "out": None, "vocab_size": 4096, "val_fraction": 0.02, "max_tokens": None,
-            "text_key": "text"}
-    if args.recipe is not None:
-        from fp4lightning.recipe import load_recipe
-
-        d = load_recipe(args.recipe).data
-        opts.update(source=d.source, out=d.dir, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                    max_tokens=d.max_tokens, text_key=d.text_key)
-    for key in opts:
-        if getattr(args, key, None) is not None:
-            opts[key] = getattr(args, key)
-    prepare(
-        source=opts["source"],
-        out_dir=opts["out"],
-        vocab_size=opts["vocab_size"],
-        val_fraction=opts["val_fraction"],
-        max_tokens=opts["max_tokens"],
-        text_key=opts["text_key"],
-        cache_dir=args.cache_dir,
-        force=args.force,
-        on_bad_record=args.on_bad_record,
-    )
-    return 0

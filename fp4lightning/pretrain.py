@@ -21,7 +21,6 @@ continues from ``checkpoints/last.ckpt`` with the same data order.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import os
@@ -37,16 +36,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from fp4lightning.errors import InputNotFoundError
 from fp4lightning.checkpoint import AtomicCheckpointIO, remove_stale_temporaries
 from fp4lightning.data import TokenDataModule, prepare_command
 from fp4lightning.lightning_module import LlamaLightningModule, fp4_config_from_spec
 from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
-from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
+from fp4lightning.recipe import RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
 from fp4lightning.trainer import Trainer
 
-__all__ = ["train", "build", "make_module", "PrecisionSetup", "TrainResult", "add_arguments", "run", "plot_losses"]
+__all__ = ["train", "build", "make_module", "PrecisionSetup", "TrainResult", "plot_losses"]
 
-HELP = "pretrain a LLaMA from a recipe YAML"
 LAST_CKPT = "last.ckpt"
 
 
@@ -151,14 +150,14 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
     if ckpt != "last":
         path = Path(ckpt)
         if not path.exists():
-            raise FileNotFoundError(
+            raise InputNotFoundError(
                 f"cannot resume: checkpoint {path} does not exist (train without --resume / ckpt_path to start fresh)")
         _check_resumable(path, cfg)
         return str(path)
     ckpt_dir = Path(cfg.out_dir) / "checkpoints"
     candidates = _checkpoint_candidates(ckpt_dir) if ckpt_dir.is_dir() else []
     if not candidates:
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"cannot resume: checkpoint {ckpt_dir / LAST_CKPT} does not exist and {ckpt_dir} has no step=N.ckpt "
             "(train without --resume / ckpt_path to start fresh)")
     problems = []
@@ -513,44 +512,3 @@ def _report(trainer, out: Path, status: str) -> TrainResult:
     print(f"loss curve : {png if png else '(no logged steps)'}")
     print("=" * 72, flush=True)
     return TrainResult(out, ckpt.resolve() if ckpt else None, logs, png, val_loss, False)
-
-
-#: exit status of `fp4lightning train` after SIGTERM (checkpoint saved; 128 + SIGTERM, as a shell reports it)
-EXIT_PREEMPTED = 143
-#: exit status when training stopped on non-finite steps (fp4lightning.nonfinite)
-EXIT_NONFINITE = 3
-
-
-# ----------------------------------------------------------------------------- CLI
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", nargs="?", default=None,
-                        help="recipe YAML (default: the built-in tiny recipe, same as recipes/tiny.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="recipe overrides, e.g. schedule.max_steps=50 trainer.precision=bf16-mixed")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from <out_dir>/checkpoints/last.ckpt, or the newest step=N.ckpt that loads "
-                             "(same as ckpt_path=last)")
-    parser.add_argument("--verify-data", action="store_true",
-                        help="check every data shard against the sha256 recorded by `data prepare` before training "
-                             "(sizes are always checked)")
-
-
-def run(args: argparse.Namespace) -> int:
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        recipe, overrides = None, [recipe, *overrides]  # `fp4lightning train key=value`
-    cfg = load_recipe(recipe, overrides)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and Path(cfg.out_dir).joinpath("checkpoints").exists() \
-            and not args.resume and cfg.ckpt_path is None:
-        print(f"note: {cfg.out_dir} already has checkpoints; this run starts from scratch "
-              "(use --resume to continue)", flush=True)
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    try:
-        train(cfg, resume=args.resume, verify_data=args.verify_data)
-    except SIGTERMException:
-        return EXIT_PREEMPTED  # saved and resumable, but not finished: a scheduler must see the difference
-    except NonFiniteError as e:
-        print(f"fp4lightning train: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_NONFINITE
-    return 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
+from fp4lightning.errors import UsageError
 from fp4lightning.models.llama import LLAMA_CONFIGS, LlamaConfig
 
 __all__ = [
@@ -46,7 +47,7 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ", "nvfp4", "mxfp4", "mxfp4-rht-sr")
 
 
-class RecipeError(ValueError):
+class RecipeError(UsageError):
     """A recipe or override is invalid; the message names the dotted key."""
 
 

@@ -27,7 +27,8 @@ from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, read_ch
 from fp4lightning.cli import main as cli_main
 from fp4lightning.nonfinite import NonFiniteError
 from fp4lightning.recipe import load_recipe
-from fp4lightning.pretrain import EXIT_NONFINITE, LAST_CKPT, build, train
+from fp4lightning.cli import EXIT_NONFINITE
+from fp4lightning.pretrain import LAST_CKPT, build, train
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 
@@ -188,7 +189,8 @@ DDP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from fp4lightning.nonfinite import NonFiniteError
     from fp4lightning.recipe import load_recipe
-    from fp4lightning.pretrain import train, EXIT_NONFINITE
+    from fp4lightning.cli import EXIT_NONFINITE
+    from fp4lightning.pretrain import train
     from tests.test_reliability import Injector
     from tests.test_train import tiny_overrides
 
