@@ -55,7 +55,7 @@ _LAZY = {
     "dequantize": ".quantize",
     "fake_quantize": ".quantize",
     "FP4Precision": ".precision",
-    "DynamicLossScaler": ".precision",
+    "DynamicLossScaler": ".loss_scaler",
     "Trainer": ".trainer",
     "FP4DDPStrategy": ".strategy",
     "LowPrecisionAdamW": ".optim",

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import fp4lightning.trainer as fp4_trainer
 from fp4lightning.linear import FP4Linear
 from fp4lightning.optim import LowPrecisionAdamW, to_torch_adamw_state_dict
-from fp4lightning.precision import DynamicLossScaler, FP4Precision
+from fp4lightning.loss_scaler import DynamicLossScaler
+from fp4lightning.precision import FP4Precision
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
              enable_model_summary=False)
