@@ -207,7 +207,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     model = model.float().to(map_location).eval()
     if fp4 and hp.get("fp4"):
         from fp4lightning.convert import convert_to_fp4
-        from fp4lightning.lightning_module import fp4_config_from_spec
+        from fp4lightning.recipe import fp4_config_from_spec  # the spec the run recorded
 
         convert_to_fp4(model, fp4_config_from_spec(hp["fp4"]))
 

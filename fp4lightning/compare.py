@@ -28,7 +28,6 @@ gaps is ``--reference``, by default the BF16 variant with the lowest mean valida
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 import statistics
@@ -38,10 +37,10 @@ from pathlib import Path
 
 from .config import PRESETS
 from .errors import UsageError
+from .precision_names import HIGH_PRECISION_VARIANTS
 
-__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "read_metrics", "spread", "paired_gap", "paired_diff", "EXPERIMENT_VARIANTS"]
+__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread", "paired_gap", "paired_diff", "EXPERIMENT_VARIANTS"]
 
-HIGH_PRECISION = {"bf16": "bf16-mixed", "fp32": "32-true"}
 #: variants that are an FP4 preset plus FP4Config overrides (the DGE experiments, docs/results.md)
 EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
     # STE times DGE's per-element factor frozen at initialisation (fp4lightning.dge_probe)
@@ -60,7 +59,7 @@ class Variant:
     @property
     def preset(self) -> str:
         """The FP4 preset (``paper`` for ``fp4``) or the high-precision name (``bf16``, ``fp32``)."""
-        if self.base in HIGH_PRECISION:
+        if self.base in HIGH_PRECISION_VARIANTS:
             return self.base
         if self.base in EXPERIMENT_VARIANTS:
             return self.base
@@ -68,11 +67,11 @@ class Variant:
 
     @property
     def high_precision(self) -> bool:
-        return self.base in HIGH_PRECISION
+        return self.base in HIGH_PRECISION_VARIANTS
 
     def overrides(self) -> list[str]:
-        if self.base in HIGH_PRECISION:
-            out = [f"trainer.precision={HIGH_PRECISION[self.base]}"]
+        if self.base in HIGH_PRECISION_VARIANTS:
+            out = [f"trainer.precision={HIGH_PRECISION_VARIANTS[self.base]}"]
         elif self.base in EXPERIMENT_VARIANTS:
             preset, changes = EXPERIMENT_VARIANTS[self.base]
             out = ["trainer.precision=fp4", f"fp4.preset={preset}",
@@ -88,7 +87,7 @@ def parse_variant(spec: str) -> Variant:
     """``NAME`` or ``NAME@lr=X`` -> :class:`Variant`; unknown names and settings fail naming them."""
     base, _, rest = spec.strip().partition("@")
     known = ("bf16", "fp32", "fp4", *sorted(PRESETS), *EXPERIMENT_VARIANTS)
-    if base not in HIGH_PRECISION and base != "fp4" and base not in PRESETS and base not in EXPERIMENT_VARIANTS:
+    if base not in HIGH_PRECISION_VARIANTS and base != "fp4" and base not in PRESETS and base not in EXPERIMENT_VARIANTS:
         raise UsageError(f"unknown variant {base!r}; choose from {', '.join(dict.fromkeys(known))}")
     lr = None
     if rest:
@@ -107,21 +106,6 @@ def parse_variant(spec: str) -> Variant:
 def variant_overrides(variant: str) -> list[str]:
     """Recipe overrides that select ``variant`` (``NAME`` or ``NAME@lr=X``)."""
     return parse_variant(variant).overrides()
-
-
-def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
-    """``{"train": {step: loss}, "val": {step: loss}}`` from a run's CSV logs (resumes merged)."""
-    out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
-    logs = sorted((run_dir / "logs" / "csv").glob("version_*/metrics.csv"),
-                  key=lambda p: int(p.parent.name.split("_")[1]))
-    for path in logs:
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                step = int(row["step"])
-                for key, name in (("train", "train/loss"), ("val", "val/loss")):
-                    if row.get(name):
-                        out[key][step] = float(row[name])
-    return out
 
 
 def spread(values: list[float]) -> dict:
@@ -351,7 +335,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
     """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
     from .recipe import load_recipe
-    from .pretrain import train
+    from .pretrain import read_losses, train
 
     parsed = [parse_variant(v) for v in variants]  # fail on a bad variant before hours of training
     if len({v.name for v in parsed}) != len(parsed) or not parsed:
@@ -392,7 +376,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                 train(cfg, callbacks=callbacks)
                 wall = time.perf_counter() - t0
                 (run_dir / "compare_wall.json").write_text(json.dumps({"wall_s": wall}))
-            m = read_metrics(run_dir)
+            m = read_losses(run_dir)
             if not m["val"]:
                 raise RuntimeError(f"variant {v.name} seed {seed}: no validation loss was logged in {run_dir}/logs; "
                                    "set trainer.val_every_n_steps so validation runs at least once")

@@ -128,6 +128,13 @@ def test_unknown_precision_lists_the_valid_ones():
         FP4Precision(compute_dtype="fp8")
     with pytest.raises(ValueError, match="FSDP.*configure_model"):
         fp4_trainer.Trainer(precision="fp4", strategy="fsdp", **QUIET)
+    # the project's FSDP2 strategy (a ModelParallelStrategy) is FSDP too: the same way out
+    from fp4lightning.strategy import FP4FSDPStrategy
+
+    with pytest.raises(ValueError, match="FSDP.*configure_model"):
+        fp4_trainer.Trainer(precision="fp4", strategy=FP4FSDPStrategy(), **QUIET)
+    with pytest.raises(ValueError, match="FSDP.*configure_model"):
+        fp4_trainer.Trainer(plugins=[FP4Precision()], strategy="fp4_fsdp", **QUIET)
 
 
 def test_fp16_where_autocast_cannot_run_says_so():
