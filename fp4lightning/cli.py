@@ -69,6 +69,7 @@ def _data_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _data_run(args: argparse.Namespace) -> int:
     from fp4lightning.data import prepare
+    from fp4lightning.eval.tasks import build_offline_tasks
 
     opts = {"source": "builtin", "out": None, "vocab_size": 4096, "val_fraction": 0.02, "max_tokens": None,
             "text_key": "text"}
@@ -81,9 +82,11 @@ def _data_run(args: argparse.Namespace) -> int:
     for key in opts:
         if getattr(args, key, None) is not None:
             opts[key] = getattr(args, key)
-    prepare(source=opts["source"], out_dir=opts["out"], vocab_size=opts["vocab_size"],
-            val_fraction=opts["val_fraction"], max_tokens=opts["max_tokens"], text_key=opts["text_key"],
-            cache_dir=args.cache_dir, force=args.force, on_bad_record=args.on_bad_record)
+    out = prepare(source=opts["source"], out_dir=opts["out"], vocab_size=opts["vocab_size"],
+                  val_fraction=opts["val_fraction"], max_tokens=opts["max_tokens"], text_key=opts["text_key"],
+                  cache_dir=args.cache_dir, force=args.force, on_bad_record=args.on_bad_record)
+    # the offline zero-shot tasks from the held-out split (docs/evaluation.md); too little text warns
+    build_offline_tasks(out, strict=False)
     return 0
 
 
