@@ -503,7 +503,7 @@ def _consistent(out: Path) -> None:
 
 
 def test_two_concurrent_prepares_into_one_folder(tmp_path):
-    from fp4lightning.data import _FolderLock
+    from fp4lightning.data.build import _FolderLock
 
     a = _small_source(tmp_path / "a", ("argparse", "textwrap", "string"))
     b = _small_source(tmp_path / "b", ("decimal", "fractions", "statistics"))
