@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4lightning.errors import UsageError, run_command
+from fp4lightning.errors import run_command
 
 __all__ = ["Command", "COMMANDS", "main", "build_parser", "EXIT_PREEMPTED", "EXIT_NONFINITE"]
 
@@ -214,9 +214,7 @@ def _compare_run(args: argparse.Namespace) -> int:
     from fp4lightning.compare import compare
 
     recipe, overrides = _recipe_and_overrides(args)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if len(set(variants)) != len(variants) or not variants:
-        raise UsageError(f"--variants must list distinct variants, got {args.variants!r}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]  # compare() checks them
     compare(recipe, overrides, variants, Path(args.out) if args.out else None,
             None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
             not args.no_occ_report, args.reuse, seeds=args.seeds, dge_probe=args.dge_probe,
