@@ -23,7 +23,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning import FP4Config, FP4Linear  # noqa: E402
-from fp4lightning.analysis import saved_tensor_bytes  # noqa: E402
+from fp4lightning.fidelity import saved_tensor_bytes  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 
 DEFAULT_SHAPES = "2048x1024x2816,2048x2816x1024,2048x2048x2048"

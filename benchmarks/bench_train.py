@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning import FP4Config, LowPrecisionAdamW, convert_to_fp4  # noqa: E402
-from fp4lightning.analysis import saved_tensor_bytes  # noqa: E402
+from fp4lightning.fidelity import saved_tensor_bytes  # noqa: E402
 from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
 from fp4lightning.optim import state_bytes_per_param  # noqa: E402
 

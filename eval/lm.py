@@ -39,7 +39,6 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +49,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from torch import nn
 from tqdm import tqdm
 
+from fp4lightning.errors import InputNotFoundError, UsageError
 from fp4lightning.models.llama import Llama
 from fp4lightning.tokenizer import Tokenizer
 
@@ -98,7 +98,7 @@ def load_model_and_tokenizer(
 
     path = Path(checkpoint)
     if not path.exists():
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"checkpoint {path} not found. Pass a checkpoint written by `fp4lightning train` "
             "(a .ckpt file such as runs/<name>/checkpoints/last.ckpt, or the run folder runs/<name>) "
             "as pretrained=... (lm-eval) or CKPT (fp4lightning eval)"
@@ -110,13 +110,13 @@ def load_model_and_tokenizer(
         model, tok, recipe = load_checkpoint(path, map_location=map_location, fp4=True)
     tok = tok_override or tok
     if tok is None:
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"checkpoint {path} carries no tokenizer and none was found beside it; pass "
             "tokenizer=<data_dir>/tokenizer.json (the tokenizer of the data the model was trained on; "
             "--tokenizer for fp4lightning eval)"
         )
     if tok.vocab_size > model.config.vocab_size:
-        raise ValueError(
+        raise UsageError(
             f"tokenizer has {tok.vocab_size} tokens but the model's vocabulary is {model.config.vocab_size}: "
             "pass the tokenizer the checkpoint was trained with"
         )
@@ -132,7 +132,7 @@ def _load_tokenizer(tokenizer: str | Path | Tokenizer) -> Tokenizer:
     if tpath.is_dir():
         tpath = tpath / "tokenizer.json"
     if not tpath.is_file():
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"tokenizer file {tpath} not found; pass tokenizer=<data_dir>/tokenizer.json "
             "(written by `fp4lightning data prepare`)"
         )
@@ -191,11 +191,11 @@ class FP4LightningLM(TemplateLM):
     ):
         super().__init__()
         if pretrained is None:
-            raise ValueError("the fp4lightning model needs pretrained=<checkpoint path> (model_args)")
+            raise UsageError("the fp4lightning model needs pretrained=<checkpoint path> (model_args)")
         if linear not in LINEAR_MODES:
-            raise ValueError(f"linear={linear!r} is not one of {LINEAR_MODES}")
+            raise UsageError(f"linear={linear!r} is not one of {LINEAR_MODES}")
         if str(dtype) not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+            raise UsageError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
         if kwargs:
             log.warning("fp4lightning model: ignoring unknown model_args %s", sorted(kwargs))
         self._batch_size = _parse_batch_size(batch_size)  # None: "auto", settled once the model is loaded
@@ -208,7 +208,7 @@ class FP4LightningLM(TemplateLM):
 
         if isinstance(pretrained, nn.Module):
             if tokenizer is None:
-                raise ValueError("pass tokenizer=... (a Tokenizer or tokenizer.json path) with a model object")
+                raise UsageError("pass tokenizer=... (a Tokenizer or tokenizer.json path) with a model object")
             model, tok = pretrained, _load_tokenizer(tokenizer)
             info = {"trained_fp4": _fp4_config_of(model) is not None, "recipe": None, "checkpoint": None}
         else:
@@ -235,7 +235,7 @@ class FP4LightningLM(TemplateLM):
         model_max = int(getattr(cfg, "max_seq_len", 2048))
         self._max_length = int(max_length) if max_length else model_max
         if not 1 < self._max_length <= model_max:
-            raise ValueError(f"max_length={max_length} must be in [2, {model_max}] (the model's max_seq_len)")
+            raise UsageError(f"max_length={max_length} must be in [2, {model_max}] (the model's max_seq_len)")
         self.vocab_size = tok.vocab_size
         if self._batch_size is None:
             self._batch_size = self.detect_batch_size()
@@ -365,12 +365,12 @@ class FP4LightningLM(TemplateLM):
             inps, inplens, cont_toks_list = [], [], []
             for req_str, context_enc, continuation_enc in chunk:
                 if not context_enc or not continuation_enc:
-                    raise ValueError(
+                    raise UsageError(
                         f"request {req_str!r} tokenized to an empty context or continuation "
                         f"({len(context_enc)} / {len(continuation_enc)} tokens)"
                     )
                 if len(continuation_enc) > self.max_length:
-                    raise ValueError(f"a continuation of {len(continuation_enc)} tokens exceeds max_length={self.max_length}")
+                    raise UsageError(f"a continuation of {len(continuation_enc)} tokens exceeds max_length={self.max_length}")
                 if len(context_enc) + len(continuation_enc) > self.max_length + 1 and not warned:
                     log.warning("context + continuation longer than max_length=%d: truncating contexts from the left",
                                 self.max_length)
@@ -508,9 +508,9 @@ def _parse_batch_size(batch_size: int | str) -> int | None:
         try:
             batch_size = int(batch_size)
         except ValueError:
-            raise ValueError(f"batch_size must be an integer or auto, got {batch_size!r}") from None
+            raise UsageError(f"batch_size must be an integer or auto, got {batch_size!r}") from None
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     return int(batch_size)
 
 
@@ -520,5 +520,5 @@ def _as_bool(v: bool | str) -> bool:
             return True
         if v.lower() in ("false", "0", "no"):
             return False
-        raise ValueError(f"expected a boolean, got {v!r}")
+        raise UsageError(f"expected a boolean, got {v!r}")
     return bool(v)

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-HELP = "zero-shot accuracy / perplexity of a checkpoint with lm-eval (offline tasks, the paper's tasks, FP4 vs BF16)"
+from fp4lightning.errors import InputNotFoundError, UsageError, UserError, run_command
 
 __all__ = [
     "PAPER_TASKS",
@@ -90,7 +90,7 @@ def _offline_tasks() -> tuple[str, ...]:
 TASK_GROUPS = {"paper": PAPER_TASKS, "paper-ppl": PAPER_PPL_TASKS}  # plus "offline", resolved lazily
 
 
-class HubUnavailableError(RuntimeError):
+class HubUnavailableError(UserError, RuntimeError):
     """A hub-hosted lm-eval task cannot be loaded (no network and no cached copy)."""
 
 
@@ -110,7 +110,7 @@ def resolve_tasks(spec: str | list[str]) -> list[str]:
             names = (item,)
         out.extend(n for n in names if n not in out)
     if not out:
-        raise ValueError("--tasks is empty; use offline, paper, paper-ppl or comma-separated lm-eval task names")
+        raise UsageError("--tasks is empty; use offline, paper, paper-ppl or comma-separated lm-eval task names")
     return out
 
 
@@ -154,7 +154,7 @@ def _offline_task_dir(data_dir: Path) -> Path:
     from fp4lightning.eval.tasks import build_offline_tasks, offline_tasks_ready
 
     if not (data_dir / "meta.json").is_file():
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"the offline tasks are built from a prepared data directory, and {data_dir} is not one "
             f"(no meta.json). Prepare it (fp4lightning data prepare --out {data_dir}) or pass --data-dir"
         )
@@ -174,7 +174,7 @@ def _user_tasks(include_path: list[str] | None) -> set[str]:
         return set()
     for p in include_path:
         if not Path(p).is_dir():
-            raise FileNotFoundError(f"--include_path {p} is not a folder (it should hold lm-eval task YAMLs)")
+            raise InputNotFoundError(f"--include_path {p} is not a folder (it should hold lm-eval task YAMLs)")
     from lm_eval.tasks import TaskManager
 
     return set(TaskManager(include_path=list(include_path), include_defaults=False).all_tasks)
@@ -188,7 +188,7 @@ def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool,
     include = None
     if any(n in offline for n in names):
         if data_dir is None:
-            raise ValueError("offline tasks need a prepared data directory: pass --data-dir")
+            raise UsageError("offline tasks need a prepared data directory: pass --data-dir")
         include = str(_offline_task_dir(data_dir))
     others = [n for n in names if n not in offline and n not in user]
     import lm_eval.tasks
@@ -205,7 +205,7 @@ def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool,
     tm = TaskManager(include_path=paths or None, include_defaults=full_index)
     unknown = [n for n in names if n not in tm.all_tasks]
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"unknown lm-eval task(s) {unknown}; use offline, paper, paper-ppl, names from `lm-eval ls tasks`, "
             "or tasks defined in the YAMLs of an --include_path folder"
         )
@@ -439,7 +439,7 @@ def _load_or_evaluate(item: str, args: argparse.Namespace, out_dir: Path | None)
     path = Path(item)
     if path.suffix == ".json":
         if not path.is_file():
-            raise FileNotFoundError(f"results file {path} not found")
+            raise InputNotFoundError(f"results file {path} not found")
         results = json.loads(path.read_text())
         if "fp4lightning" not in results:
             results["fp4lightning"] = {"checkpoint": str(path), "linear": "?", "metrics": headline_metrics(results)}
@@ -506,7 +506,7 @@ def _limit(value: float | None) -> int | float | None:
     if value is None:
         return None
     if value <= 0:
-        raise ValueError(f"--limit must be positive, got {value}")
+        raise UsageError(f"--limit must be positive, got {value}")
     return int(value) if value >= 1 else value
 
 
@@ -517,41 +517,35 @@ def _default_out(ckpt: Path, linear: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     """Run ``fp4lightning eval`` from parsed arguments; returns the exit code."""
     args.limit = _limit(args.limit)
-    try:
-        if args.compare:
-            if args.checkpoint:
-                raise ValueError("give either CKPT or --compare A B, not both")
-            res = []
-            for tag, item in zip(("a", "b"), args.compare):
-                out = None
-                if Path(item).suffix != ".json":
-                    out = (Path(args.out) / tag) if args.out else _default_out(Path(item), args.linear)
-                res.append(_load_or_evaluate(item, args, out))
-            ma, mb = (r["fp4lightning"].get("metrics") or headline_metrics(r) for r in res)
-            la, lb = (_short_label(r) for r in res)
-            if la == lb:
-                la, lb = f"A: {la}", f"B: {lb}"
-            table = compare_table(ma, mb, la, lb)
-            legend = f"A = {_label(res[0])}\nB = {_label(res[1])}"
-            print(f"\n{legend}\n\n{table}\n")
-            if args.out:
-                out = Path(args.out)
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "compare.md").write_text(f"{legend}\n\n{table}\n")
-                (out / "compare.json").write_text(json.dumps({"a": res[0]["fp4lightning"], "b": res[1]["fp4lightning"]},
-                                                             indent=2, default=_json_default))
-            return 0
-        if not args.checkpoint:
-            raise ValueError("give a checkpoint to evaluate (fp4lightning eval CKPT) or --compare A B")
-        out = Path(args.out) if args.out else _default_out(Path(args.checkpoint), args.linear)
-        _load_or_evaluate(args.checkpoint, args, out)
-        print(f"[eval] wrote {out / 'results.json'} and {out / 'results.md'}")
+    if args.compare:
+        if args.checkpoint:
+            raise UsageError("give either CKPT or --compare A B, not both")
+        res = []
+        for tag, item in zip(("a", "b"), args.compare):
+            out = None
+            if Path(item).suffix != ".json":
+                out = (Path(args.out) / tag) if args.out else _default_out(Path(item), args.linear)
+            res.append(_load_or_evaluate(item, args, out))
+        ma, mb = (r["fp4lightning"].get("metrics") or headline_metrics(r) for r in res)
+        la, lb = (_short_label(r) for r in res)
+        if la == lb:
+            la, lb = f"A: {la}", f"B: {lb}"
+        table = compare_table(ma, mb, la, lb)
+        legend = f"A = {_label(res[0])}\nB = {_label(res[1])}"
+        print(f"\n{legend}\n\n{table}\n")
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "compare.md").write_text(f"{legend}\n\n{table}\n")
+            (out / "compare.json").write_text(json.dumps({"a": res[0]["fp4lightning"], "b": res[1]["fp4lightning"]},
+                                                         indent=2, default=_json_default))
         return 0
-    except (HubUnavailableError, FileNotFoundError, ValueError) as e:
-        if os.environ.get("FP4LIGHTNING_DEBUG"):
-            raise
-        print(f"fp4lightning eval: error: {e}", file=sys.stderr)
-        return 2
+    if not args.checkpoint:
+        raise UsageError("give a checkpoint to evaluate (fp4lightning eval CKPT) or --compare A B")
+    out = Path(args.out) if args.out else _default_out(Path(args.checkpoint), args.linear)
+    _load_or_evaluate(args.checkpoint, args, out)
+    print(f"[eval] wrote {out / 'results.json'} and {out / 'results.md'}")
+    return 0
 
 
 def _short_label(results: dict) -> str:
@@ -571,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m fp4lightning.eval.run ...`` (the same as ``fp4lightning eval ...``)."""
     parser = argparse.ArgumentParser(prog="fp4lightning eval", description=__doc__.split("\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_command("fp4lightning eval", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fp4lightning.errors import UsageError
+
 __all__ = [
     "OFFLINE_TASKS",
     "OFFLINE_TAG",
@@ -300,7 +302,7 @@ def build_offline_tasks(data_dir: str | Path, force: bool = False, strict: bool 
         msg = (f"the held-out split of {data_dir} ({len(docs)} documents, {chars:,} characters) is too small "
                f"to build the offline task(s) {empty}; prepare the data with a larger --val-fraction")
         if strict:
-            raise ValueError(msg)
+            raise UsageError(msg)
         print(f"[eval] warning: {msg}", flush=True)
         return None
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Quantization fidelity of every FP4 format on a model's real tensors, measured in one run.
 
 For the inputs of every linear layer FP4 would quantize (captured as in
-``fp4lightning.analysis``) and for the weights of those layers, this scores each format's
+``fp4lightning.fidelity``) and for the weights of those layers, this scores each format's
 quantize-dequantize by its SQNR in dB (signal energy over error energy, pooled over
 layers):
 
@@ -96,7 +96,7 @@ def format_block_table(act_rows: list[dict], weight_rows: list[dict] | None = No
 def checkpoint_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4,
                       batch_size: int = 8) -> tuple[list[dict], list[dict]]:
     """(activation rows, weight rows) for a trained checkpoint on held-out windows of ``data_dir``."""
-    from .analysis import _quantized_layers, capture_linear_inputs
+    from .fidelity import _quantized_layers, capture_linear_inputs
     from .checkpoint import load_checkpoint
     from .config import FP4Config
     from .data import PreparedData, ValWindowDataset

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from fp4lightning.errors import UserError
 from fp4lightning.models.llama import Llama, LlamaConfig
 from fp4lightning.tokenizer import Tokenizer
 
@@ -37,7 +38,7 @@ TMP_GLOB = ".*.ckpt.*.tmp"
 _PREFIX = "model."
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, unreadable or not an fp4lightning checkpoint (names the file)."""
 
 
@@ -206,7 +207,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     model = model.float().to(map_location).eval()
     if fp4 and hp.get("fp4"):
         from fp4lightning.convert import convert_to_fp4
-        from fp4lightning.module import fp4_config_from_spec
+        from fp4lightning.recipe import fp4_config_from_spec  # the spec the run recorded
 
         convert_to_fp4(model, fp4_config_from_spec(hp["fp4"]))
 

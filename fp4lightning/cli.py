@@ -1,27 +1,250 @@
-"""The ``fp4lightning`` command line.
+"""The ``fp4lightning`` command line: argument parsing and dispatch, nothing else.
 
-Each subcommand is a module with ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``. Adding one is one line in :data:`COMMANDS`, e.g.
-``("eval", "fp4lightning.eval.cli")``.
+Every subcommand is a :class:`Command`: a one-line help, a function adding its arguments and
+a ``run(args) -> int``. The parser is built from this light module only (plus the
+stdlib-only ``fp4lightning.eval.run``), so ``fp4lightning --help`` and every subcommand's
+``--help`` return without importing torch or Lightning; a command's heavy modules are
+imported inside its ``run``.
+
+Errors follow :mod:`fp4lightning.errors`: a user error prints one line and exits 2, anything
+else is a bug and keeps its traceback. ``fp4lightning train`` also exits 143 after SIGTERM
+(checkpoint saved, resumable) and 3 when training stopped on non-finite steps.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["COMMANDS", "main", "build_parser"]
+from fp4lightning.errors import run_command
 
-#: (subcommand, module implementing HELP / add_arguments / run), in --help order
-COMMANDS: list[tuple[str, str]] = [
-    ("data", "fp4lightning.data"),
-    ("train", "fp4lightning.train"),
-    ("export-hf", "fp4lightning.models.hf"),
-    ("import-hf", "fp4lightning.initialize"),
-    ("eval", "fp4lightning.eval.run"),
-    ("compare", "fp4lightning.compare"),
+__all__ = ["Command", "COMMANDS", "main", "build_parser", "EXIT_PREEMPTED", "EXIT_NONFINITE"]
+
+#: exit status of `fp4lightning train` after SIGTERM (checkpoint saved; 128 + SIGTERM, as a shell reports it)
+EXIT_PREEMPTED = 143
+#: exit status when training stopped on non-finite steps (fp4lightning.nonfinite)
+EXIT_NONFINITE = 3
+
+
+# ----------------------------------------------------------------------------- shared argument helpers
+def _add_recipe_arguments(parser: argparse.ArgumentParser, overrides_help: str) -> None:
+    parser.add_argument("recipe", nargs="?", default=None,
+                        help="recipe YAML (default: the built-in tiny recipe, same as recipes/tiny.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+
+
+def _recipe_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """``RECIPE key=value...`` -> (recipe or None, overrides); ``fp4lightning train key=value`` has no recipe."""
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+        recipe, overrides = None, [recipe, *overrides]
+    return recipe, overrides
+
+
+# ----------------------------------------------------------------------------- data
+def _data_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    p = sub.add_parser("prepare", help="download/read, tokenise and shard a corpus (idempotent)",
+                       description="Train a byte-level BPE on the corpus and write train/val token shards. "
+                                   "A second run with the same arguments reuses what is there.")
+    p.add_argument("--source", default=None,
+                   help="builtin (default), a local file/folder of .txt/.md/.rst/.jsonl/.parquet, or hf:NAME[:CONFIG]")
+    p.add_argument("--out", default=None, help="output folder (default: data/builtin, data/<name>)")
+    p.add_argument("--recipe", default=None,
+                   help="take source, folder, vocabulary size, val fraction and token cap from a recipe's data section")
+    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary (default 4096)")
+    p.add_argument("--val-fraction", type=float, default=None, help="share of documents held out (default 0.02)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (hf: corpora)")
+    p.add_argument("--text-key", default=None, help="JSONL field / Parquet column / dataset field (default text)")
+    p.add_argument("--cache-dir", default=None, help="where downloads are kept (default: <out>/../downloads)")
+    p.add_argument("--force", action="store_true", help="prepare again even if up to date")
+    p.add_argument("--on-bad-record", choices=("error", "skip"), default="error",
+                   help="a record that is not text (bad UTF-8 in .jsonl, a non-string or null field, a binary file): "
+                        "stop with its file and line (error, default) or drop it and count it (skip)")
+
+
+def _data_run(args: argparse.Namespace) -> int:
+    from fp4lightning.data import prepare
+    from fp4lightning.eval.tasks import build_offline_tasks
+
+    opts = {"source": "builtin", "out": None, "vocab_size": 4096, "val_fraction": 0.02, "max_tokens": None,
+            "text_key": "text"}
+    if args.recipe is not None:
+        from fp4lightning.recipe import load_recipe
+
+        d = load_recipe(args.recipe).data
+        opts.update(source=d.source, out=d.dir, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                    max_tokens=d.max_tokens, text_key=d.text_key)
+    for key in opts:
+        if getattr(args, key, None) is not None:
+            opts[key] = getattr(args, key)
+    out = prepare(source=opts["source"], out_dir=opts["out"], vocab_size=opts["vocab_size"],
+                  val_fraction=opts["val_fraction"], max_tokens=opts["max_tokens"], text_key=opts["text_key"],
+                  cache_dir=args.cache_dir, force=args.force, on_bad_record=args.on_bad_record)
+    # the offline zero-shot tasks from the held-out split (docs/evaluation.md); too little text warns
+    build_offline_tasks(out, strict=False)
+    return 0
+
+
+# ----------------------------------------------------------------------------- train
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_recipe_arguments(parser, "recipe overrides, e.g. schedule.max_steps=50 trainer.precision=bf16-mixed")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from <out_dir>/checkpoints/last.ckpt, or the newest step=N.ckpt that loads "
+                             "(same as ckpt_path=last)")
+    parser.add_argument("--verify-data", action="store_true",
+                        help="check every data shard against the sha256 recorded by `data prepare` before training "
+                             "(sizes are always checked)")
+
+
+def _train_run(args: argparse.Namespace) -> int:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from fp4lightning.nonfinite import NonFiniteError
+    from fp4lightning.pretrain import train
+    from fp4lightning.recipe import load_recipe
+
+    recipe, overrides = _recipe_and_overrides(args)
+    cfg = load_recipe(recipe, overrides)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and Path(cfg.out_dir).joinpath("checkpoints").exists() \
+            and not args.resume and cfg.ckpt_path is None:
+        print(f"note: {cfg.out_dir} already has checkpoints; this run starts from scratch "
+              "(use --resume to continue)", flush=True)
+    try:
+        train(cfg, resume=args.resume, verify_data=args.verify_data)
+    except SIGTERMException:
+        return EXIT_PREEMPTED  # saved and resumable, but not finished: a scheduler must see the difference
+    except NonFiniteError as e:
+        print(f"fp4lightning train: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+    return 0
+
+
+# ----------------------------------------------------------------------------- export-hf / import-hf
+def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or a run folder (runs/<name>)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json, model.safetensors, tokenizer)")
+
+
+def _export_hf_run(args: argparse.Namespace) -> int:
+    from fp4lightning.checkpoint import load_checkpoint
+    from fp4lightning.models.hf import LM_EVAL_HINT, save_hf
+
+    model, tokenizer, _ = load_checkpoint(args.ckpt)
+    out = save_hf(model, args.out_dir, tokenizer)
+    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    if tokenizer is not None:
+        print(LM_EVAL_HINT.format(out=out))
+    return 0
+
+
+def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face LlamaForCausalLM folder (config.json, weights)")
+    parser.add_argument("out", metavar="OUT", nargs="?", default=None,
+                        help="checkpoint to write (default: HF_DIR/fp4lightning.ckpt)")
+
+
+def _import_hf_run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from fp4lightning.initialize import import_hf
+    from fp4lightning.models.llama import LlamaConfig
+
+    out = Path(args.out) if args.out else Path(args.hf_dir) / "fp4lightning.ckpt"
+    path, cfg, with_tok = import_hf(args.hf_dir, out)
+    keys = " ".join(f"model.{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(LlamaConfig)
+                    if f.name not in ("init_std", "max_seq_len"))
+    print(f"wrote {path}\ntrain from it with:\n  fp4lightning train RECIPE init.from_checkpoint={path} {keys}")
+    if with_tok:
+        print("tokenizer: included (its data must be prepared with this tokenizer: the same data.dir it was "
+              "trained on)")
+    else:
+        print("tokenizer: not included (the folder has none in fp4lightning's format); the data in data.dir must "
+              "be tokenized with the model's own tokenizer")
+    print(json.dumps({"checkpoint": str(path), "model": dataclasses.asdict(cfg)}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- eval
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    from fp4lightning.eval.run import add_arguments  # stdlib-only module (its standalone main shares it)
+
+    add_arguments(parser)
+
+
+def _eval_run(args: argparse.Namespace) -> int:
+    from fp4lightning.eval.run import run
+
+    return run(args)
+
+
+# ----------------------------------------------------------------------------- compare
+DEFAULT_VARIANTS = "bf16,fp4,w4a4-direct,fp4-no-dge,fp4-no-occ"
+
+
+def _compare_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_recipe_arguments(parser, "recipe overrides shared by every variant")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help="comma-separated: bf16, fp32, fp4, FP4 presets or fp4-dge-frozen, each optionally "
+                             f"NAME@lr=X for its own peak learning rate (default: {DEFAULT_VARIANTS})")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train every variant with seeds seed..seed+N-1 (the recipe's seed first); "
+                             "tables report mean, std and per-seed values (default: 1)")
+    parser.add_argument("--reference", default=None,
+                        help="variant the gaps are relative to (default: the BF16 variant with the lowest mean "
+                             "validation loss, else the first)")
+    parser.add_argument("--dge-probe", type=int, default=0, metavar="N",
+                        help="record the weights' quantization error and in-interval positions every N steps "
+                             "(fp4lightning.dge_probe); 0 = off")
+    parser.add_argument("--out", default=None, help="output folder (default: runs/compare-<recipe name>)")
+    parser.add_argument("--eval-tasks", default="offline",
+                        help="lm-eval tasks for the zero-shot table (offline | paper | ...); 'none' skips it")
+    parser.add_argument("--eval-limit", type=int, default=None, help="at most this many items per eval task")
+    parser.add_argument("--no-occ-report", action="store_true", help="skip the OCC fidelity table")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse runs whose checkpoint already exists in the output folder")
+
+
+def _compare_run(args: argparse.Namespace) -> int:
+    from fp4lightning.compare import compare
+
+    recipe, overrides = _recipe_and_overrides(args)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]  # compare() checks them
+    compare(recipe, overrides, variants, Path(args.out) if args.out else None,
+            None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
+            not args.no_occ_report, args.reuse, seeds=args.seeds, dge_probe=args.dge_probe,
+            reference=args.reference)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the command table
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``fp4lightning NAME``."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+#: the subcommands, in --help order
+COMMANDS: list[Command] = [
+    Command("data", "prepare a corpus: tokenizer + token shards (`data prepare`)", _data_arguments, _data_run),
+    Command("train", "pretrain a LLaMA from a recipe YAML", _train_arguments, _train_run),
+    Command("export-hf", "write a training checkpoint as a Hugging Face LlamaForCausalLM folder",
+            _export_hf_arguments, _export_hf_run),
+    Command("import-hf", "turn a Hugging Face LlamaForCausalLM folder into a checkpoint to train from "
+            "(init.from_checkpoint)", _import_hf_arguments, _import_hf_run),
+    Command("eval", "zero-shot accuracy / perplexity of a checkpoint with lm-eval (offline tasks, the paper's "
+            "tasks, FP4 vs BF16)", _eval_arguments, _eval_run),
+    Command("compare", "train one recipe under several precisions (BF16, FP4, ablations) and seeds, and compare "
+            "them", _compare_arguments, _compare_run),
 ]
 
 
@@ -31,34 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="FP4 (E2M1) pretraining of LLaMA models with PyTorch Lightning (arXiv 2501.17116).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module_name in COMMANDS:
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
     return parser
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    # errors caused by the user's input: print the message (it says how to fix it), no traceback
-    from fp4lightning.checkpoint import CheckpointError
-    from fp4lightning.data import DataNotPreparedError, DataSourceError
-    from fp4lightning.recipe import RecipeError
-
-    return (RecipeError, DataNotPreparedError, DataSourceError, CheckpointError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fp4lightning`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args._run(args) or 0)
-    except _user_errors() as e:
-        if os.environ.get("FP4LIGHTNING_DEBUG"):
-            raise
-        print(f"fp4lightning {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    args = build_parser().parse_args(argv)
+    return run_command(f"fp4lightning {args.command}", args._run, args)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,6 @@ gaps is ``--reference``, by default the BF16 variant with the lowest mean valida
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import json
 import math
 import statistics
@@ -38,13 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import PRESETS
+from .errors import UsageError
+from .precision_names import HIGH_PRECISION_VARIANTS
 
-__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "read_metrics", "spread", "paired_gap", "paired_diff",
-           "add_arguments", "run", "HELP", "EXPERIMENT_VARIANTS"]
+__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread", "paired_gap", "paired_diff", "EXPERIMENT_VARIANTS"]
 
-HELP = "train one recipe under several precisions (BF16, FP4, ablations) and seeds, and compare them"
-DEFAULT_VARIANTS = "bf16,fp4,w4a4-direct,fp4-no-dge,fp4-no-occ"
-HIGH_PRECISION = {"bf16": "bf16-mixed", "fp32": "32-true"}
 #: variants that are an FP4 preset plus FP4Config overrides (the DGE experiments, docs/results.md)
 EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
     # STE times DGE's per-element factor frozen at initialisation (fp4lightning.dge_probe)
@@ -63,7 +59,7 @@ class Variant:
     @property
     def preset(self) -> str:
         """The FP4 preset (``paper`` for ``fp4``) or the high-precision name (``bf16``, ``fp32``)."""
-        if self.base in HIGH_PRECISION:
+        if self.base in HIGH_PRECISION_VARIANTS:
             return self.base
         if self.base in EXPERIMENT_VARIANTS:
             return self.base
@@ -71,11 +67,11 @@ class Variant:
 
     @property
     def high_precision(self) -> bool:
-        return self.base in HIGH_PRECISION
+        return self.base in HIGH_PRECISION_VARIANTS
 
     def overrides(self) -> list[str]:
-        if self.base in HIGH_PRECISION:
-            out = [f"trainer.precision={HIGH_PRECISION[self.base]}"]
+        if self.base in HIGH_PRECISION_VARIANTS:
+            out = [f"trainer.precision={HIGH_PRECISION_VARIANTS[self.base]}"]
         elif self.base in EXPERIMENT_VARIANTS:
             preset, changes = EXPERIMENT_VARIANTS[self.base]
             out = ["trainer.precision=fp4", f"fp4.preset={preset}",
@@ -91,40 +87,25 @@ def parse_variant(spec: str) -> Variant:
     """``NAME`` or ``NAME@lr=X`` -> :class:`Variant`; unknown names and settings fail naming them."""
     base, _, rest = spec.strip().partition("@")
     known = ("bf16", "fp32", "fp4", *sorted(PRESETS), *EXPERIMENT_VARIANTS)
-    if base not in HIGH_PRECISION and base != "fp4" and base not in PRESETS and base not in EXPERIMENT_VARIANTS:
-        raise ValueError(f"unknown variant {base!r}; choose from {', '.join(dict.fromkeys(known))}")
+    if base not in HIGH_PRECISION_VARIANTS and base != "fp4" and base not in PRESETS and base not in EXPERIMENT_VARIANTS:
+        raise UsageError(f"unknown variant {base!r}; choose from {', '.join(dict.fromkeys(known))}")
     lr = None
     if rest:
         key, _, value = rest.partition("=")
         if key != "lr" or not value:
-            raise ValueError(f"variant {spec!r}: only '@lr=VALUE' may follow the name (e.g. bf16@lr=1e-3)")
+            raise UsageError(f"variant {spec!r}: only '@lr=VALUE' may follow the name (e.g. bf16@lr=1e-3)")
         try:
             lr = float(value)
         except ValueError:
-            raise ValueError(f"variant {spec!r}: learning rate {value!r} is not a number") from None
+            raise UsageError(f"variant {spec!r}: learning rate {value!r} is not a number") from None
         if not lr > 0:
-            raise ValueError(f"variant {spec!r}: learning rate must be positive")
+            raise UsageError(f"variant {spec!r}: learning rate must be positive")
     return Variant(spec.strip(), base, lr)
 
 
 def variant_overrides(variant: str) -> list[str]:
     """Recipe overrides that select ``variant`` (``NAME`` or ``NAME@lr=X``)."""
     return parse_variant(variant).overrides()
-
-
-def read_metrics(run_dir: Path) -> dict[str, dict[int, float]]:
-    """``{"train": {step: loss}, "val": {step: loss}}`` from a run's CSV logs (resumes merged)."""
-    out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
-    logs = sorted((run_dir / "logs" / "csv").glob("version_*/metrics.csv"),
-                  key=lambda p: int(p.parent.name.split("_")[1]))
-    for path in logs:
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                step = int(row["step"])
-                for key, name in (("train", "train/loss"), ("val", "val/loss")):
-                    if row.get(name):
-                        out[key][step] = float(row[name])
-    return out
 
 
 def spread(values: list[float]) -> dict:
@@ -274,7 +255,7 @@ def zero_shot_table(evals: dict[str, list[dict]]) -> str:
 def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4, batch_size: int = 8) -> list[dict]:
     import torch
 
-    from .analysis import capture_linear_inputs, occ_fidelity_report
+    from .fidelity import capture_linear_inputs, occ_fidelity_report
     from .checkpoint import load_checkpoint
     from .data import PreparedData, ValWindowDataset
 
@@ -354,15 +335,15 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
     """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
     from .recipe import load_recipe
-    from .train import train
+    from .pretrain import read_losses, train
 
     parsed = [parse_variant(v) for v in variants]  # fail on a bad variant before hours of training
     if len({v.name for v in parsed}) != len(parsed) or not parsed:
-        raise ValueError(f"variants must be distinct and at least one, got {variants}")
+        raise UsageError(f"variants must be distinct and at least one, got {variants}")
     if seeds < 1:
-        raise ValueError(f"--seeds must be at least 1, got {seeds}")
+        raise UsageError(f"--seeds must be at least 1, got {seeds}")
     if reference is not None and reference not in {v.name for v in parsed}:
-        raise ValueError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
+        raise UsageError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
     base = load_recipe(recipe, overrides)
     seed_list = [base.seed + i for i in range(seeds)]
     out_dir = Path(out_dir or f"runs/compare-{base.name}")
@@ -395,7 +376,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                 train(cfg, callbacks=callbacks)
                 wall = time.perf_counter() - t0
                 (run_dir / "compare_wall.json").write_text(json.dumps({"wall_s": wall}))
-            m = read_metrics(run_dir)
+            m = read_losses(run_dir)
             if not m["val"]:
                 raise RuntimeError(f"variant {v.name} seed {seed}: no validation loss was logged in {run_dir}/logs; "
                                    "set trainer.val_every_n_steps so validation runs at least once")
@@ -460,7 +441,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                 evals[v.name].append(run_s["zero_shot"])
         md += ["## Zero-shot (lm-eval)", "", zero_shot_table(evals), ""]
     if occ_report:
-        from .analysis import format_occ_table
+        from .fidelity import format_occ_table
 
         src = next((v for v in parsed if not v.high_precision), parsed[0]).name
         occ = _occ_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir), base.data.seq_len)
@@ -489,41 +470,3 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
     print(f"\n[compare] wrote {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, "
           f"{out_dir / 'summary.json'}, {png}", flush=True)
     return summary
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", nargs="?", default=None, help="recipe YAML (default: the tiny recipe)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides shared by every variant")
-    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help="comma-separated: bf16, fp32, fp4, FP4 presets or fp4-dge-frozen, each optionally "
-                             f"NAME@lr=X for its own peak learning rate (default: {DEFAULT_VARIANTS})")
-    parser.add_argument("--seeds", type=int, default=1,
-                        help="train every variant with seeds seed..seed+N-1 (the recipe's seed first); "
-                             "tables report mean, std and per-seed values (default: 1)")
-    parser.add_argument("--reference", default=None,
-                        help="variant the gaps are relative to (default: the BF16 variant with the lowest mean "
-                             "validation loss, else the first)")
-    parser.add_argument("--dge-probe", type=int, default=0, metavar="N",
-                        help="record the weights' quantization error and in-interval positions every N steps "
-                             "(fp4lightning.dge_probe); 0 = off")
-    parser.add_argument("--out", default=None, help="output folder (default: runs/compare-<recipe name>)")
-    parser.add_argument("--eval-tasks", default="offline",
-                        help="lm-eval tasks for the zero-shot table (offline | paper | ...); 'none' skips it")
-    parser.add_argument("--eval-limit", type=int, default=None, help="at most this many items per eval task")
-    parser.add_argument("--no-occ-report", action="store_true", help="skip the OCC fidelity table")
-    parser.add_argument("--reuse", action="store_true",
-                        help="reuse runs whose checkpoint already exists in the output folder")
-
-
-def run(args: argparse.Namespace) -> int:
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        recipe, overrides = None, [recipe, *overrides]
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if len(set(variants)) != len(variants) or not variants:
-        raise ValueError(f"--variants must list distinct variants, got {args.variants!r}")
-    compare(recipe, overrides, variants, Path(args.out) if args.out else None,
-            None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
-            not args.no_occ_report, args.reuse, seeds=args.seeds, dge_probe=args.dge_probe,
-            reference=args.reference)
-    return 0

@@ -6,7 +6,7 @@ reach ``model.trainer``), so :class:`~fp4lightning.precision.FP4Precision` only 
 Trainer and refuses Fabric with a pointer here. This plugin shares its core: the same layer
 swap (:func:`~fp4lightning.convert.convert_to_fp4`, output head kept in high precision), the
 same bf16/fp16 autocast around the non-GeMM work, and for fp16 the same
-:class:`~fp4lightning.precision.DynamicLossScaler` (skip the step on inf/NaN, halve the scale,
+:class:`~fp4lightning.loss_scaler.DynamicLossScaler` (skip the step on inf/NaN, halve the scale,
 grow it after a run of good steps). See docs/lightning.md::
 
     fabric = L.Fabric(accelerator="cuda", plugins=[FP4FabricPrecision("paper")])
@@ -32,7 +32,8 @@ from torch.optim import Optimizer
 
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
-from .precision import COMPUTE_DTYPES, DynamicLossScaler
+from .loss_scaler import DynamicLossScaler
+from .precision import COMPUTE_DTYPES
 
 __all__ = ["FP4FabricPrecision"]
 
@@ -46,7 +47,7 @@ class FP4FabricPrecision(FabricPrecision):
         module_filter_fn: ``fn(module, fqn) -> bool``; False keeps that Linear in high precision.
         weights_dtype: ``None`` (as built) or ``torch.bfloat16`` for modules built under
             ``fabric.init_module()``.
-        scaler: a :class:`~fp4lightning.precision.DynamicLossScaler` for fp16 (default: a fresh one).
+        scaler: a :class:`~fp4lightning.loss_scaler.DynamicLossScaler` for fp16 (default: a fresh one).
     """
 
     precision: Literal["fp4-bf16", "fp4-fp16"] = "fp4-bf16"

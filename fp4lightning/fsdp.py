@@ -18,7 +18,7 @@ FSDP2 reduce-scatters it, and a post-reduce-scatter hook (``set_all_reduce_hook`
 gradient shard by the DGE factor of its own weight rows. Same value as the unsharded layer's gradient
 up to fp32 rounding order.
 
-Entry point: :func:`fully_shard_fp4` (used by :class:`~fp4lightning.module.LlamaLightningModule` under
+Entry point: :func:`fully_shard_fp4` (used by :class:`~fp4lightning.lightning_module.LlamaLightningModule` under
 Lightning's ``ModelParallelStrategy`` and usable from a plain ``torchrun`` script).
 """
 
@@ -379,7 +379,8 @@ def fully_shard_fp4(
         fp4_all_gather: all-gather FP4Linear weights as packed FP4 codes + per-row scales.
         reshard_after_forward: free gathered weights after forward (ZeRO-3); False keeps them to backward.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. ``param_dtype=torch.bfloat16``).
-        block_types: module classes sharded as their own FSDP units (default: LLaMA's ``Block``).
+        block_types: module classes sharded as their own FSDP units (default: the model's ``shard_units``,
+            LLaMA's ``Block``).
         stats: an :class:`AllGatherStats` to count bytes into (the model's ``fp4_gather_stats``).
         activation_checkpointing: recompute each block in backward (non-reentrant
             ``torch.utils.checkpoint``; parameter names do not change, so checkpoints stay compatible).
@@ -393,9 +394,10 @@ def fully_shard_fp4(
         raise RuntimeError("fully_shard_fp4 needs torch.distributed initialised (torchrun, or Lightning's "
                            "ModelParallelStrategy) before it is called")
     if not block_types:
-        from .models.llama import Block
-
-        block_types = (Block,)
+        block_types = tuple(getattr(model, "shard_units", ()))
+        if not block_types:
+            raise ValueError(f"fully_shard_fp4: pass block_types (the modules to shard as units); "
+                             f"{type(model).__name__} declares no shard_units")
     if mesh is None:
         dev = next(model.parameters()).device
         mesh = init_device_mesh(dev.type if dev.type != "meta" else "cpu", (dist.get_world_size(),))

@@ -19,7 +19,6 @@ elsewhere trains here only on data tokenized with its own tokenizer (docs/traini
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,8 @@ from fp4lightning.models.llama import LlamaConfig
 from fp4lightning.recipe import RecipeError
 from fp4lightning.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
 
-__all__ = ["load_init_weights", "InitWeights", "import_hf", "HELP", "add_arguments", "run"]
+__all__ = ["load_init_weights", "InitWeights", "import_hf"]
 
-HELP = "turn a Hugging Face LlamaForCausalLM folder into a checkpoint to train from (init.from_checkpoint)"
 
 
 class InitError(RecipeError):
@@ -140,25 +138,3 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, LlamaConfig, b
     torch.save(ckpt, tmp)
     tmp.replace(out)
     return out, model.config, tok is not None
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face LlamaForCausalLM folder (config.json, weights)")
-    parser.add_argument("out", metavar="OUT", nargs="?", default=None,
-                        help="checkpoint to write (default: HF_DIR/fp4lightning.ckpt)")
-
-
-def run(args) -> int:
-    out = Path(args.out) if args.out else Path(args.hf_dir) / "fp4lightning.ckpt"
-    path, cfg, with_tok = import_hf(args.hf_dir, out)
-    keys = " ".join(f"model.{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(LlamaConfig)
-                                    if f.name not in ("init_std", "max_seq_len"))
-    print(f"wrote {path}\ntrain from it with:\n  fp4lightning train RECIPE init.from_checkpoint={path} {keys}")
-    if with_tok:
-        print("tokenizer: included (its data must be prepared with this tokenizer: the same data.dir it was "
-              "trained on)")
-    else:
-        print("tokenizer: not included (the folder has none in fp4lightning's format); the data in data.dir must "
-              "be tokenized with the model's own tokenizer")
-    print(json.dumps({"checkpoint": str(path), "model": dataclasses.asdict(cfg)}))
-    return 0

@@ -1,4 +1,4 @@
-"""AdamW with optimizer states in reduced precision (METHOD.md section 6; arXiv 2501.17116, section 4).
+"""AdamW with optimizer states in reduced precision (arXiv 2501.17116, section 4).
 
 The paper keeps the optimizer states in reduced precision, reusing MS-AMP. MS-AMP's level O2 stores
 the first moment ``m`` in FP8 E4M3 and the second moment ``v`` in FP16, each with one fp32 scale per
@@ -21,6 +21,7 @@ converts the other way, e.g. to resume an FP4 checkpoint with a plain ``AdamW``.
 from __future__ import annotations
 
 import math
+from functools import wraps
 from itertools import chain
 from typing import Any, Callable, Iterable
 
@@ -47,7 +48,7 @@ _EXP_AVG_FORMATS = ("fp8", "fp16", "fp32")
 _EXP_AVG_SQ_FORMATS = ("fp16", "fp32")
 # amax below this is treated as an all-zero tensor; keeps FORMAT_MAX / amax finite in fp32.
 _TINY_AMAX = 1e-30
-# The keys torch's Adam/AdamW add to every param group; stripped when converting state dicts.
+# The keys torch's Adam/AdamW add to every param group; stripped when converting state dicts and optimizers.
 _TORCH_ADAM_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
                           "decoupled_weight_decay")
 _OUR_GROUP_KEYS = ("exp_avg_format", "exp_avg_sq_format")
@@ -338,3 +339,60 @@ def state_bytes_per_param(optimizer: Optimizer, include_master: bool = True) -> 
     by_key = optimizer_state_bytes(optimizer)
     total = sum(v for k, v in by_key.items() if include_master or k != "master")
     return total / n
+
+
+#: ``optimizer_states=`` of the precision plugin -> (first-moment, second-moment) format of LowPrecisionAdamW
+REDUCED_STATE_FORMATS: dict[str, tuple[str, str]] = {"fp8": ("fp8", "fp16"), "fp16": ("fp16", "fp16")}
+
+
+def swap_to_low_precision_adamw(optimizer: Optimizer, states: str, lr_schedulers: Iterable[Any] = ()
+                                ) -> tuple[Optimizer, str | None]:
+    """Replace a ``torch.optim.AdamW`` by a :class:`LowPrecisionAdamW` with the same groups and state.
+
+    ``states`` is a key of :data:`REDUCED_STATE_FORMATS` (``"fp8"``: E4M3 first moment, FP16
+    second, as MS-AMP O2). LR schedulers (Lightning's configs or bare schedulers) pointing at the old
+    optimizer are re-pointed at the new one. Returns ``(optimizer, reason)``: ``reason`` is None
+    when the result is a LowPrecisionAdamW, else why the optimizer was kept as it is.
+    """
+    if isinstance(optimizer, LowPrecisionAdamW):
+        return optimizer, None
+    if type(optimizer) is not torch.optim.AdamW:
+        return optimizer, (f"only torch.optim.AdamW is swapped for LowPrecisionAdamW; keeping "
+                           f"{type(optimizer).__name__} as it is")
+    unsupported = [k for k in ("amsgrad", "maximize") if any(g.get(k) for g in optimizer.param_groups)]
+    if unsupported:
+        return optimizer, (f"AdamW with {', '.join(unsupported)}=True has no reduced-precision version; "
+                           "keeping torch.optim.AdamW")
+    m_fmt, v_fmt = REDUCED_STATE_FORMATS[states]
+    groups = [{k: v for k, v in g.items() if k not in _TORCH_ADAM_GROUP_KEYS} for g in optimizer.param_groups]
+    new = LowPrecisionAdamW(groups, lr=optimizer.defaults["lr"], betas=optimizer.defaults["betas"],
+                            eps=optimizer.defaults["eps"], weight_decay=optimizer.defaults["weight_decay"],
+                            exp_avg_format=m_fmt, exp_avg_sq_format=v_fmt)
+    if optimizer.state:
+        new.load_state_dict(optimizer.state_dict())
+    for config in lr_schedulers:
+        scheduler = getattr(config, "scheduler", config)
+        if getattr(scheduler, "optimizer", None) is optimizer:
+            scheduler.optimizer = new
+            _track_step_calls(new)
+    return new, None
+
+
+def _track_step_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way an LR scheduler does when it is built.
+
+    A scheduler wraps its optimizer's ``step`` at construction to warn when ``scheduler.step()``
+    runs first; a scheduler re-pointed at a new optimizer would otherwise warn that ``step``
+    was overridden. Mirrors ``torch.optim.lr_scheduler.LRScheduler.__init__``.
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return func(optimizer, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""The Lightning precision plugin for FP4 training (METHOD.md section 6; arXiv 2501.17116, sections 3 and 4).
+"""The Lightning precision plugin for FP4 training (arXiv 2501.17116, sections 3, 4 and 6).
 
 :class:`FP4Precision` is what ``Trainer(precision="fp4")`` means. Like Lightning's
 TransformerEngine plugin it is thin:
@@ -8,12 +8,13 @@ TransformerEngine plugin it is thin:
   high precision; Lightning's DDP strategy ignores the return value, hence in place);
 * ``forward_context`` runs everything that is not an FP4 GeMM under ``torch.autocast`` in bf16
   (default) or fp16; the FP4 layers manage their own dtypes;
-* with fp16, a dynamic loss scaler: the loss is multiplied by the scale in ``pre_backward``; in
+* with fp16, a :class:`~fp4lightning.loss_scaler.DynamicLossScaler`: the loss is multiplied by the scale in ``pre_backward``; in
   ``optimizer_step`` the gradients are unscaled, checked for inf/NaN, clipped (Lightning's
   ``gradient_clip_val``), and the step is skipped and the scale halved on overflow, or the scale
   doubled after ``growth_interval`` good steps. Its state goes into checkpoints;
 * ``connect`` can swap ``torch.optim.AdamW`` for :class:`~fp4lightning.optim.LowPrecisionAdamW`
-  (first moment FP8 E4M3, second FP16) so the optimizer states are in reduced precision too.
+  (first moment FP8 E4M3, second FP16) so the optimizer states are in reduced precision too
+  (:func:`~fp4lightning.optim.swap_to_low_precision_adamw`).
 
 Non-finite steps (bf16 and fp16 alike, docs/training.md "Non-finite steps"): a step whose
 gradients hold an inf/NaN is skipped, counted, and after ``max_consecutive_skips`` in a row
@@ -31,7 +32,6 @@ import contextlib
 import logging
 import sys
 from contextlib import AbstractContextManager, ExitStack
-from functools import wraps
 from typing import Any, Callable, Literal
 
 import torch
@@ -44,110 +44,15 @@ from torch.optim import LBFGS, Optimizer
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, all_ranks_any, grads_nonfinite
-from .optim import LowPrecisionAdamW
+from .loss_scaler import DynamicLossScaler
+from .optim import REDUCED_STATE_FORMATS, swap_to_low_precision_adamw
 
-__all__ = ["FP4Precision", "DynamicLossScaler", "COMPUTE_DTYPES"]
+__all__ = ["FP4Precision", "COMPUTE_DTYPES"]
 
 log = logging.getLogger(__name__)
 
 #: names accepted for ``compute_dtype`` -> the autocast dtype of the non-GeMM operations
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_OPTIMIZER_STATES = {"fp8": ("fp8", "fp16"), "fp16": ("fp16", "fp16")}
-
-
-class DynamicLossScaler:
-    """Dynamic loss scaling for fp16 (the scheme of ``torch.amp.GradScaler``, on any device).
-
-    ``scale(loss)`` multiplies the loss before backward; ``unscale_(optimizer)`` divides the
-    gradients of ``optimizer``'s parameters by the scale in place and returns whether any is
-    inf/NaN; ``update(found_inf)`` halves the scale on overflow (and counts a skipped step) or
-    doubles it after ``growth_interval`` consecutive good steps.
-
-    Args:
-        init_scale: starting scale (2^16, as torch).
-        growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
-        max_consecutive_skips: raise after this many overflowing steps in a row: a loss that is
-            still non-finite after the scale has fallen that far is a diverged run, not an overflow.
-    """
-
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, max_consecutive_skips: int = 50) -> None:
-        if not init_scale > 0:
-            raise ValueError(f"DynamicLossScaler: init_scale must be positive, got {init_scale}")
-        if not growth_factor > 1.0:
-            raise ValueError(f"DynamicLossScaler: growth_factor must be > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"DynamicLossScaler: backoff_factor must be in (0, 1), got {backoff_factor}")
-        if growth_interval < 1 or max_consecutive_skips < 1:
-            raise ValueError("DynamicLossScaler: growth_interval and max_consecutive_skips must be >= 1")
-        self.scale_value = float(init_scale)
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.max_consecutive_skips = max_consecutive_skips
-        self.good_steps = 0  # consecutive finite steps since the last change of scale
-        self.consecutive_skips = 0
-        self.skipped_steps = 0  # over the whole run
-
-    def scale(self, loss: Tensor) -> Tensor:
-        """``loss * scale`` (in fp32: an fp16 loss times 2^16 would overflow)."""
-        return loss.float() * self.scale_value
-
-    @torch.no_grad()
-    def unscale_(self, optimizer: Optimizer) -> bool:
-        """Divide the gradients by the scale in place; True if any gradient is inf or NaN."""
-        grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FP4Precision's loss scaler does not support sparse gradients")
-                grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        found = []
-        for (device, _), gs in grads.items():
-            found_inf = torch.zeros(1, device=device)
-            inv = torch.full((1,), 1.0 / self.scale_value, device=device)
-            # one fused kernel per (device, dtype): unscale and flag non-finite values
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv)
-            found.append(found_inf.to("cpu", non_blocking=False))
-        return bool(sum(found).item() > 0) if found else False
-
-    def update(self, found_inf: bool) -> None:
-        """Back off on overflow, grow after a run of good steps."""
-        if found_inf:
-            self.scale_value *= self.backoff_factor
-            self.good_steps = 0
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= self.max_consecutive_skips:
-                raise RuntimeError(
-                    f"FP4Precision: {self.consecutive_skips} optimizer steps in a row had inf/NaN gradients; the loss "
-                    f"scale is down to {self.scale_value:g}. The model has diverged (a NaN loss is not an fp16 "
-                    "overflow): lower the learning rate, check the data, or try precision='fp4-bf16'."
-                )
-            return
-        self.consecutive_skips = 0
-        self.good_steps += 1
-        if self.good_steps >= self.growth_interval:
-            self.scale_value *= self.growth_factor
-            self.good_steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale_value, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
-                "consecutive_skips": self.consecutive_skips, "growth_factor": self.growth_factor,
-                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale_value = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        # growth/backoff settings stay those of this run's plugin: they are configuration, not state
-
-    def __repr__(self) -> str:
-        return (f"DynamicLossScaler(scale={self.scale_value:g}, good_steps={self.good_steps}, "
-                f"skipped_steps={self.skipped_steps})")
 
 
 class FP4Precision(Precision):
@@ -202,9 +107,9 @@ class FP4Precision(Precision):
             raise ValueError(f"FP4Precision: compute_dtype={compute_dtype!r} is not one of {list(COMPUTE_DTYPES)}")
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
         self.precision = f"fp4-{compute_dtype}"  # type: ignore[assignment]
-        if optimizer_states is not None and optimizer_states not in _OPTIMIZER_STATES:
+        if optimizer_states is not None and optimizer_states not in REDUCED_STATE_FORMATS:
             raise ValueError(f"FP4Precision: optimizer_states={optimizer_states!r} is not one of "
-                             f"{[None, *_OPTIMIZER_STATES]}")
+                             f"{[None, *REDUCED_STATE_FORMATS]}")
         self.optimizer_states = optimizer_states
         if weights_dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(
@@ -308,35 +213,13 @@ class FP4Precision(Precision):
         self._checked_device = device
 
     def _swap_optimizer(self, optimizer: Optimizer, lr_schedulers: list[Any]) -> Optimizer:
-        if isinstance(optimizer, LowPrecisionAdamW):
-            return optimizer
-        if type(optimizer) is not torch.optim.AdamW:
-            rank_zero_warn(f"FP4Precision(optimizer_states={self.optimizer_states!r}): only torch.optim.AdamW is "
-                           f"swapped for LowPrecisionAdamW; keeping {type(optimizer).__name__} as it is")
-            return optimizer
-        unsupported = [k for k in ("amsgrad", "maximize") if any(g.get(k) for g in optimizer.param_groups)]
-        if unsupported:
-            rank_zero_warn(f"FP4Precision: AdamW with {', '.join(unsupported)}=True has no reduced-precision version; "
-                           "keeping torch.optim.AdamW")
-            return optimizer
-        m_fmt, v_fmt = _OPTIMIZER_STATES[self.optimizer_states]  # type: ignore[index]
-        groups = []
-        for g in optimizer.param_groups:
-            g = {k: v for k, v in g.items()
-                 if k not in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
-                              "decoupled_weight_decay")}
-            groups.append(g)
-        new = LowPrecisionAdamW(groups, lr=optimizer.defaults["lr"], betas=optimizer.defaults["betas"],
-                                eps=optimizer.defaults["eps"], weight_decay=optimizer.defaults["weight_decay"],
-                                exp_avg_format=m_fmt, exp_avg_sq_format=v_fmt)
-        if optimizer.state:
-            new.load_state_dict(optimizer.state_dict())
-        for config in lr_schedulers:
-            scheduler = getattr(config, "scheduler", config)
-            if getattr(scheduler, "optimizer", None) is optimizer:
-                scheduler.optimizer = new
-                _track_step_calls(new)
-        rank_zero_info(f"FP4Precision: optimizer states in reduced precision (first moment {m_fmt}, second {v_fmt})")
+        new, kept_because = swap_to_low_precision_adamw(optimizer, self.optimizer_states, lr_schedulers)
+        if kept_because is not None:
+            rank_zero_warn(f"FP4Precision(optimizer_states={self.optimizer_states!r}): {kept_because}")
+        elif new is not optimizer:
+            m_fmt, v_fmt = REDUCED_STATE_FORMATS[self.optimizer_states]  # type: ignore[index]
+            rank_zero_info(f"FP4Precision: optimizer states in reduced precision (first moment {m_fmt}, "
+                           f"second {v_fmt})")
         return new
 
     # ------------------------------------------------------------------ loss scaling
@@ -427,23 +310,3 @@ def _refuse_fabric(caller) -> None:
     if isinstance(caller.f_locals.get("self"), Fabric):
         raise TypeError("FP4Precision is the Lightning Trainer's plugin and cannot drive lightning.Fabric "
                         "(fabric.backward would fail); use Fabric(plugins=[fp4lightning.fabric.FP4FabricPrecision()])")
-
-
-def _track_step_calls(optimizer: Optimizer) -> None:
-    """Mark ``optimizer.step`` the way an LR scheduler does when it is built.
-
-    A scheduler wraps its optimizer's ``step`` at construction to warn when ``scheduler.step()``
-    runs first; a scheduler re-pointed at a new optimizer would otherwise warn that ``step``
-    was overridden. Mirrors ``torch.optim.lr_scheduler.LRScheduler.__init__``.
-    """
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    func = optimizer.step.__func__  # type: ignore[attr-defined]
-
-    @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return func(optimizer, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
+from fp4lightning.config import PRESETS, FP4Config
+from fp4lightning.errors import UsageError
 from fp4lightning.models.llama import LLAMA_CONFIGS, LlamaConfig
+from fp4lightning.precision_names import RECIPE_PRECISIONS
 
 __all__ = [
     "RecipeConfig",
@@ -31,22 +36,19 @@ __all__ = [
     "ScheduleSection",
     "TrainerSection",
     "FP4Section",
+    "FP4Overrides",
+    "fp4_config_from_spec",
     "load_recipe",
     "recipe_to_dict",
     "recipe_to_yaml",
     "recipe_from_dict",
-    "PRECISIONS",
     "STRATEGIES",
-    "FP4_PRESETS",
 ]
 
-#: what ``fp4lightning.Trainer(precision=...)`` accepts: FP4 (fp4lightning.trainer.FP4_PRECISIONS) and Lightning's own
-PRECISIONS = ("fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "32-true", "64-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
-FP4_PRESETS = ("paper", "w4a4-direct", "fp4-no-dge", "fp4-no-occ", "nvfp4", "mxfp4", "mxfp4-rht-sr")
 
 
-class RecipeError(ValueError):
+class RecipeError(UsageError):
     """A recipe or override is invalid; the message names the dotted key."""
 
 
@@ -122,10 +124,44 @@ class TrainerSection:
     peak_tflops: Optional[float] = None
 
 
+def _overrides_schema() -> type:
+    """``FP4Overrides``: one optional field per :class:`~fp4lightning.config.FP4Config` field, same
+    type (tuples as lists, which YAML writes); ``None`` keeps the preset's value. Generated from
+    ``FP4Config`` so that a new knob is a recipe key at once, typed and checked by the schema."""
+    types = {"bool": bool, "int": int, "float": float, "str": str, "tuple[str, ...]": List[str]}
+    fields = []
+    for f in dataclasses.fields(FP4Config):
+        t = types.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+        if t is None:  # pragma: no cover - a new FP4Config field type must be added to the table above
+            raise TypeError(f"FP4Config.{f.name}: type {f.type} has no recipe equivalent")
+        fields.append((f.name, Optional[t], field(default=None)))
+    cls = dataclasses.make_dataclass("FP4Overrides", fields, frozen=True)
+    cls.__module__ = __name__
+    return cls
+
+
+FP4Overrides = _overrides_schema()
+
+
 @dataclass(frozen=True)
 class FP4Section:
+    """The FP4 recipe: a preset of :data:`fp4lightning.config.PRESETS` plus typed per-field overrides."""
+
     preset: str = "paper"
-    overrides: Dict[str, Any] = field(default_factory=dict)
+    overrides: FP4Overrides = field(default_factory=FP4Overrides)  # type: ignore[valid-type]
+
+    def changes(self) -> dict[str, Any]:
+        """The overrides that are set (``{field: value}``)."""
+        return {k: v for k, v in dataclasses.asdict(self.overrides).items() if v is not None}
+
+    def spec(self) -> dict[str, Any]:
+        """``{"preset": ..., "overrides": {...}}``: what checkpoints record (:func:`fp4_config_from_spec`)."""
+        return {"preset": self.preset, "overrides": self.changes()}
+
+
+def fp4_config_from_spec(spec: dict[str, Any]) -> FP4Config:
+    """The :class:`FP4Config` of a recorded spec ``{"preset": name, "overrides": {field: value}}``."""
+    return FP4Config.from_preset(spec["preset"], **dict(spec.get("overrides") or {}))
 
 
 @dataclass(frozen=True)
@@ -161,6 +197,11 @@ class RecipeConfig:
     def llama_config(self) -> LlamaConfig:
         return self.model.to_llama_config()
 
+    @functools.cached_property
+    def fp4_config(self) -> FP4Config:
+        """The :class:`FP4Config` of the ``fp4`` section, built once (checked by :func:`load_recipe`)."""
+        return fp4_config_from_spec(self.fp4.spec())
+
 
 # ----------------------------------------------------------------------------- loading
 def _section_keys(dotted: str) -> list[str]:
@@ -178,7 +219,40 @@ def _field_type(dotted: str) -> str | None:
         obj = getattr(obj, part, None)
     if not dataclasses.is_dataclass(obj):
         return None
-    return {f.name: str(f.type) for f in dataclasses.fields(obj)}.get(leaf)
+    hint = typing.get_type_hints(type(obj)).get(leaf)
+    return None if hint is None else _type_name(hint)
+
+
+def _type_name(hint: Any) -> str:
+    """``Optional[float]`` -> ``float``, ``Optional[List[str]]`` -> ``list of str``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        return _type_name(args[0])
+    if typing.get_origin(hint) in (list, List):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _refuse_non_bool(layer: Any, origin: str, schema: Any = None, prefix: str = "") -> None:
+    """YAML ``0``/``1`` for a boolean key: OmegaConf would take it as False/True; refused, so that a
+    typo (``fp4.overrides.dge=0`` meant for another key) is not silently a switch."""
+    from omegaconf import OmegaConf
+
+    schema = RecipeConfig if schema is None else schema
+    container = OmegaConf.to_container(layer, resolve=False) if OmegaConf.is_config(layer) else layer
+    if not isinstance(container, dict) or not dataclasses.is_dataclass(schema):
+        return
+    hints = typing.get_type_hints(schema)
+    for k, v in container.items():
+        hint = hints.get(k)
+        if hint is None:
+            continue  # unknown keys are reported by the merge, with 'did you mean'
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = inner[0] if typing.get_origin(hint) is typing.Union and len(inner) == 1 else hint
+        if dataclasses.is_dataclass(base):
+            _refuse_non_bool(v, origin, base, f"{prefix}{k}.")
+        elif base is bool and v is not None and not isinstance(v, bool):
+            raise RecipeError(f"recipe key `{prefix}{k}` ({origin}) expects bool (true or false), got {v!r}")
 
 
 def _omegaconf_error(e: Exception, origin: str) -> RecipeError:
@@ -220,9 +294,9 @@ def _in_range(key: str, value: Any, lo: float, hi: float, hi_open: bool = True) 
 
 def _validate(cfg: RecipeConfig) -> None:
     _check_choice("model.name", cfg.model.name, sorted(LLAMA_CONFIGS))
-    _check_choice("trainer.precision", cfg.trainer.precision, PRECISIONS)
+    _check_choice("trainer.precision", cfg.trainer.precision, RECIPE_PRECISIONS)
     _check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
-    _check_choice("fp4.preset", cfg.fp4.preset, FP4_PRESETS)
+    _check_choice("fp4.preset", cfg.fp4.preset, list(PRESETS))
     _validate_extras(cfg)
     for section in ("model", "data", "schedule", "trainer"):
         for f in dataclasses.fields(getattr(cfg, section)):
@@ -260,19 +334,10 @@ def _validate(cfg: RecipeConfig) -> None:
             f"`data.micro_batch_size` x `trainer.devices` x `trainer.num_nodes` = {per_step} "
             "(the rest is gradient accumulation)"
         )
-    if cfg.fp4.overrides:
-        try:
-            from fp4lightning.config import FP4Config
-        except ImportError:  # pragma: no cover - the config module ships with the package
-            return
-        valid = [f.name for f in dataclasses.fields(FP4Config)]
-        for k in cfg.fp4.overrides:
-            if k not in valid:
-                raise RecipeError(f"unknown recipe key `fp4.overrides.{k}`; valid keys: {', '.join(valid)}")
-        try:
-            FP4Config.from_preset(cfg.fp4.preset, **cfg.fp4.overrides)
-        except (ValueError, TypeError) as e:
-            raise RecipeError(f"recipe key `fp4.overrides`: {e}") from e
+    try:
+        cfg.fp4_config  # built once here; pretraining, the plugin and the LightningModule use this object
+    except (ValueError, TypeError) as e:
+        raise RecipeError(f"recipe key `fp4.overrides`: {e}") from e
 
 
 _ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.(env|decode)\s*:")
@@ -355,6 +420,7 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                               "quote the value if it is a string") from None
     for layer, origin in layers[1:]:
         _refuse_env_interpolation(layer, origin)
+        _refuse_non_bool(layer, origin)
     merged = layers[0]
     for layer, origin in layers[1:]:
         try:
@@ -366,12 +432,17 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e, "while resolving") from None
     _validate(cfg)
-    return _resolve_token_budget(cfg)
+    resolved = _resolve_token_budget(cfg)
+    if resolved is not cfg:
+        resolved.__dict__["fp4_config"] = cfg.fp4_config  # the one FP4Config, validated above
+    return resolved
 
 
 def recipe_to_dict(cfg: RecipeConfig) -> dict[str, Any]:
-    """Plain nested dict (for checkpoints and loggers)."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict (for checkpoints and loggers); ``fp4.overrides`` lists only the keys set."""
+    d = dataclasses.asdict(cfg)
+    d["fp4"]["overrides"] = cfg.fp4.changes()
+    return d
 
 
 def recipe_to_yaml(cfg: RecipeConfig) -> str:

@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from fp4lightning.comm import CommState, hook_for_format
 
-__all__ = ["FP4DDPStrategy", "FP4FSDPStrategy"]
+__all__ = ["FP4DDPStrategy", "FP4FSDPStrategy", "is_fsdp"]
 
 log = logging.getLogger(__name__)
 
@@ -236,3 +236,18 @@ class FP4FSDPStrategy(ModelParallelStrategy):
         finally:
             for m in mods:
                 m.set_requires_gradient_sync(True, recurse=False)
+
+
+def is_fsdp(strategy: Any) -> bool:
+    """Whether ``strategy`` (a name or an instance) shards the model with FSDP: Lightning's ``FSDPStrategy``
+    (FSDP1), :class:`FP4FSDPStrategy` and any ``ModelParallelStrategy`` (FSDP2), or their names.
+
+    The one FSDP special case (docs/distributed.md): those strategies keep their own precision plugin,
+    so :class:`~fp4lightning.precision.FP4Precision` cannot drive them; the LightningModule converts
+    the layers with ``convert_to_fp4`` in ``configure_model`` instead, under bf16/fp16 autocast.
+    """
+    if isinstance(strategy, str):
+        return strategy.startswith("fsdp") or strategy == FP4FSDPStrategy.strategy_name
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))

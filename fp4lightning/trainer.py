@@ -1,4 +1,4 @@
-"""``fp4lightning.Trainer``: Lightning's Trainer, plus ``precision="fp4"`` (METHOD.md section 6).
+"""``fp4lightning.Trainer``: Lightning's Trainer, plus ``precision="fp4"`` (docs/lightning.md).
 
 Lightning's precision strings are a closed list with no registry (``Trainer(precision="fp4")``
 raises in ``lightning.fabric.connector``), so FP4 enters through the two doors Lightning does
@@ -20,16 +20,14 @@ import inspect
 from typing import Any, Optional, Union, get_args
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 
 from .precision import FP4Precision
+from .precision_names import FP4_PRECISIONS
+from .strategy import FP4DDPStrategy, is_fsdp
 
-__all__ = ["Trainer", "FP4_PRECISIONS"]
-
-#: ``precision=`` strings added by fp4lightning -> the autocast dtype around the FP4 GeMMs
-FP4_PRECISIONS: dict[str, str] = {"fp4": "bf16", "fp4-bf16": "bf16", "fp4-fp16": "fp16"}
+__all__ = ["Trainer"]
 
 # strategy strings that mean "DDP" -> FP4DDPStrategy keyword arguments giving the same behaviour
 _DDP_STRATEGIES: dict[str, dict[str, Any]] = {
@@ -43,14 +41,13 @@ _DDP_STRATEGIES: dict[str, dict[str, Any]] = {
 
 
 def _lightning_precisions() -> tuple:
-    try:  # the Literal types Lightning validates against (private names: read only, never patched)
-        from lightning.fabric.plugins.precision.precision import (
-            _PRECISION_INPUT_INT,
-            _PRECISION_INPUT_STR,
-            _PRECISION_INPUT_STR_ALIAS,
-        )
-    except ImportError:  # pragma: no cover - a Lightning without them validates on its own
-        return ()
+    # the Literal types Lightning validates against (private names: read only, never patched)
+    from lightning.fabric.plugins.precision.precision import (
+        _PRECISION_INPUT_INT,
+        _PRECISION_INPUT_STR,
+        _PRECISION_INPUT_STR_ALIAS,
+    )
+
     return get_args(_PRECISION_INPUT_STR) + get_args(_PRECISION_INPUT_INT) + get_args(_PRECISION_INPUT_STR_ALIAS)
 
 
@@ -91,24 +88,6 @@ def _world_size(accelerator: Any, devices: Any, num_nodes: Any) -> Optional[int]
         return None
 
 
-def _is_fsdp(strategy: Any) -> bool:
-    if isinstance(strategy, str):
-        return strategy.startswith("fsdp")
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    return isinstance(strategy, FSDPStrategy)
-
-
-def _fp4_ddp_strategy(plugin: FP4Precision, strategy_kwargs: dict[str, Any]) -> Optional[Strategy]:
-    try:
-        from .strategy import FP4DDPStrategy
-    except ImportError as err:
-        rank_zero_warn(f"fp4lightning.Trainer: FP4 data-parallel strategy unavailable ({err}); using Lightning's DDP, "
-                       "whose gradients are all-reduced in fp32")
-        return None
-    return FP4DDPStrategy(precision_plugin=plugin, **strategy_kwargs)
-
-
 class Trainer(pl.Trainer):
     """``lightning.pytorch.Trainer`` that also accepts ``precision="fp4"``, ``"fp4-bf16"``, ``"fp4-fp16"``.
 
@@ -140,21 +119,19 @@ class Trainer(pl.Trainer):
         else:
             fp4_plugin = next((p for p in plugin_list if isinstance(p, FP4Precision)), None)
 
-        if fp4_plugin is not None and _is_fsdp(strategy):
+        if fp4_plugin is not None and is_fsdp(strategy):
             raise ValueError(
                 "fp4lightning.Trainer: Lightning's FSDP strategy only accepts its own FSDPPrecision plugin, so "
                 "FP4Precision cannot drive it. For FSDP use precision='bf16-mixed' and convert the model in "
                 "LightningModule.configure_model with fp4lightning.convert_to_fp4(model, config) (as "
-                "fp4lightning.train does), or use strategy='ddp' for FP4 with FP8 gradient communication")
+                "fp4lightning.pretrain does), or use strategy='ddp' for FP4 with FP8 gradient communication")
         if fp4_plugin is not None and isinstance(strategy, str) and strategy in _DDP_STRATEGIES:
             world = _world_size(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"),
                                 kwargs.get("num_nodes", 1))
             if world is not None and world > 1:
-                ddp = _fp4_ddp_strategy(fp4_plugin, dict(_DDP_STRATEGIES[strategy]))
-                if ddp is not None:
-                    # the plugin now travels with the strategy; Lightning refuses it in both places
-                    plugin_list = [p for p in plugin_list if p is not fp4_plugin]
-                    strategy = ddp
+                # the plugin now travels with the strategy; Lightning refuses it in both places
+                plugin_list = [p for p in plugin_list if p is not fp4_plugin]
+                strategy = FP4DDPStrategy(precision_plugin=fp4_plugin, **_DDP_STRATEGIES[strategy])
         if precision is not None:
             kwargs["precision"] = precision
         super().__init__(plugins=plugin_list or None, strategy=strategy, **kwargs)

@@ -1,7 +1,7 @@
 """SQNR of every FP4 format on a model's activations and weights (fp4lightning.block_analysis)."""
 import torch
 
-from fp4lightning.analysis import capture_linear_inputs
+from fp4lightning.fidelity import capture_linear_inputs
 from fp4lightning.block_analysis import ACT_FORMATS, WEIGHT_FORMATS, block_fidelity_report, format_block_table
 from fp4lightning.models.llama import Llama, llama_config
 from tests._numerics import heavy_tailed

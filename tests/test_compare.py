@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from fp4lightning.analysis import VARIANTS, capture_linear_inputs, occ_fidelity_report
+from fp4lightning.fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
 from fp4lightning.block_analysis import ACT_FORMATS
 from fp4lightning.cli import main as cli_main
 from fp4lightning.compare import variant_overrides

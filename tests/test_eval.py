@@ -51,13 +51,14 @@ def _train(data_dir: Path, out: Path, steps: int, fp4: dict | None, tokenizer: b
     import lightning as L
 
     from fp4lightning.data import TokenDataModule
-    from fp4lightning.module import LlamaLightningModule
-    from fp4lightning.recipe import load_recipe, recipe_to_dict
+    from fp4lightning.lightning_module import LlamaLightningModule
+    from fp4lightning.recipe import fp4_config_from_spec, load_recipe, recipe_to_dict
 
     dm = TokenDataModule(data_dir, seq_len=64, micro_batch_size=8, train_batches=steps, val_batches=1)
     recipe = load_recipe(None, [f"data.dir={data_dir}", f"trainer.precision={'fp4' if fp4 else 'bf16-mixed'}"])
     module = LlamaLightningModule(
-        model=TINY_MODEL, lr=3e-3, max_steps=steps, fp4=fp4, recipe=recipe_to_dict(recipe),
+        model=TINY_MODEL, lr=3e-3, max_steps=steps, fp4=fp4,
+        fp4_config=fp4_config_from_spec(fp4) if fp4 else None, recipe=recipe_to_dict(recipe),
         tokenizer_json=dm.tokenizer.to_str() if tokenizer else None,
     )
     trainer = L.Trainer(

@@ -94,7 +94,7 @@ def test_frozen_dge_factor_refuses_dge_on():
 def test_frozen_variant_reaches_the_recipe():
     v = parse_variant("fp4-dge-frozen")
     cfg = load_recipe(None, v.overrides())
-    fp4 = FP4Config.from_preset(cfg.fp4.preset, **cfg.fp4.overrides)
+    fp4 = FP4Config.from_preset(cfg.fp4.preset, **cfg.fp4.changes())
     assert fp4.dge is False and fp4.dge_frozen_factor is True and fp4.occ is True
 
 

@@ -6,7 +6,8 @@ from torch import nn
 
 from fp4lightning import FP4Linear, fp4_modules
 from fp4lightning.fabric import FP4FabricPrecision
-from fp4lightning.precision import DynamicLossScaler, FP4Precision
+from fp4lightning.loss_scaler import DynamicLossScaler
+from fp4lightning.precision import FP4Precision
 
 VOCAB, D = 64, 32
 

@@ -239,12 +239,13 @@ def _lightning_checks(rank, out_dir, seed):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fp4lightning.fsdp import FP4ShardedWeight
-    from fp4lightning.module import LlamaLightningModule
+    from fp4lightning.config import FP4Config
+    from fp4lightning.lightning_module import LlamaLightningModule
     from fp4lightning.strategy import FP4FSDPStrategy
 
     module = LlamaLightningModule(
         model=dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=2, ffn_dim=128, max_seq_len=32),
-        lr=1e-3, max_steps=3, fp4={"preset": "paper", "overrides": {}}, fp4_in_module=True,
+        lr=1e-3, max_steps=3, fp4={"preset": "paper", "overrides": {}}, fp4_config=FP4Config(), fp4_in_module=True,
     )
     data = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(seed + rank))
     trainer = pl.Trainer(

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Config, FP4Linear
-from fp4lightning.analysis import saved_tensor_bytes
+from fp4lightning.fidelity import saved_tensor_bytes
 from fp4lightning.dge import dge_derivative
 from fp4lightning.occ import occ_bounds, occ_clamp
 from fp4lightning.ops import quantize_fp8_reference

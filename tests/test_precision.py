@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import fp4lightning.trainer as fp4_trainer
 from fp4lightning.linear import FP4Linear
 from fp4lightning.optim import LowPrecisionAdamW, to_torch_adamw_state_dict
-from fp4lightning.precision import DynamicLossScaler, FP4Precision
+from fp4lightning.loss_scaler import DynamicLossScaler
+from fp4lightning.precision import FP4Precision
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
              enable_model_summary=False)
@@ -127,6 +128,13 @@ def test_unknown_precision_lists_the_valid_ones():
         FP4Precision(compute_dtype="fp8")
     with pytest.raises(ValueError, match="FSDP.*configure_model"):
         fp4_trainer.Trainer(precision="fp4", strategy="fsdp", **QUIET)
+    # the project's FSDP2 strategy (a ModelParallelStrategy) is FSDP too: the same way out
+    from fp4lightning.strategy import FP4FSDPStrategy
+
+    with pytest.raises(ValueError, match="FSDP.*configure_model"):
+        fp4_trainer.Trainer(precision="fp4", strategy=FP4FSDPStrategy(), **QUIET)
+    with pytest.raises(ValueError, match="FSDP.*configure_model"):
+        fp4_trainer.Trainer(plugins=[FP4Precision()], strategy="fp4_fsdp", **QUIET)
 
 
 def test_fp16_where_autocast_cannot_run_says_so():

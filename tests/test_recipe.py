@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
-from fp4lightning.train import _precision_setup, make_module
+from fp4lightning.pretrain import _precision_setup, make_module
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 PAPER = {"llama2-1.3b": 32, "llama2-7b": 64, "llama2-13b": 128}  # recipe -> gradient accumulation
@@ -49,6 +49,8 @@ def _render_default(f: dataclasses.Field) -> str:
         return "null"
     if isinstance(v, bool):
         return str(v).lower()
+    if dataclasses.is_dataclass(v) and not any(dataclasses.asdict(v).values()):
+        return "{}"  # fp4.overrides: nothing overridden
     return "{}" if isinstance(v, dict) else str(v)
 
 
@@ -114,7 +116,7 @@ def test_overrides_win_over_the_file(tmp_path):
     f.write_text("name: mine\nschedule:\n  max_steps: 7\nfp4:\n  preset: fp4-no-occ\n")
     cfg = load_recipe(f, ["schedule.max_steps=9", "fp4.overrides.occ_alpha=0.999", "model.n_kv_heads=1"])
     assert (cfg.name, cfg.out_dir, cfg.schedule.max_steps) == ("mine", "runs/mine", 9)
-    assert cfg.fp4.preset == "fp4-no-occ" and cfg.fp4.overrides == {"occ_alpha": 0.999}
+    assert cfg.fp4.preset == "fp4-no-occ" and cfg.fp4.changes() == {"occ_alpha": 0.999}
     assert cfg.llama_config().kv_heads == 1
 
 
@@ -129,6 +131,11 @@ def test_overrides_win_over_the_file(tmp_path):
         (["model.name=llama2-70b"], r"`model\.name`.*llama2-13b.*tiny"),
         (["fp4.preset=nvfp8"], r"`fp4\.preset`.*paper, w4a4-direct, fp4-no-dge, fp4-no-occ"),
         (["fp4.overrides.occ_alhpa=0.9"], r"`fp4\.overrides\.occ_alhpa`.*occ_alpha"),
+        # fp4.overrides is typed field by field from FP4Config (issue 14)
+        (["fp4.overrides.occ_alpha=abc"], r"`fp4\.overrides\.occ_alpha`.*expects float"),
+        (["fp4.overrides.dge=0"], r"`fp4\.overrides\.dge`.*expects bool"),
+        (["fp4.overrides.occ_sample_size=many"], r"`fp4\.overrides\.occ_sample_size`.*expects int"),
+        (["fp4.overrides.occ_alpha=0.3"], r"`fp4\.overrides`.*occ_alpha must be in \(0\.5, 1\)"),
         (["trainer.strategy=deepspeed"], r"`trainer\.strategy`.*auto, ddp, fsdp"),
         (["data.global_batch_size=24"], r"`data\.global_batch_size` = 24 must be a multiple"),
         (["data.seq_len=4096"], r"`data\.seq_len` = 4096 exceeds"),
@@ -139,6 +146,16 @@ def test_overrides_win_over_the_file(tmp_path):
 def test_bad_overrides_name_the_key(overrides, pattern):
     with pytest.raises(RecipeError, match=f"(?s){pattern}"):
         load_recipe(None, overrides)
+
+
+def test_fp4_section_builds_one_typed_config():
+    cfg = load_recipe(None, ["fp4.preset=fp4-no-occ", "fp4.overrides.dge_k=4", "fp4.overrides.skip_modules=[lm_head]",
+                             "schedule.max_tokens=100000"])
+    assert cfg.fp4.changes() == {"dge_k": 4.0, "skip_modules": ["lm_head"]}
+    assert cfg.fp4_config is cfg.fp4_config  # built once
+    assert (cfg.fp4_config.occ, cfg.fp4_config.dge_k, cfg.fp4_config.skip_modules) == (False, 4.0, ("lm_head",))
+    # what checkpoints record: only the keys set
+    assert recipe_to_dict(cfg)["fp4"] == {"preset": "fp4-no-occ", "overrides": {"dge_k": 4.0, "skip_modules": ["lm_head"]}}
 
 
 def test_bad_recipe_files(tmp_path):

@@ -27,7 +27,8 @@ from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, read_ch
 from fp4lightning.cli import main as cli_main
 from fp4lightning.nonfinite import NonFiniteError
 from fp4lightning.recipe import load_recipe
-from fp4lightning.train import EXIT_NONFINITE, LAST_CKPT, build, train
+from fp4lightning.cli import EXIT_NONFINITE
+from fp4lightning.pretrain import LAST_CKPT, build, train
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 
@@ -135,7 +136,7 @@ PLAN = {2: "gradient", 3: "dY", 5: "activation", 6: "embedding"}
 @pytest.mark.parametrize("precision", ["fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed"])
 def test_nonfinite_step_is_skipped_at_every_stage(corpus, tmp_path, precision, one_thread):
     inj = Injector(PLAN)
-    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.train
+    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.pretrain
         cfg = load_recipe(None, tiny_overrides(corpus, tmp_path, "schedule.max_steps=7",
                                                f"trainer.precision={precision}"))
         result = train(cfg, callbacks=[inj])
@@ -188,7 +189,8 @@ DDP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from fp4lightning.nonfinite import NonFiniteError
     from fp4lightning.recipe import load_recipe
-    from fp4lightning.train import train, EXIT_NONFINITE
+    from fp4lightning.cli import EXIT_NONFINITE
+    from fp4lightning.pretrain import train
     from tests.test_reliability import Injector
     from tests.test_train import tiny_overrides
 
@@ -510,7 +512,7 @@ def _consistent(out: Path) -> None:
 
 
 def test_two_concurrent_prepares_into_one_folder(tmp_path):
-    from fp4lightning.data import _FolderLock
+    from fp4lightning.data.build import _FolderLock
 
     a = _small_source(tmp_path / "a", ("argparse", "textwrap", "string"))
     b = _small_source(tmp_path / "b", ("decimal", "fractions", "statistics"))

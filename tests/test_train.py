@@ -17,7 +17,7 @@ import torch
 from fp4lightning.checkpoint import CheckpointError, load_checkpoint
 from fp4lightning.cli import main as cli_main
 from fp4lightning.recipe import load_recipe
-from fp4lightning.train import LAST_CKPT, train
+from fp4lightning.pretrain import LAST_CKPT, train
 from tests.test_data import prepared_test_corpus
 
 pytestmark = pytest.mark.slow

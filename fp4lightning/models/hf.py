@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fp4lightning.errors import UsageError
 from fp4lightning.models.llama import Llama, LlamaConfig
 
 __all__ = [
@@ -70,15 +71,15 @@ def from_hf_config(hf_cfg) -> LlamaConfig:
     """:class:`LlamaConfig` from a ``transformers.LlamaConfig`` (or its ``to_dict()``)."""
     d = hf_cfg if isinstance(hf_cfg, dict) else hf_cfg.to_dict()
     if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias") or d.get("mlp_bias"):
-        raise ValueError("only LLaMA configs with silu, no attention/MLP biases are supported")
+        raise UsageError("only LLaMA configs with silu, no attention/MLP biases are supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if rope.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not supported (only plain RoPE)")
+        raise UsageError(f"RoPE scaling {rope.get('rope_type')!r} is not supported (only plain RoPE)")
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
     if head_dim * n_heads != d["hidden_size"]:
-        raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
+        raise UsageError("head_dim * num_attention_heads != hidden_size is not supported")
     return LlamaConfig(
         vocab_size=d["vocab_size"],
         dim=d["hidden_size"],
@@ -211,23 +212,3 @@ LM_EVAL_HINT = (
     "for perplexity (loglikelihood_rolling) tasks add add_bos_token=False, since lm-eval's hf model "
     "also prefixes BOS itself there"
 )
-
-
-# ----------------------------------------------------------------------------- CLI
-HELP = "write a training checkpoint as a Hugging Face LlamaForCausalLM folder"
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or a run folder (runs/<name>)")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json, model.safetensors, tokenizer)")
-
-
-def run(args) -> int:
-    from fp4lightning.checkpoint import load_checkpoint
-
-    model, tokenizer, _ = load_checkpoint(args.ckpt)
-    out = save_hf(model, args.out_dir, tokenizer)
-    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
-    if tokenizer is not None:
-        print(LM_EVAL_HINT.format(out=out))
-    return 0

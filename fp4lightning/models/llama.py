@@ -209,6 +209,9 @@ class Llama(nn.Module):
     and calling ``init_weights()`` after ``to_empty(device=...)``.
     """
 
+    #: the module types a sharding strategy wraps as units (read by ``fp4lightning.fsdp.fully_shard_fp4``)
+    shard_units: tuple[type[nn.Module], ...] = (Block,)
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config

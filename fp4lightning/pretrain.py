@@ -2,7 +2,7 @@
 
 Builds the pieces from a resolved :class:`~fp4lightning.recipe.RecipeConfig`: the
 :class:`~fp4lightning.data.TokenDataModule`, the
-:class:`~fp4lightning.module.LlamaLightningModule` (AdamW + warmup/cosine, arXiv
+:class:`~fp4lightning.lightning_module.LlamaLightningModule` (AdamW + warmup/cosine, arXiv
 2501.17116 section 7), a Lightning ``Trainer`` with checkpointing, CSV and TensorBoard
 loggers, and FP4 through :func:`_precision_setup`.
 
@@ -21,7 +21,6 @@ continues from ``checkpoints/last.ckpt`` with the same data order.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import os
@@ -30,23 +29,25 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from fp4lightning.errors import InputNotFoundError
 from fp4lightning.checkpoint import AtomicCheckpointIO, remove_stale_temporaries
 from fp4lightning.data import TokenDataModule, prepare_command
-from fp4lightning.module import LlamaLightningModule, fp4_config_from_spec
+from fp4lightning.lightning_module import LlamaLightningModule
+from fp4lightning.config import FP4Config
 from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
-from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_to_dict, recipe_to_yaml
+from fp4lightning.precision_names import FP4_PRECISIONS, MIXED_PRECISION
+from fp4lightning.strategy import is_fsdp
+from fp4lightning.recipe import RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
 from fp4lightning.trainer import Trainer
 
-__all__ = ["train", "build", "make_module", "PrecisionSetup", "TrainResult", "add_arguments", "run", "plot_losses"]
+__all__ = ["train", "build", "make_module", "PrecisionSetup", "TrainResult", "plot_losses", "read_losses"]
 
-HELP = "pretrain a LLaMA from a recipe YAML"
 LAST_CKPT = "last.ckpt"
 
 
@@ -66,7 +67,7 @@ class PrecisionSetup:
 
     trainer_precision: str | None  # Lightning's precision string (None when a plugin decides)
     plugins: tuple  # Trainer plugins
-    fp4: dict[str, Any] | None  # FP4 spec {"preset", "overrides"}, recorded in checkpoints
+    fp4: FP4Config | None  # the recipe's FP4Config (RecipeConfig.fp4_config); None: high precision
     convert_in_module: bool  # True: LlamaLightningModule.configure_model applies convert_to_fp4
 
 
@@ -81,22 +82,20 @@ def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
       ``configure_model`` with ``convert_to_fp4`` (before sharding).
     * ``bf16-mixed`` / ``32-true``: Lightning's own.
     """
-    from fp4lightning.trainer import FP4_PRECISIONS
-
     if cfg.trainer.precision not in FP4_PRECISIONS:
         return PrecisionSetup(cfg.trainer.precision, (), None, False)
     compute = FP4_PRECISIONS[cfg.trainer.precision]  # "bf16" or "fp16" around the FP4 GeMMs
-    spec = {"preset": cfg.fp4.preset, "overrides": dict(cfg.fp4.overrides)}
-    if cfg.trainer.strategy == "fsdp":
-        return PrecisionSetup("bf16-mixed" if compute == "bf16" else "16-mixed", (), spec, True)
+    if is_fsdp(cfg.trainer.strategy):
+        return PrecisionSetup(MIXED_PRECISION[compute], (), cfg.fp4_config, True)
     from fp4lightning.precision import FP4Precision
 
-    return PrecisionSetup(None, (FP4Precision(fp4_config_from_spec(spec), compute_dtype=compute,
-                                              max_consecutive_skips=cfg.trainer.max_nonfinite_skips),), spec, False)
+    return PrecisionSetup(None, (FP4Precision(cfg.fp4_config, compute_dtype=compute,
+                                              max_consecutive_skips=cfg.trainer.max_nonfinite_skips),),
+                          cfg.fp4_config, False)
 
 
 def _strategy(cfg: RecipeConfig):
-    if cfg.trainer.strategy != "fsdp":
+    if not is_fsdp(cfg.trainer.strategy):
         return cfg.trainer.strategy
     from fp4lightning.strategy import FP4FSDPStrategy
 
@@ -151,14 +150,14 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
     if ckpt != "last":
         path = Path(ckpt)
         if not path.exists():
-            raise FileNotFoundError(
+            raise InputNotFoundError(
                 f"cannot resume: checkpoint {path} does not exist (train without --resume / ckpt_path to start fresh)")
         _check_resumable(path, cfg)
         return str(path)
     ckpt_dir = Path(cfg.out_dir) / "checkpoints"
     candidates = _checkpoint_candidates(ckpt_dir) if ckpt_dir.is_dir() else []
     if not candidates:
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"cannot resume: checkpoint {ckpt_dir / LAST_CKPT} does not exist and {ckpt_dir} has no step=N.ckpt "
             "(train without --resume / ckpt_path to start fresh)")
     problems = []
@@ -250,7 +249,8 @@ def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, toke
         max_steps=cfg.schedule.max_steps,
         warmup_fraction=cfg.schedule.warmup_fraction,
         min_lr_ratio=cfg.schedule.min_lr_ratio,
-        fp4=precision.fp4,
+        fp4=cfg.fp4.spec() if precision.fp4 is not None else None,
+        fp4_config=precision.fp4,
         fp4_in_module=precision.convert_in_module,
         recipe=recipe_to_dict(cfg),
         tokenizer_json=tokenizer_json,
@@ -363,7 +363,7 @@ def _throughput_and_init_callbacks(cfg: RecipeConfig, dm, ckpt_path: str | None)
     if (cfg.init.from_hf or cfg.init.from_checkpoint) and ckpt_path is None:
         from fp4lightning.initialize import InitWeights, check_tokenizer, load_init_weights
 
-        if cfg.trainer.strategy == "fsdp":
+        if is_fsdp(cfg.trainer.strategy):
             raise RecipeError("recipe keys `init.*` are not supported with trainer.strategy=fsdp yet; "
                               "use ddp, or start from a checkpoint written by an fsdp run with --resume")
         state, _, tok, source = load_init_weights(cfg)
@@ -389,7 +389,7 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
         return lines
     import math
 
-    from fp4lightning.module import warmup_cosine
+    from fp4lightning.lightning_module import warmup_cosine
 
     def lr_at(h: dict) -> float:
         warmup = max(1, math.ceil(h["warmup_fraction"] * h["max_steps"]))  # as LlamaLightningModule
@@ -403,6 +403,26 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
     return lines
 
 
+def _read_csv_losses(log_dir: Path) -> dict[str, dict[int, float]]:
+    """``{"train": {step: loss}, "val": {step: loss}}`` from every CSVLogger version under ``log_dir``;
+    later versions (resumed runs) overwrite earlier steps."""
+    out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
+    versions = sorted(log_dir.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    for path in versions:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                step = int(row["step"])
+                for key, name in (("train", "train/loss"), ("val", "val/loss")):
+                    if row.get(name):
+                        out[key][step] = float(row[name])
+    return out
+
+
+def read_losses(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Train and validation loss per step of the run in ``run_dir`` (its ``logs/csv``, resumes merged)."""
+    return _read_csv_losses(Path(run_dir) / "logs" / "csv")
+
+
 def plot_losses(log_dir: Path, png: Path) -> Path | None:
     """Train and validation loss against step from every CSV log version; None if no data."""
     import matplotlib
@@ -410,17 +430,8 @@ def plot_losses(log_dir: Path, png: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train: dict[int, float] = {}
-    val: dict[int, float] = {}
-    versions = sorted(log_dir.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
-    for path in versions:  # later versions (resumed runs) overwrite earlier steps
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                step = int(row["step"])
-                if row.get("train/loss"):
-                    train[step] = float(row["train/loss"])
-                if row.get("val/loss"):
-                    val[step] = float(row["val/loss"])
+    losses = _read_csv_losses(log_dir)
+    train, val = losses["train"], losses["val"]
     if not train and not val:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -513,44 +524,3 @@ def _report(trainer, out: Path, status: str) -> TrainResult:
     print(f"loss curve : {png if png else '(no logged steps)'}")
     print("=" * 72, flush=True)
     return TrainResult(out, ckpt.resolve() if ckpt else None, logs, png, val_loss, False)
-
-
-#: exit status of `fp4lightning train` after SIGTERM (checkpoint saved; 128 + SIGTERM, as a shell reports it)
-EXIT_PREEMPTED = 143
-#: exit status when training stopped on non-finite steps (fp4lightning.nonfinite)
-EXIT_NONFINITE = 3
-
-
-# ----------------------------------------------------------------------------- CLI
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", nargs="?", default=None,
-                        help="recipe YAML (default: the built-in tiny recipe, same as recipes/tiny.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="recipe overrides, e.g. schedule.max_steps=50 trainer.precision=bf16-mixed")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from <out_dir>/checkpoints/last.ckpt, or the newest step=N.ckpt that loads "
-                             "(same as ckpt_path=last)")
-    parser.add_argument("--verify-data", action="store_true",
-                        help="check every data shard against the sha256 recorded by `data prepare` before training "
-                             "(sizes are always checked)")
-
-
-def run(args: argparse.Namespace) -> int:
-    recipe, overrides = args.recipe, list(args.overrides)
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        recipe, overrides = None, [recipe, *overrides]  # `fp4lightning train key=value`
-    cfg = load_recipe(recipe, overrides)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and Path(cfg.out_dir).joinpath("checkpoints").exists() \
-            and not args.resume and cfg.ckpt_path is None:
-        print(f"note: {cfg.out_dir} already has checkpoints; this run starts from scratch "
-              "(use --resume to continue)", flush=True)
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    try:
-        train(cfg, resume=args.resume, verify_data=args.verify_data)
-    except SIGTERMException:
-        return EXIT_PREEMPTED  # saved and resumable, but not finished: a scheduler must see the difference
-    except NonFiniteError as e:
-        print(f"fp4lightning train: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_NONFINITE
-    return 0

@@ -7,7 +7,7 @@ Gradient clipping is the Trainer's (``gradient_clip_val``).
 The model is built in ``configure_model`` so that strategies that shard it (FSDP) can
 build it on the meta device. FP4 conversion is done by the ``FP4Precision`` plugin, or
 here right after building the model where that plugin cannot be used (FSDP); see
-``fp4lightning.train._precision_setup``.
+``fp4lightning.pretrain._precision_setup``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric
 
+from fp4lightning.config import FP4Config
 from fp4lightning.models.llama import Llama, LlamaConfig
 
-__all__ = ["LlamaLightningModule", "warmup_cosine", "fp4_config_from_spec"]
+__all__ = ["LlamaLightningModule", "warmup_cosine"]
 
 
 def warmup_cosine(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -35,13 +36,6 @@ def warmup_cosine(step: int, max_steps: int, warmup_steps: int, min_lr_ratio: fl
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def fp4_config_from_spec(spec: dict[str, Any]):
-    """``FP4Config`` from ``{"preset": name, "overrides": {field: value}}``."""
-    from fp4lightning.config import FP4Config
-
-    return FP4Config.from_preset(spec["preset"], **dict(spec.get("overrides") or {}))
-
-
 class LlamaLightningModule(L.LightningModule):
     """Next-token cross-entropy pretraining of :class:`~fp4lightning.models.llama.Llama`.
 
@@ -49,8 +43,11 @@ class LlamaLightningModule(L.LightningModule):
         model: the :class:`LlamaConfig` fields as a dict.
         lr, beta1, beta2, eps, weight_decay: AdamW settings.
         max_steps, warmup_fraction, min_lr_ratio: the warmup + cosine schedule.
-        fp4: ``None`` for a high-precision run, else ``{"preset": ..., "overrides": {...}}``
-            (kept in the checkpoint; ``load_checkpoint(fp4=True)`` uses it).
+        fp4: ``None`` for a high-precision run, else the recipe's FP4 spec ``{"preset": ...,
+            "overrides": {...}}`` (``FP4Section.spec()``), recorded in the checkpoint for
+            ``load_checkpoint(fp4=True)``.
+        fp4_config: the :class:`~fp4lightning.config.FP4Config` of that spec, built once by the
+            recipe (``RecipeConfig.fp4_config``); needed when ``fp4_in_module`` converts the model.
         fp4_in_module: apply ``fp4`` with ``convert_to_fp4`` right after building the model
             (FSDP); False when the Trainer's ``FP4Precision`` plugin converts it instead.
         recipe: the resolved recipe (plain dict), kept in the checkpoint's hyperparameters.
@@ -70,12 +67,17 @@ class LlamaLightningModule(L.LightningModule):
         warmup_fraction: float = 0.05,
         min_lr_ratio: float = 0.1,
         fp4: dict[str, Any] | None = None,
+        fp4_config: FP4Config | None = None,
         fp4_in_module: bool = True,
         recipe: dict[str, Any] | None = None,
         tokenizer_json: str | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["tokenizer_json"])
+        self.save_hyperparameters(ignore=["tokenizer_json", "fp4_config"])
+        if fp4 is not None and fp4_in_module and fp4_config is None:
+            raise ValueError("LlamaLightningModule: fp4_in_module converts the model with fp4_config; pass the "
+                             "FP4Config (RecipeConfig.fp4_config) along with its spec fp4")
+        self.fp4_config = fp4_config
         self.model_config = LlamaConfig(**model)
         self.tokenizer_json = tokenizer_json
         self.model: Llama | None = None
@@ -97,7 +99,7 @@ class LlamaLightningModule(L.LightningModule):
             with warnings.catch_warnings():
                 # keeping the output head in high precision is the method, not news
                 warnings.filterwarnings("ignore", message=r"convert_to_fp4: keeping lm_head ")
-                convert_to_fp4(model, fp4_config_from_spec(self.hparams.fp4))
+                convert_to_fp4(model, self.fp4_config)
         if getattr(self, "_device_mesh", None) is not None:  # ModelParallelStrategy: FSDP2 (docs/distributed.md)
             from fp4lightning.fsdp import fully_shard_fp4
 

@@ -1,0 +1,298 @@
+"""``prepare``: tokenise a corpus into token shards, atomically and idempotently.
+
+A byte-level BPE (:mod:`fp4lightning.tokenizer`) is trained on the training split, then every
+document is written as ``BOS tokens EOS`` into the train or validation shards; each document goes
+to the validation split by a hash of its name, so the split is deterministic, spread over the
+whole corpus, and decidable while streaming. The folder is built beside ``out_dir`` and swapped
+in when complete, under a lock (one ``prepare`` per folder at a time); ``meta.json``
+(:mod:`fp4lightning.data.manifest`) is written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from fp4lightning.data._common import _log, _sha256
+from fp4lightning.data.manifest import FORMAT_VERSION, META_FILE, MIN_VOCAB, default_data_dir, shard_problems
+from fp4lightning.data.sources import BUILTIN_PACKAGES, BadRecords, DataSourceError, iter_documents
+from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
+
+__all__ = ["prepare", "SHARD_TOKENS"]
+
+SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB per uint16 shard
+
+
+def _is_val(doc_name: str, val_fraction: float) -> bool:
+    return zlib.crc32(doc_name.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
+
+
+# ----------------------------------------------------------------------------- prepare
+class _ShardWriter:
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.files: list[dict] = []
+        self._f = None
+        self._n = 0
+        self.total = 0
+
+    def _open(self) -> None:
+        name = f"{self.split}-{len(self.files):05d}.bin"
+        self._f = open(self.out_dir / (name + ".tmp"), "wb")
+        self._hash = hashlib.sha256()
+        self.files.append({"file": name, "tokens": 0})
+        self._n = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        while len(ids):
+            if self._f is None or self._n >= self.shard_tokens:
+                self.close()
+                self._open()
+            take = ids[: self.shard_tokens - self._n]
+            data = take.astype(self.dtype).tobytes()
+            self._f.write(data)
+            self._hash.update(data)
+            self._n += len(take)
+            self.total += len(take)
+            self.files[-1]["tokens"] = self._n
+            ids = ids[len(take):]
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            name = self.files[-1]["file"]
+            self.files[-1]["sha256"] = self._hash.hexdigest()
+            os.replace(self.out_dir / (name + ".tmp"), self.out_dir / name)
+            self._f = None
+
+
+
+class _FolderLock:
+    """An exclusive lock on ``out_dir`` (a sibling ``.<name>.lock`` file): one ``prepare`` at a time.
+
+    A second ``prepare`` into the same folder waits for the first, then finds the data up to date.
+    """
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir.parent / f".{out_dir.name}.lock"
+        self._f = None
+
+    def __enter__(self) -> "_FolderLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a+")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0)
+            holder = self._f.read().strip() or "?"
+            _log(f"another `data prepare` (pid {holder}) is writing {self.path.parent / self.path.name[1:-5]}; "
+                 "waiting for it to finish")
+            fcntl.flock(self._f, fcntl.LOCK_EX)
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(str(os.getpid()))
+        self._f.flush()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+
+        fcntl.flock(self._f, fcntl.LOCK_UN)
+        self._f.close()
+
+
+def _recover_and_clean(out_dir: Path) -> None:
+    """Under the lock: undo a swap cut short by a crash, and remove a killed run's build folders."""
+    import shutil
+
+    olds = sorted(out_dir.parent.glob(f".{out_dir.name}.old-*"))
+    if not out_dir.exists():
+        for old in olds:
+            if (old / META_FILE).is_file():
+                os.rename(old, out_dir)  # the previous complete data, put back
+                _log(f"restored {out_dir} from an interrupted update")
+                break
+    for leftover in [*out_dir.parent.glob(f".{out_dir.name}.old-*"), *out_dir.parent.glob(f".{out_dir.name}.build-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _swap_in(build: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by the complete ``build`` folder: two renames, the old data deleted last."""
+    import shutil
+
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(build, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prepare(
+    source: str = "builtin",
+    out_dir: str | Path | None = None,
+    vocab_size: int = 4096,
+    val_fraction: float = 0.02,
+    max_tokens: int | None = None,
+    tokenizer_train_chars: int = 200_000_000,
+    text_key: str = "text",
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    shard_tokens: int = SHARD_TOKENS,
+    on_bad_record: str = "error",
+) -> Path:
+    """Tokenise ``source`` into ``out_dir`` (see the module docstring); returns ``out_dir``.
+
+    Idempotent: if ``out_dir/meta.json`` records the same arguments, nothing is redone.
+    ``max_tokens`` caps the tokens written (needed for ``hf:`` corpora such as DCLM);
+    the tokenizer trains on the first ``tokenizer_train_chars`` characters.
+    """
+    out_dir = Path(out_dir) if out_dir is not None else default_data_dir(source)
+    cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "downloads"
+    if not 0.0 < val_fraction < 1.0:
+        raise DataSourceError(f"--val-fraction must be in (0, 1) (both splits need text), got {val_fraction}")
+    if not MIN_VOCAB <= vocab_size <= 1 << 31:
+        raise DataSourceError(f"--vocab-size must be at least {MIN_VOCAB} (256 byte tokens + BOS + EOS), "
+                              f"got {vocab_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise DataSourceError(f"--max-tokens must be a positive number of tokens (omit it for the whole source), "
+                              f"got {max_tokens}")
+    BadRecords(on_bad_record)  # validates the policy
+    args = {
+        "format_version": FORMAT_VERSION,
+        "source": source if not Path(source).exists() else str(Path(source).resolve()),
+        "vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+        "max_tokens": max_tokens,
+        "tokenizer_train_chars": tokenizer_train_chars,
+        "text_key": text_key,
+        "on_bad_record": on_bad_record,
+    }
+    probe = out_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe == out_dir and not out_dir.is_dir() or probe != out_dir and not probe.is_dir():
+        raise DataSourceError(f"--out {out_dir}: {probe} exists and is not a folder; choose another --out")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataSourceError(f"--out {out_dir}: {probe} is not writable; choose another --out")
+    with _FolderLock(out_dir):
+        _recover_and_clean(out_dir)
+        meta_path = out_dir / META_FILE
+        if meta_path.is_file() and not force:
+            meta = json.loads(meta_path.read_text())
+            problems = shard_problems(out_dir, meta, checksums=True) if meta.get("args") == args else None
+            if problems == []:
+                _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
+                     f"{meta['splits']['val']['tokens']:,} val tokens, checksums verified); nothing to do "
+                     "(--force redoes it)")
+                return out_dir
+            if problems:
+                _log(f"{out_dir} is damaged ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})"
+                     "; preparing again")
+            else:
+                _log(f"{out_dir} was prepared with different arguments; preparing again")
+        # reach the source before building: downloads, hub access and paths fail here
+        next(iter_documents(source, cache_dir, text_key), None)
+        # build beside the folder and swap it in only when complete: a failure or a kill leaves the
+        # previous data as it was
+        build = out_dir.parent / f".{out_dir.name}.build-{os.getpid()}"
+        build.mkdir(parents=True)
+        try:
+            _build(build, source, cache_dir, args, vocab_size, val_fraction, max_tokens, tokenizer_train_chars,
+                   text_key, shard_tokens, on_bad_record)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        _swap_in(build, out_dir)
+    return out_dir
+
+
+def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: int, val_fraction: float,
+           max_tokens: int | None, tokenizer_train_chars: int, text_key: str, shard_tokens: int,
+           on_bad_record: str = "error") -> None:
+    """Tokenizer, shards and meta.json of ``source`` into the (new, empty) folder ``out_dir``."""
+    meta_path = out_dir / META_FILE
+    t0 = time.perf_counter()
+
+    # 1) tokenizer, trained on the training split's documents only
+    _log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {source}")
+
+    def train_texts() -> Iterator[str]:
+        seen = 0
+        for name, text in iter_documents(source, cache_dir, text_key, BadRecords(on_bad_record)):
+            if _is_val(name, val_fraction):
+                continue
+            yield text
+            seen += len(text)
+            if seen >= tokenizer_train_chars:
+                return
+
+    tok = Tokenizer.train(train_texts(), vocab_size=vocab_size, progress=_log)
+    tok.save(out_dir / TOKENIZER_FILE)
+    _log(f"tokenizer: {tok} saved to {out_dir / TOKENIZER_FILE} ({time.perf_counter() - t0:.1f}s)")
+
+    # 2) tokenise every document into the train / val shards
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+    writers = {s: _ShardWriter(out_dir, s, dtype, shard_tokens) for s in ("train", "val")}
+    n_docs, n_chars, last = 0, 0, time.perf_counter()
+    batch: list[tuple[str, str]] = []
+
+    def flush() -> None:
+        for (name, _), ids in zip(batch, tok.encode_batch([t for _, t in batch], bos=True, eos=True)):
+            writers["val" if _is_val(name, val_fraction) else "train"].write(np.asarray(ids, dtype=np.int64))
+        batch.clear()
+
+    bad = BadRecords(on_bad_record)
+    for name, text in iter_documents(source, cache_dir, text_key, bad):
+        batch.append((name, text))
+        n_docs += 1
+        n_chars += len(text)
+        if len(batch) >= 512:
+            flush()
+            if time.perf_counter() - last > 2.0:
+                last = time.perf_counter()
+                _log(f"tokenised {n_docs:,} documents, {n_chars / 1e6:.1f}M characters, "
+                     f"{writers['train'].total + writers['val'].total:,} tokens")
+            if max_tokens is not None and writers["train"].total + writers["val"].total >= max_tokens:
+                _log(f"reached max_tokens={max_tokens:,}")
+                break
+    flush()
+    for w in writers.values():
+        w.close()
+    bad.summary()
+    if writers["val"].total == 0 or writers["train"].total == 0:
+        raise DataSourceError(
+            f"{source}: {n_docs} documents gave {writers['train'].total} train / {writers['val'].total} val "
+            "tokens; both splits need text (add more documents or raise --val-fraction)"
+        )
+    meta = {
+        "args": args,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": _sha256(out_dir / TOKENIZER_FILE),
+        "documents": n_docs,
+        "characters": n_chars,
+        "splits": {s: {"tokens": w.total, "shards": w.files} for s, w in writers.items()},
+        "builtin_packages": [p.__dict__ for p in BUILTIN_PACKAGES] if source == "builtin" else None,
+    }
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, meta_path)  # meta.json last: its presence means the shards are complete
+    _log(f"done in {time.perf_counter() - t0:.1f}s: {n_docs:,} documents, {n_chars / 1e6:.1f}M characters -> "
+         f"{writers['train'].total:,} train / {writers['val'].total:,} val tokens "
+         f"({n_chars / max(1, writers['train'].total + writers['val'].total):.2f} chars/token)")

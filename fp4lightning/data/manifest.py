@@ -1,0 +1,88 @@
+"""The prepared data folder's format: its manifest (``meta.json``), checksums and errors.
+
+``<data_dir>`` holds ``tokenizer.json``, the token shards ``train-00000.bin``, ... /
+``val-00000.bin`` (flat token ids, uint16 when the vocabulary fits, else uint32) and
+``meta.json``, written last: its presence means "prepared"; it records the inputs (so a second
+``prepare`` with the same arguments does nothing) and every shard's size and sha256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fp4lightning.data._common import _sha256
+from fp4lightning.errors import InputNotFoundError
+
+__all__ = ["META_FILE", "MIN_VOCAB", "FORMAT_VERSION", "DataNotPreparedError", "DataCorruptError",
+           "default_data_dir", "prepare_command", "shard_problems"]
+
+META_FILE = "meta.json"
+MIN_VOCAB = 258  # the 256 byte tokens of byte-level BPE + BOS + EOS
+FORMAT_VERSION = 2  # 2: per-shard sha256 in meta.json
+
+
+class DataNotPreparedError(InputNotFoundError):
+    """The data directory has no prepared shards; the message names the prepare command."""
+
+
+
+class DataCorruptError(DataNotPreparedError):
+    """A prepared shard is missing, truncated or altered; the message names it and the rebuild command."""
+
+
+
+def default_data_dir(source: str) -> Path:
+    """``data/<name>``: ``data/builtin``, ``data/<folder or file stem>``, ``data/<hf dataset name>``."""
+    if source == "builtin":
+        return Path("data/builtin")
+    if source.startswith("hf:"):
+        return Path("data") / source[3:].split(":")[0].rstrip("/").split("/")[-1]
+    return Path("data") / Path(source).stem
+
+
+def prepare_command(
+    source: str,
+    out_dir: str | Path,
+    vocab_size: int | None = None,
+    val_fraction: float | None = None,
+    max_tokens: int | None = None,
+    text_key: str | None = None,
+) -> str:
+    """The shell command that prepares ``out_dir`` (used in error messages); defaults are left out."""
+    cmd = f"fp4lightning data prepare --source {source} --out {out_dir}"
+    for flag, value, default in (("--vocab-size", vocab_size, None), ("--val-fraction", val_fraction, 0.02),
+                                 ("--max-tokens", max_tokens, None), ("--text-key", text_key, "text")):
+        if value is not None and value != default:
+            cmd += f" {flag} {value}"
+    return cmd
+
+
+
+def shard_problems(out_dir: Path, meta: dict, checksums: bool = False) -> list[str]:
+    """What is wrong with the prepared files of ``meta`` (empty: intact).
+
+    Sizes are always compared with the manifest; ``checksums`` also re-hashes every shard
+    (and the tokenizer) against the sha256 recorded at prepare time.
+    """
+    problems = []
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    tok = out_dir / meta["tokenizer"]
+    if not tok.is_file():
+        problems.append(f"{tok} is missing")
+    elif checksums and meta.get("tokenizer_sha256") and _sha256(tok) != meta["tokenizer_sha256"]:
+        problems.append(f"{tok} does not match its sha256 in {META_FILE}")
+    for split in meta["splits"].values():
+        for shard in split["shards"]:
+            path = out_dir / shard["file"]
+            if not path.is_file():
+                problems.append(f"shard {path} is missing")
+            elif path.stat().st_size != shard["tokens"] * itemsize:
+                problems.append(f"shard {path} has {path.stat().st_size} bytes, {META_FILE} records "
+                                f"{shard['tokens'] * itemsize} (truncated or replaced)")
+            elif checksums and shard.get("sha256") and _sha256(path) != shard["sha256"]:
+                problems.append(f"shard {path} does not match its sha256 in {META_FILE} (altered on disk)")
+            elif checksums and not shard.get("sha256"):
+                problems.append(f"shard {path} has no sha256 in {META_FILE} (prepared by an older version)")
+    return problems

@@ -1,0 +1,161 @@
+"""Sampling token windows: deterministic per seed, resumable mid-epoch.
+
+The training split is cut into non-overlapping windows of ``seq_len + 1`` tokens (shifted by
+a per-epoch random offset) visited in a per-epoch pseudo-random order (a keyed Feistel
+permutation: O(1) memory at any corpus size). The sample at global position ``p`` is a pure
+function of ``(seed, p)``, so a run is deterministic for its seed and resumes mid-epoch by
+skipping to the next position; the DataLoader's ``state_dict`` holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from fp4lightning.data.manifest import DataCorruptError
+
+__all__ = ["feistel_permute", "WindowDataset", "ValWindowDataset", "PositionSampler", "ResumableDataLoader"]
+
+
+def _mix64(x: int) -> int:
+    # splitmix64 finaliser: a cheap, well-mixed 64-bit hash
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def feistel_permute(i: int, n: int, key: int, rounds: int = 4) -> int:
+    """``i``-th element of a keyed pseudo-random permutation of ``range(n)``.
+
+    A balanced Feistel network on the smallest even-bit-width domain >= n is a bijection;
+    cycle-walking (re-encrypting values >= n) restricts it to ``range(n)`` (expected < 4 steps).
+    """
+    if not 0 <= i < n:
+        raise IndexError(i)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    x = i
+    while True:
+        left, right = x >> half, x & mask
+        for r in range(rounds):
+            left, right = right, left ^ (_mix64(right ^ _mix64(key * 4 + r)) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
+class WindowDataset(Dataset):
+    """Training windows: item ``p`` (a global sample position) -> ``(seq_len + 1,)`` int64 tokens.
+
+    Epoch ``e = p // num_windows`` visits every window once, in an order and with a start
+    offset (0..seq_len-1) keyed by ``(seed, e)``.
+    """
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int, seed: int, vocab_size: int | None = None,
+                 names: list[str] | None = None, hint: str | None = None):
+        self.shards, self.seq_len, self.seed = shards, seq_len, seed
+        # ids >= vocab_size mean a shard was altered on disk: fail naming it, not inside the embedding
+        self.vocab_size, self.names, self.hint = vocab_size, names, hint
+        # windows per shard such that offset + w * seq_len + 1 <= len for any offset < seq_len
+        counts = [max(0, (len(s) - seq_len) // seq_len) for s in shards]
+        self.num_windows = sum(counts)
+        if self.num_windows == 0:
+            raise ValueError(
+                f"the training split ({sum(map(len, shards))} tokens) is too short for one window of "
+                f"seq_len={seq_len}; lower data.seq_len or prepare more text"
+            )
+        self._starts = np.cumsum([0] + counts)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def locate(self, p: int) -> tuple[int, int]:
+        """(shard, start token) of the window at global sample position ``p``."""
+        epoch, k = divmod(int(p), self.num_windows)
+        key = _mix64(self.seed * 1_000_003 + epoch)
+        w = feistel_permute(k, self.num_windows, key)
+        shard = int(np.searchsorted(self._starts, w, side="right")) - 1
+        return shard, key % self.seq_len + (w - int(self._starts[shard])) * self.seq_len
+
+    def __getitem__(self, p: int) -> torch.Tensor:
+        shard, start = self.locate(p)
+        window = self.shards[shard][start : start + self.seq_len + 1]
+        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
+            name = self.names[shard] if self.names else f"shard {shard}"
+            raise DataCorruptError(
+                f"{name} holds token id {int(window.max())} at tokens {start}..{start + self.seq_len}, outside the "
+                f"tokenizer's {self.vocab_size} ids: the shard was altered on disk; rebuild with:\n"
+                f"  {self.hint or 'fp4lightning data prepare ... --force'}")
+        return torch.from_numpy(window.astype(np.int64))
+
+
+class ValWindowDataset(Dataset):
+    """Validation windows: the first ``max_windows`` non-overlapping windows, in order."""
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int, max_windows: int | None = None):
+        self.index = [(s, i * seq_len) for s, arr in enumerate(shards) for i in range((len(arr) - 1) // seq_len)]
+        if max_windows is not None:
+            self.index = self.index[:max_windows]
+        if not self.index:
+            raise ValueError(
+                f"the validation split ({sum(map(len, shards))} tokens) is shorter than seq_len={seq_len}+1; "
+                "prepare with a larger --val-fraction or lower data.seq_len"
+            )
+        self.shards, self.seq_len = shards, seq_len
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s, start = self.index[i]
+        return torch.from_numpy(self.shards[s][start : start + self.seq_len + 1].astype(np.int64))
+
+
+class PositionSampler(Sampler[int]):
+    """Yields this rank's global sample positions ``j * world_size + rank`` for ``j`` in its range.
+
+    ``len()`` is always the full per-rank length (Lightning counts the epoch's batches from
+    it); after ``skip(n)`` the next iteration starts ``n`` samples in.
+    """
+
+    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1):
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.epoch, self._skip = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, n: int) -> None:
+        self._skip = n
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        start, self._skip = self._skip, 0
+        base = self.epoch * self.num_samples
+        for j in range(base + start, base + self.num_samples):
+            yield j * self.world_size + self.rank
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader Lightning checkpoints: ``state_dict()`` records the batches consumed.
+
+    The count comes from ``progress_fn`` (the trainer's processed-batch counter) rather than
+    from the iterator, because Lightning and the workers prefetch batches ahead of training.
+    """
+
+    def __init__(self, *args, progress_fn: Callable[[], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._progress_fn = progress_fn
+
+    def state_dict(self) -> dict:
+        return {"batches_consumed": int(self._progress_fn()), "epoch": self.sampler.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.set_epoch(state.get("epoch", 0))
+        self.sampler.skip(state["batches_consumed"] * self.batch_size)

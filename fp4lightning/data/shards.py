@@ -1,0 +1,58 @@
+"""Reading a prepared data folder: its tokenizer, manifest and memory-mapped token shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fp4lightning.data.manifest import META_FILE, DataCorruptError, DataNotPreparedError, prepare_command, shard_problems
+from fp4lightning.tokenizer import Tokenizer
+
+__all__ = ["PreparedData"]
+
+
+class PreparedData:
+    """A prepared data directory: ``tokenizer``, ``meta`` and memory-mapped ``shards(split)``.
+
+    A missing directory raises :class:`DataNotPreparedError` showing ``prepare_hint`` (the
+    command that prepares it; default: the builtin corpus).
+    """
+
+    def __init__(self, data_dir: str | Path, prepare_hint: str | None = None, verify: bool = False):
+        self.dir = Path(data_dir)
+        meta_path = self.dir / META_FILE
+        hint = prepare_hint or prepare_command("builtin", self.dir)
+        if not meta_path.is_file():
+            raise DataNotPreparedError(
+                f"no prepared data in {self.dir} ({META_FILE} missing). Prepare it first with:\n  {hint}"
+            )
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            self.meta["splits"]["train"]["shards"], self.meta["dtype"], self.meta["tokenizer"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataCorruptError(f"{meta_path} is damaged ({type(e).__name__}: {e}); rebuild with:\n"
+                                   f"  {hint} --force") from e
+        # sizes always (cheap); checksums on request (fp4lightning train --verify-data)
+        problems = shard_problems(self.dir, self.meta, checksums=verify)
+        if problems:
+            raise DataCorruptError(f"prepared data in {self.dir} is damaged: {problems[0]}"
+                                   f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
+                                   f"rebuild with:\n  {hint} --force")
+        self.hint = hint
+        self.tokenizer = Tokenizer.from_file(self.dir / self.meta["tokenizer"])
+        self._dtype = np.dtype(self.meta["dtype"])
+
+    def shard_files(self, split: str) -> list[Path]:
+        return [self.dir / s["file"] for s in self.meta["splits"][split]["shards"] if s["tokens"] > 0]
+
+    def shards(self, split: str) -> list[np.ndarray]:
+        return [
+            np.memmap(self.dir / s["file"], dtype=self._dtype, mode="r", shape=(s["tokens"],))
+            for s in self.meta["splits"][split]["shards"]
+            if s["tokens"] > 0
+        ]
+
+    def num_tokens(self, split: str) -> int:
+        return self.meta["splits"][split]["tokens"]
