@@ -38,7 +38,7 @@ from torch import nn
 
 from .config import FP4Config
 from .dge import dge_derivative
-from .formats import E2M1_MAX
+from .constants import E2M1_MAX
 from .linear import FP4Linear
 from .quantize import compute_scale, fake_quantize
 

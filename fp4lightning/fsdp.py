@@ -306,7 +306,8 @@ class FP8ReduceScatter(_ReduceScatterBase):
 
     @torch.no_grad()
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        from .comm import FP8_FORMATS, _decode_fp8_raw_into, _encode_fp8_, _pow2_scales, ring_all_reduce_bytes
+        from .comm import FP8_FORMATS, _decode_fp8_raw_into, _pow2_scales, ring_all_reduce_bytes
+        from .formats import saturating_cast_
 
         world = group.size()
         n = output_tensor.numel()
@@ -328,7 +329,7 @@ class FP8ReduceScatter(_ReduceScatterBase):
             self._count(sent, n, world)
             return None
         scale = torch.repeat_interleave(_pow2_scales(red[:-1], fmax), torch.tensor(self.sizes))  # (n,)
-        codes = _encode_fp8_(x * scale, torch.empty(world, n, dtype=dtype8, device=x.device), self.fmt)
+        codes = saturating_cast_(x * scale, torch.empty(world, n, dtype=dtype8, device=x.device))
         received = torch.empty(world, n, dtype=torch.uint8, device=x.device)
         dist.all_to_all_single(received, codes.view(torch.uint8), group=group)
         acc = torch.empty(n, device=x.device)

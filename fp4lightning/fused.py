@@ -22,7 +22,8 @@ import warnings
 
 import torch
 
-from .formats import E2M1_MAX, _round_e5m2, _round_index, _round_magnitude
+from .constants import E2M1_MAX
+from .formats import pow2_floor, _round_e5m2, _round_index, _round_magnitude
 
 __all__ = ["compile_enabled", "fp4_rows", "fp8_scaled", "gemm_epilogue", "wgrad_epilogue"]
 
@@ -68,8 +69,8 @@ def _fused(fn):
 def _scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:
     """fp32 ``fmax / max(amax, eps)`` (or its power-of-two floor), NaN where amax is not finite."""
     scale = fmax / amax.clamp(min=eps)
-    if pow2:  # exact 2^floor(log2(scale)): keep the exponent bits
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    if pow2:
+        scale = pow2_floor(scale)
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 

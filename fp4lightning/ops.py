@@ -27,10 +27,11 @@ import warnings
 
 import torch
 
-from .formats import F8E4M3_MAX, F8E5M2_MAX, decode_packed_fp4
+from .constants import AMAX_EPS, F8E4M3_MAX, F8E5M2_MAX, FP8_AMAX_EPS
+from .formats import decode_packed_fp4
 from . import fused
 from .occ import occ_clamp
-from .quantize import AMAX_EPS, quantize_rows
+from .quantize import quantize_rows
 
 __all__ = [
     "backend_for",
@@ -48,9 +49,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "triton")
-#: amax floor of the FP8 scales, 2^-110: ``fmax / amax`` stays finite in fp32 for E5M2
-#: (57344 * 2^110 < 2^126) and E4M3; every normal amax above it is scaled exactly.
-FP8_AMAX_EPS = 2.0**-110
 GRAD_FORMATS = ("e5m2", "e4m3", "bf16")
 
 

@@ -28,14 +28,14 @@ from typing import Literal
 
 import torch
 
-from .formats import E2M1_MAX, decode_e2m1, decode_packed_fp4, unpack_fp4
+from .constants import AMAX_EPS, E2M1_MAX
+from .formats import decode_e2m1, decode_packed_fp4, pow2_floor, unpack_fp4
 from .fused import fp4_rows
 
 __all__ = [
     "Granularity",
     "ScaleMode",
     "QuantizedFP4",
-    "AMAX_EPS",
     "compute_scale",
     "quantize",
     "quantize_rows",
@@ -48,11 +48,6 @@ ScaleMode = Literal["float", "pow2"]
 GRANULARITIES = ("per_token", "per_channel", "per_tensor")
 SCALE_MODES = ("float", "pow2")
 
-#: amax floor, 2^-124 ~ 4.7e-38: the largest power of two below which 6 / amax would overflow
-#: fp32. Every row with a normal fp32 amax (>= 2^-126 ~ 1.2e-38) above it is scaled exactly
-#: by 6 / amax, however small; an all-zero row gets a finite scale (6 * 2^124) and codes of 0;
-#: rows of fp32 subnormals get that same largest scale (their values land below 6).
-AMAX_EPS = 2.0**-124
 
 
 @dataclass
@@ -85,9 +80,7 @@ def compute_scale(amax: torch.Tensor, scale_mode: ScaleMode = "float") -> torch.
     amax = amax.float()
     scale = E2M1_MAX / amax.clamp(min=AMAX_EPS)
     if scale_mode == "pow2":
-        # Exact 2^floor(log2(scale)): keep the fp32 exponent bits, zero the mantissa.
-        # (log2 can round up just below a power of two; bit masking cannot.)
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+        scale = pow2_floor(scale)
     elif scale_mode != "float":
         raise ValueError(f"unknown scale_mode {scale_mode!r}; choose one of {SCALE_MODES}")
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))

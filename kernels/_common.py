@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4lightning.constants import (AMAX_EPS, E2M1_MAX, E8M0_BIAS, F8E4M3_MAX, F8E4M3_MIN_NORMAL, F32_MAX,
+                                    F32_MIN_NORMAL, FP8_AMAX_EPS)
+
 #: Kernels run under the Triton interpreter (CPU tensors) when this is set before import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -25,8 +28,6 @@ DOT_FP8E5 = 1  # FP8 E5M2 tensor cores: backward with an E5M2 dY (codes decoded 
 DOT_FP16 = 2  # fp16 tensor cores: GPUs without FP8 MMA, fp16 dY
 DOT_BF16 = 3  # bf16 tensor cores: bf16 dY on a GPU
 DOT_FP32 = 4  # interpreter only: its bf16 tl.dot returns garbage (ENV.md), so upcast
-
-_FP8_DOT = {torch.float8_e4m3fn: DOT_FP8E4, torch.float8_e5m2: DOT_FP8E5}
 
 #: Hopper's FP8 MMA accumulates in reduced precision. By default each tl.dot's partial
 #: sum is promoted into the fp32 accumulator (``max_num_imprecise_acc`` = the dot's K),
@@ -38,6 +39,17 @@ AUTOTUNE = os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0"
 
 
 INTERPRET_C = tl.constexpr(INTERPRET)
+
+# fp4lightning.constants as compile-time constants of the kernels (a jit function may only read
+# globals that are tl.constexpr)
+E2M1_MAX_C = tl.constexpr(E2M1_MAX)  # 6.0
+AMAX_EPS_C = tl.constexpr(AMAX_EPS)  # 2^-124
+FP8_AMAX_EPS_C = tl.constexpr(FP8_AMAX_EPS)  # 2^-110
+F8E4M3_MAX_C = tl.constexpr(F8E4M3_MAX)  # 448.0
+F8E4M3_MIN_NORMAL_C = tl.constexpr(F8E4M3_MIN_NORMAL)  # 2^-6
+F32_MIN_NORMAL_C = tl.constexpr(F32_MIN_NORMAL)  # 2^-126
+F32_MAX_C = tl.constexpr(F32_MAX)  # 3.4028234663852886e38: |x| <= it  <=>  x finite
+E8M0_BIAS_C = tl.constexpr(E8M0_BIAS)  # 127
 
 
 def has_fp8_mma(device: torch.device) -> bool:

@@ -39,6 +39,7 @@ from ._common import (
     DOT_FP8E5,
     DOT_FP16,
     DOT_FP32,
+    E2M1_MAX_C,
     FLOAT_DTYPES,
     FP8_DECODE_SHIFT,
     FP8_FAST_ACCUM,
@@ -365,7 +366,7 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
     grid point, so its derivative is exactly 1/k - never 0. Same formula as
     ``fp4lightning.dge.dge_derivative``; NaN and +/-inf get 0.
     """
-    a = tl.minimum(tl.abs(x), 6.0)
+    a = tl.minimum(tl.abs(x), E2M1_MAX_C)
     # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
     inv_delta = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
     delta = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))

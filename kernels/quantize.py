@@ -25,8 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4lightning.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN, F8E5M2_MANT_BITS,
+                                    F8E5M2_MAX)
+
 from ._common import (
+    AMAX_EPS_C,
+    E2M1_MAX_C,
+    F32_MAX_C,
     FLOAT_DTYPES,
+    FP8_AMAX_EPS_C,
     INTERPRET,
     check_rows,
     check_same_device,
@@ -37,16 +44,12 @@ from ._common import (
 
 __all__ = ["quantize_rows", "quantize_rows_clamped", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
 
-E2M1_MAX = 6.0  # largest E2M1 magnitude (fp4lightning.formats.E2M1_MAX)
-AMAX_EPS = 2.0**-124  # fp4lightning.quantize.AMAX_EPS: 6 / amax stays finite in fp32
-FP8_AMAX_EPS = 2.0**-110  # fp4lightning.ops.FP8_AMAX_EPS
-FLT_MAX = 3.4028234663852886e38  # |x| <= FLT_MAX  <=>  x finite (NaN compares false)
 #: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
 MAX_SINGLE_PASS_KH = 4096
 # FP8 formats: (max, mantissa bits, smallest normal exponent), per torch.finfo.
 _FP8 = {
-    "e4m3": (448.0, 3, -6, torch.float8_e4m3fn),
-    "e5m2": (57344.0, 2, -14, torch.float8_e5m2),
+    "e4m3": (F8E4M3_MAX, F8E4M3_MANT_BITS, F8E4M3_EMIN, torch.float8_e4m3fn),
+    "e5m2": (F8E5M2_MAX, F8E5M2_MANT_BITS, F8E5M2_EMIN, torch.float8_e5m2),
 }
 
 
@@ -57,18 +60,18 @@ def _fp4_scale(amax, POW2: tl.constexpr):
     # torch evaluates ``6 / t`` (Python scalar over tensor) as ``t.reciprocal() * 6``:
     # two IEEE roundings, mirrored here so the scales agree bit for bit.
     one = tl.full(amax.shape, 1.0, tl.float32)
-    scale = tl.math.div_rn(one, tl.maximum(amax, 4.70197740328915e-38)) * 6.0  # floor 2^-124
+    scale = tl.math.div_rn(one, tl.maximum(amax, AMAX_EPS_C)) * E2M1_MAX_C
     if POW2:
         # 2^floor(log2(scale)) exactly: keep the exponent bits, zero the mantissa.
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
+    return tl.where(amax <= F32_MAX_C, scale, float("nan"))
 
 
 @triton.jit
 def _row_amax(x):
     """Row absmax of a [rows, cols] fp32 tile, NaN for rows holding NaN or +/-inf."""
     xa = tl.abs(x)
-    finite = xa <= 3.4028234663852886e38
+    finite = xa <= F32_MAX_C
     amax = tl.max(tl.where(finite, xa, 0.0), axis=1)
     bad = tl.max(tl.where(finite, 0, 1), axis=1)
     return tl.where(bad > 0, float("nan"), amax)
@@ -80,7 +83,7 @@ def _encode_fp4_store(x, scale, q_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_KH: t
     s = scale[:, None]
     y = x * s
     y = tl.where(s == s, y, 0.0)  # NaN-scale rows: zero codes (the reference's nan_to_num)
-    mag = minifloat_bits(tl.minimum(tl.abs(y), 6.0), 1, 0)
+    mag = minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0)
     code = mag | (sign_bit(y) << 3)
     even, odd = tl.split(code.reshape(BLOCK_M, BLOCK_KH, 2))
     tl.store(q_ptrs, (even | (odd << 4)).to(tl.uint8), mask=mask)
@@ -259,7 +262,7 @@ def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV: tl.constexpr):
 def _line_amax(x, AXIS: tl.constexpr):
     """Absmax along ``AXIS`` of an fp32 tile, NaN for lines holding NaN or +/-inf."""
     xa = tl.abs(x)
-    finite = xa <= 3.4028234663852886e38
+    finite = xa <= F32_MAX_C
     amax = tl.max(tl.where(finite, xa, 0.0), axis=AXIS)
     bad = tl.max(tl.where(finite, 0, 1), axis=AXIS)
     return tl.where(bad > 0, float("nan"), amax)
@@ -279,9 +282,9 @@ def _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, A
 @triton.jit
 def _fp8_scale(amax, FMAX: tl.constexpr):
     one = tl.full(amax.shape, 1.0, tl.float32)
-    # torch's fmax / t, see _fp4_scale; floor 2^-110
-    scale = tl.math.div_rn(one, tl.maximum(amax, 7.703719777548943e-34)) * FMAX
-    return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
+    # torch's fmax / t, see _fp4_scale
+    scale = tl.math.div_rn(one, tl.maximum(amax, FP8_AMAX_EPS_C)) * FMAX
+    return tl.where(amax <= F32_MAX_C, scale, float("nan"))
 
 
 @triton.jit

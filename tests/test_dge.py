@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fp4lightning.dge import dge_derivative, dge_smooth
-from fp4lightning.formats import E2M1_VALUES
+from fp4lightning.constants import E2M1_VALUES
 
 
 def _analytic_f64(x: torch.Tensor, k: float, clamp: float) -> torch.Tensor:

@@ -21,7 +21,8 @@ import torch
 from fp4lightning import FP4Config, FP4Linear
 from fp4lightning import ops
 from fp4lightning.dge import dge_derivative
-from fp4lightning.formats import E2M1_MAX, E2M1_VALUES, decode_e2m1, unpack_fp4
+from fp4lightning.constants import E2M1_MAX, E2M1_VALUES
+from fp4lightning.formats import decode_e2m1, unpack_fp4
 from fp4lightning.kernels import fp4_triton as kt
 from fp4lightning.occ import occ_bounds, occ_clamp
 from fp4lightning.quantize import quantize_rows as quantize_rows_reference
