@@ -88,7 +88,7 @@ def backend_for(device: torch.device) -> str:
 def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Dtype the reference GeMMs run in: E2M1/E5M2 values are exact in all three.
 
-    fp16 matmul on CPU is very slow (ENV.md), so CPU fp16 computes in fp32.
+    fp16 matmul on CPU is very slow (no vectorised kernel), so CPU fp16 computes in fp32.
     """
     if dtype == torch.float16 and device.type == "cpu":
         return torch.float32
@@ -122,10 +122,9 @@ def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: st
     The Triton backend and the compiled reference do it in one fused pass over x.
     """
     if backend_for(x2d.device) == "triton":
-        kern = _triton_kernels()
-        if hasattr(kern, "quantize_rows_clamped"):
-            codes, scale, resid = kern.quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
-            return codes, scale, None, resid
+        codes, scale, resid = _triton_kernels().quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode,
+                                                                      per_tensor=per_tensor)
+        return codes, scale, None, resid
     if x2d.dtype != torch.float64 and x2d.shape[1] % 2 == 0 and scale_mode in ("float", "pow2"):
         return fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype, bounds, fold)
     xc, resid = occ_clamp(x2d, bounds)
@@ -173,10 +172,8 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
 
 def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
     if backend_for(x2d.device) == "triton" and fmt != "bf16":
-        kern = _triton_kernels()
-        if hasattr(kern, "quantize_fp8"):
-            # per-column scales feed fp4_wgrad, which reads a column-major dY without a transpose
-            return kern.quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0)
+        # per-column scales feed fp4_wgrad, which reads a column-major dY without a transpose
+        return _triton_kernels().quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0)
     return quantize_fp8_reference(x2d, dim, fmt)
 
 

@@ -1,4 +1,4 @@
-"""AdamW with optimizer states in reduced precision (METHOD.md section 6; arXiv 2501.17116, section 4).
+"""AdamW with optimizer states in reduced precision (docs/method.md section 6; arXiv 2501.17116, section 4).
 
 The paper keeps the optimizer states in reduced precision, reusing MS-AMP. MS-AMP's level O2 stores
 the first moment ``m`` in FP8 E4M3 and the second moment ``v`` in FP16, each with one fp32 scale per

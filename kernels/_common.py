@@ -1,12 +1,12 @@
 """Shared pieces of the FP4 Triton kernels: mode flags, E2M1/FP8 bit arithmetic, input checks.
 
-The E2M1 format (arXiv 2501.17116, section 3.1; METHOD.md section 1) is a minifloat
+The E2M1 format (arXiv 2501.17116, section 3.1; docs/method.md section 1) is a minifloat
 with 1 mantissa bit and exponent bias 1, so every E2M1 value is exact in FP8 E4M3,
 FP8 E5M2, fp16 and bf16. The kernels therefore never convert *values* between float
 types: decoding builds the target type's bit pattern with integer arithmetic, and
 encoding rounds with exact fp32 arithmetic and emits integer codes. That keeps the
 kernels bit-identical to the PyTorch reference and sidesteps the Triton interpreter's
-inexact in-kernel fp8 downcasts (see /work/shared/ENV.md).
+inexact in-kernel fp8 downcasts (docs/kernels.md, "Known interpreter bugs").
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ DOT_FP8E4 = 0  # FP8 E4M3 tensor cores (Hopper+): forward GeMM, and backward wit
 DOT_FP8E5 = 1  # FP8 E5M2 tensor cores: backward with an E5M2 dY (codes decoded to E5M2)
 DOT_FP16 = 2  # fp16 tensor cores: GPUs without FP8 MMA, fp16 dY
 DOT_BF16 = 3  # bf16 tensor cores: bf16 dY on a GPU
-DOT_FP32 = 4  # interpreter only: its bf16 tl.dot returns garbage (ENV.md), so upcast
+DOT_FP32 = 4  # interpreter only: its bf16 tl.dot returns garbage (docs/kernels.md), so upcast
 
 #: Hopper's FP8 MMA accumulates in reduced precision. By default each tl.dot's partial
 #: sum is promoted into the fp32 accumulator (``max_num_imprecise_acc`` = the dot's K),
@@ -55,7 +55,7 @@ E8M0_BIAS_C = tl.constexpr(E8M0_BIAS)  # 127
 def has_fp8_mma(device: torch.device) -> bool:
     """FP8 tensor cores reachable from ``tl.dot``: Hopper (sm_90) and newer."""
     if INTERPRET or device.type != "cuda":
-        return INTERPRET  # the interpreter's fp8 tl.dot is exact (ENV.md): test that path
+        return INTERPRET  # the interpreter's fp8 tl.dot is exact (docs/kernels.md): test that path
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 

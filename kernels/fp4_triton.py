@@ -2,7 +2,7 @@
 
 This module is what ``fp4lightning.ops`` imports when the backend is ``triton``
 (FP4LIGHTNING_BACKEND; default on CUDA). Each function is the kernel twin of a
-PyTorch reference (arXiv 2501.17116, sections 3.1-3.3; METHOD.md sections 1-3):
+PyTorch reference (arXiv 2501.17116, sections 3.1-3.3; docs/method.md sections 1-3):
 
 * ``quantize_rows`` - ``fp4lightning.quantize.quantize_rows``: bit-identical codes and scales;
 * ``quantize_rows_clamped`` - ``occ_clamp`` then ``quantize_rows`` (OCC fused, section 3.3):

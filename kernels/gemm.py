@@ -1,4 +1,4 @@
-"""The three FP4 GeMMs of a linear layer in Triton (arXiv 2501.17116, section 3; METHOD.md 3).
+"""The three FP4 GeMMs of a linear layer in Triton (arXiv 2501.17116, section 3; docs/method.md section 3).
 
 With ``Y = A W^T`` (A: M x K tokens, W: N x K), A and W quantized per row along K to
 packed E2M1 codes with fp32 multipliers ``s`` (``q = x * s``):

@@ -15,7 +15,7 @@ Rows up to ``2 * MAX_SINGLE_PASS_KH`` elements are held in registers and read on
 longer rows take two passes over the row (amax, then encode), the second mostly from L2.
 
 ``quantize_fp8`` is the twin of ``fp4lightning.ops.quantize_fp8_reference`` (the
-dY quantizer of the backward GeMMs, METHOD.md section 3): absmax FP8 E4M3/E5M2 with
+dY quantizer of the backward GeMMs, docs/method.md section 3): absmax FP8 E4M3/E5M2 with
 one fp32 scale per row or per column, saturating, round-to-nearest-even, emitted as
 FP8 bit patterns computed arithmetically.
 """

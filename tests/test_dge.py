@@ -1,4 +1,4 @@
-"""Differentiable Gradient Estimator (METHOD.md section 4)."""
+"""Differentiable Gradient Estimator (docs/method.md section 4)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""E2M1 rounding, encoding and packing against exact value tables (METHOD.md section 1)."""
+"""E2M1 rounding, encoding and packing against exact value tables (docs/method.md section 1)."""
 import math
 
 import pytest

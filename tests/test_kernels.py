@@ -1,4 +1,4 @@
-"""Triton kernels against their PyTorch twins (METHOD.md sections 1-3; docs/kernels.md).
+"""Triton kernels against their PyTorch twins (docs/method.md sections 1-3; docs/kernels.md).
 
 Without CUDA these run under the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), at shapes <= ~256 whose sizes are not multiples of the blocks.
@@ -209,7 +209,7 @@ def test_quantize_clamped_matches_occ_then_quantize(dtype, per_tensor, block_kh)
     assert resid.dtype == dtype and torch.equal(torch.isnan(resid), torch.isnan(ref_resid))
     r, rr = resid.nan_to_num(0.0), ref_resid.nan_to_num(0.0)
     if dtype == torch.bfloat16 and kt.INTERPRET:
-        # the interpreter truncates fp32 -> bf16 stores (ENV.md); compiled stores round to nearest
+        # the interpreter truncates fp32 -> bf16 stores (docs/kernels.md); compiled stores round to nearest
         r32 = (x.float() - torch.clamp(x, *bounds.to(dtype)).float()).nan_to_num(0.0)
         rr = (r32.view(torch.int32) & -65536).view(torch.float32).to(dtype)
     assert torch.equal(r, rr)

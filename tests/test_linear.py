@@ -1,4 +1,4 @@
-"""FP4Linear: forward and both gradients against float64 references (METHOD.md section 3)."""
+"""FP4Linear: forward and both gradients against float64 references (docs/method.md section 3)."""
 import pytest
 import torch
 from torch import nn

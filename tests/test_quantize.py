@@ -1,4 +1,4 @@
-"""Absmax FP4 quantization: granularity, scale modes, SQNR against float64 (METHOD.md section 2)."""
+"""Absmax FP4 quantization: granularity, scale modes, SQNR against float64 (docs/method.md section 2)."""
 import pytest
 import torch
 
