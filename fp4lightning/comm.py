@@ -44,7 +44,7 @@ from fp4lightning.formats import pow2_floor, saturating_cast_
 
 __all__ = [
     "FP8_FORMATS",
-    "GRAD_FORMATS",
+    "WIRE_FORMATS",
     "CommState",
     "fp8_compress_hook",
     "fp8_async_gather_hook",
@@ -61,7 +61,9 @@ FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e4m3": (torch.float8_e4m3fn, F8E4M3_MAX),  # 448
     "e5m2": (torch.float8_e5m2, F8E5M2_MAX),  # 57344
 }
-GRAD_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
+#: wire formats of the gradient all-reduce (FP4DDPStrategy(grad_format=...)); not the dY formats of
+#: the backward GeMMs (fp4lightning.gemm_dispatch.DY_FORMATS)
+WIRE_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
 SCHEMES = ("reduce_scatter", "all_gather", "async_all_gather")
 
 # 2^126 keeps the scale finite in fp32 even for an amax of a few subnormals.
@@ -104,9 +106,9 @@ class CommState:
     _fallback_logged: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.grad_format not in GRAD_FORMATS:
+        if self.grad_format not in WIRE_FORMATS:
             raise ValueError(
-                f"grad_format={self.grad_format!r} is not supported; choose one of {GRAD_FORMATS} "
+                f"grad_format={self.grad_format!r} is not supported; choose one of {WIRE_FORMATS} "
                 "('e4m3' is the paper's FP8 gradient format)."
             )
         if self.scheme not in SCHEMES:
@@ -442,9 +444,9 @@ def allreduce_counting_hook(state: CommState, bucket: dist.GradBucket) -> torch.
 def hook_for_format(
     grad_format: str, scheme: str = "reduce_scatter"
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
-    """The communication hook that implements ``grad_format`` (one of :data:`GRAD_FORMATS`) and ``scheme``."""
+    """The communication hook that implements ``grad_format`` (one of :data:`WIRE_FORMATS`) and ``scheme``."""
     if grad_format in FP8_FORMATS:
         return fp8_async_gather_hook if scheme == "async_all_gather" else fp8_compress_hook
     if grad_format in ("bf16", "fp32"):
         return allreduce_counting_hook
-    raise ValueError(f"grad_format={grad_format!r} is not supported; choose one of {GRAD_FORMATS}.")
+    raise ValueError(f"grad_format={grad_format!r} is not supported; choose one of {WIRE_FORMATS}.")

@@ -1,6 +1,6 @@
 """Fused elementwise passes of the PyTorch (CPU) path, compiled with ``torch.compile``.
 
-The reference path of ``fp4lightning.ops`` spends most of its time not in the three GeMMs
+The reference path of ``fp4lightning.gemm_dispatch`` spends most of its time not in the three GeMMs
 but in elementwise passes around them: the FP4 quantizers (absmax, scale, rounding,
 packing, decoding), the two FP8 casts of dY with their pre-scaling, the GeMM epilogues and
 the DGE factor (arXiv 2501.17116, sections 3.1-3.3). Each function here is one such group

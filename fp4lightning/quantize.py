@@ -38,7 +38,7 @@ __all__ = [
     "QuantizedFP4",
     "compute_scale",
     "quantize",
-    "quantize_rows",
+    "quantize_rows_reference",
     "dequantize",
     "fake_quantize",
 ]
@@ -86,7 +86,7 @@ def compute_scale(amax: torch.Tensor, scale_mode: ScaleMode = "float") -> torch.
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
-def quantize_rows(
+def quantize_rows_reference(
     x2d: torch.Tensor,
     scale_mode: ScaleMode = "float",
     per_tensor: bool = False,
@@ -101,7 +101,7 @@ def quantize_rows(
     codes again. The passes run fused (``fp4lightning.fused``).
     """
     if x2d.dim() != 2:
-        raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x2d.shape)}")
+        raise ValueError(f"quantize_rows_reference expects a 2-D tensor, got shape {tuple(x2d.shape)}")
     if x2d.dtype == torch.float64:
         x2d = x2d.float()  # the spec is fp32 arithmetic (bit-exact twin of the Triton kernel)
     if scale_mode not in SCALE_MODES:
@@ -140,7 +140,7 @@ def quantize(
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     rows, per_tensor = _as_rows(x, granularity)
-    codes, scale = quantize_rows(rows, scale_mode, per_tensor=per_tensor, packed=packed)
+    codes, scale = quantize_rows_reference(rows, scale_mode, per_tensor=per_tensor, packed=packed)
     return QuantizedFP4(codes, scale, x.shape, packed)
 
 
@@ -155,5 +155,5 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize and dequantize in one go (no gradient logic), keeping ``x``'s dtype."""
     rows, per_tensor = _as_rows(x, granularity)
-    _, scale, q = quantize_rows(rows, scale_mode, per_tensor=per_tensor, packed=False, return_values=True)
+    _, scale, q = quantize_rows_reference(rows, scale_mode, per_tensor=per_tensor, packed=False, return_values=True)
     return (q / scale[:, None]).to(x.dtype).reshape(x.shape)

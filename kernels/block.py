@@ -20,7 +20,7 @@ import triton.language as tl
 from ._common import (E2M1_MAX_C, E8M0_BIAS_C, F8E4M3_MAX_C, F8E4M3_MIN_NORMAL_C, F32_MIN_NORMAL_C, INTERPRET,
                       decode_e2m1, minifloat_bits, sign_bit)
 
-__all__ = ["quantize_mxfp4", "quantize_nvfp4", "block_gemm"]
+__all__ = ["triton_quantize_mxfp4", "triton_quantize_nvfp4", "triton_block_gemm"]
 
 _DOT_FP32 = 4  # decode_e2m1 target: fp32 values (exact)
 
@@ -96,7 +96,7 @@ def _check(x: torch.Tensor, b: int, name: str) -> torch.Tensor:
     return x.contiguous()
 
 
-def quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
+def triton_quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
     """(packed codes (M, K/2) uint8, biased E8M0 exponents (M, K/32) uint8), as the reference."""
     x = _check(x, 32, "quantize_mxfp4")
     m, k = x.shape
@@ -107,7 +107,7 @@ def quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
     return q, s
 
 
-def quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
+def triton_quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
     """(packed codes, E4M3 block scales (M, K/16) float8_e4m3fn, fp32 global scale), as the reference."""
     from fp4lightning.block_formats import nvfp4_global_scale
 
@@ -163,7 +163,7 @@ def _block_gemm_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
 
 
-def block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: float | torch.Tensor = 1.0,
+def triton_block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: float | torch.Tensor = 1.0,
                block_m: int = 32, block_n: int = 32) -> torch.Tensor:
     """fp32 ``A B^T`` of two block-FP4 operands (packed codes + block scales along K) times ``factor``.
 

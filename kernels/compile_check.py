@@ -124,7 +124,7 @@ def _cases(all_configs: bool = False):
          dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0), gemm._DGRAD_SWEEP, fwd),
         ("fp4_dgrad bf16 dY", 90, "dgrad", gemm._fp4_dgrad_kernel, dict(d_types, g_ptr="*bf16"),
          dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP, fwd),
-        # column-major dY (G_T) is what FP4Linear's Triton path hands over (ops.quantize_fp8)
+        # column-major dY (G_T) is what FP4Linear's Triton path hands over (gemm_dispatch.quantize_fp8)
         ("fp4_wgrad e5m2 dY + DGE + addend", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
          dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=True, HAS_ADDEND=True, TWO_PHASE=True, EPI_N=16, **dge),
          gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),

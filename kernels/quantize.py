@@ -1,6 +1,6 @@
 """Fused row-wise FP4 quantization and FP8 gradient quantization in Triton (arXiv 2501.17116, 3.1).
 
-``quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows``: one
+``triton_quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows_reference``: one
 program reads a block of rows, takes each row's absmax, forms the fp32 scale
 ``6 / max(amax, 2^-124)`` (optionally rounded down to a power of two by masking the
 exponent bits), rounds ``x * scale`` to E2M1 with ties to even, and writes two codes
@@ -14,7 +14,7 @@ arithmetic (``_common.minifloat_bits``). ``quantize_rows_clamped`` fuses OCC's c
 Rows up to ``2 * MAX_SINGLE_PASS_KH`` elements are held in registers and read once;
 longer rows take two passes over the row (amax, then encode), the second mostly from L2.
 
-``quantize_fp8`` is the twin of ``fp4lightning.ops.quantize_fp8_reference`` (the
+``quantize_fp8`` is the twin of ``fp4lightning.gemm_dispatch.quantize_fp8_reference`` (the
 dY quantizer of the backward GeMMs, docs/method.md section 3): absmax FP8 E4M3/E5M2 with
 one fp32 scale per row or per column, saturating, round-to-nearest-even, emitted as
 FP8 bit patterns computed arithmetically.
@@ -42,7 +42,7 @@ from ._common import (
     sign_bit,
 )
 
-__all__ = ["quantize_rows", "quantize_rows_clamped", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
+__all__ = ["triton_quantize_rows", "triton_quantize_rows_clamped", "triton_quantize_fp8", "MAX_SINGLE_PASS_KH"]
 
 #: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
 MAX_SINGLE_PASS_KH = 4096
@@ -215,11 +215,11 @@ def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
     return q, scale, (resid if bounds is not None else None)
 
 
-def quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
+def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
                   block_kh: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
 
-    Bit-identical to ``fp4lightning.quantize.quantize_rows(x2d, scale_mode, per_tensor)``
+    Bit-identical to ``fp4lightning.quantize.quantize_rows_reference(x2d, scale_mode, per_tensor)``
     (codes, padding nibble and scales, NaN scales for non-finite rows included).
     ``x2d``: fp32/bf16/fp16, 2-D, contiguous rows, on CUDA (or CPU under the
     interpreter). ``block_kh`` (bytes per block, power of two) is a tuning/testing
@@ -229,11 +229,11 @@ def quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool
     return q, scale
 
 
-def quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
                           per_tensor: bool = False, *, block_kh: int | None = None):
     """OCC clamp fused into the FP4 quantizer (section 3.3): ``(packed, scale, residual)``.
 
-    Equals ``occ_clamp(x2d, bounds)`` followed by ``quantize_rows`` on the clamped
+    Equals ``occ_clamp(x2d, bounds)`` followed by ``triton_quantize_rows`` on the clamped
     tensor: ``bounds = tensor([lo, hi])`` (from ``occ_bounds``) is cast to x's dtype
     as the reference does, the codes and scales are bit-identical, and ``residual``
     (dense, x's dtype) is ``x - clamp(x)``, computed in fp32 and rounded once to x's
@@ -350,12 +350,12 @@ def _quantize_fp8_cols_kernel(
     tl.store(s_ptr + cols, scale, mask=(cols < N) & (pid_m == 0))
 
 
-def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
+def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
                  divide_by: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
-    ``fp4lightning.ops.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
+    ``fp4lightning.gemm_dispatch.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
     (``'bf16'`` needs no kernel; the dispatch layer handles it). ``x2d``: fp32/bf16/fp16,
     2-D, any strides. ``column_major=True`` (with ``dim=0``) returns the same values laid
     out column by column (``q.t()`` contiguous): the layout ``fp4_wgrad`` feeds to the FP8
