@@ -1,61 +1,51 @@
 """fp4lightning: FP4 (E2M1) training of LLaMA-style models in PyTorch Lightning.
 
 Implements "Optimizing Large Language Model Training Using FP4 Quantization"
-(Wang et al., arXiv 2501.17116). The numerics core lives in ``formats``, ``quantize``,
-``dge``, ``occ``, ``ops``, ``linear`` and ``convert``; the Lightning side in
-``precision`` (``FP4Precision``), ``trainer`` (``Trainer``), ``strategy``
-(``FP4DDPStrategy``) and ``optim`` (``LowPrecisionAdamW``), imported lazily so that
-``import fp4lightning`` does not pull in Lightning.
+(Wang et al., arXiv 2501.17116). The public surface is the names below; everything else is
+reached through its submodule (``fp4lightning.formats``, ``fp4lightning.quantize``,
+``fp4lightning.gemm_dispatch``, ...; docs/design.md maps every concept to its file).
+
+Only the numerics (``FP4Config``, ``FP4Linear``, ``convert_to_fp4``) are imported eagerly:
+the Lightning side (``Trainer``, ``FP4Precision``, the strategies, ``LowPrecisionAdamW``) and
+the model loader (``load_checkpoint``) load on first use, so ``import fp4lightning`` pulls in
+neither Lightning nor omegaconf nor lm-eval.
 """
-from .config import PRESETS, FP4Config
-from .convert import convert_to_fp4, fp4_modules
-from .dge import dge_derivative
-from .formats import E2M1_MAX, decode_e2m1, encode_e2m1, pack_fp4, round_to_e2m1, unpack_fp4
-from .linear import FP4Linear, fp4_linear
-from .quantize import QuantizedFP4, dequantize, fake_quantize, quantize
+from .config import FP4Config
+from .convert import convert_to_fp4
+from .linear import FP4Linear
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FP4Config",
-    "PRESETS",
-    "FP4Linear",
-    "fp4_linear",
-    "convert_to_fp4",
-    "fp4_modules",
-    "dge_derivative",
-    "E2M1_MAX",
-    "round_to_e2m1",
-    "encode_e2m1",
-    "decode_e2m1",
-    "pack_fp4",
-    "unpack_fp4",
-    "QuantizedFP4",
-    "quantize",
-    "dequantize",
-    "fake_quantize",
-    "FP4Precision",
-    "DynamicLossScaler",
     "Trainer",
+    "FP4Precision",
     "FP4DDPStrategy",
+    "FP4FSDPStrategy",
+    "FP4Config",
+    "FP4Linear",
+    "convert_to_fp4",
     "LowPrecisionAdamW",
-    "state_bytes_per_param",
+    "load_checkpoint",
 ]
 
 _LAZY = {
-    "FP4Precision": ".precision",
-    "DynamicLossScaler": ".precision",
     "Trainer": ".trainer",
+    "FP4Precision": ".precision",
     "FP4DDPStrategy": ".strategy",
+    "FP4FSDPStrategy": ".strategy",
     "LowPrecisionAdamW": ".optim",
-    "state_bytes_per_param": ".optim",
+    "load_checkpoint": ".checkpoint",
 }
 
 
 def __getattr__(name):
-    # Lightning is imported only when its side of the package is used
+    # the Lightning side and the model loader are imported only when used
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'fp4lightning' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

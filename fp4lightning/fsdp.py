@@ -380,7 +380,8 @@ def fully_shard_fp4(
         fp4_all_gather: all-gather FP4Linear weights as packed FP4 codes + per-row scales.
         reshard_after_forward: free gathered weights after forward (ZeRO-3); False keeps them to backward.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. ``param_dtype=torch.bfloat16``).
-        block_types: module classes sharded as their own FSDP units (default: LLaMA's ``Block``).
+        block_types: module classes sharded as their own FSDP units (default: every element of the
+            model's ``nn.ModuleList`` containers, i.e. a transformer's blocks; LLaMA's ``Block``).
         stats: an :class:`AllGatherStats` to count bytes into (the model's ``fp4_gather_stats``).
         activation_checkpointing: recompute each block in backward (non-reentrant
             ``torch.utils.checkpoint``; parameter names do not change, so checkpoints stay compatible).
@@ -393,10 +394,6 @@ def fully_shard_fp4(
     if not dist.is_initialized():
         raise RuntimeError("fully_shard_fp4 needs torch.distributed initialised (torchrun, or Lightning's "
                            "ModelParallelStrategy) before it is called")
-    if not block_types:
-        from .models.llama import Block
-
-        block_types = (Block,)
     if mesh is None:
         dev = next(model.parameters()).device
         mesh = init_device_mesh(dev.type if dev.type != "meta" else "cpu", (dist.get_world_size(),))
@@ -410,7 +407,10 @@ def fully_shard_fp4(
             # quantized-weight cache keys on: drop the cache before every forward
             m.register_forward_pre_hook(_drop_weight_cache)
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
-    units = [m for m in model.modules() if isinstance(m, block_types)]
+    if block_types:
+        units = [m for m in model.modules() if isinstance(m, block_types)]
+    else:  # the elements of the model's ModuleLists: a transformer's stack of blocks (LLaMA's ``layers``)
+        units = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
     for unit in units:
         if activation_checkpointing:
             unit.forward = functools.partial(_checkpointed, unit.forward)

@@ -10,6 +10,10 @@ inexact in-kernel fp8 downcasts (docs/kernels.md, "Known interpreter bugs").
 """
 from __future__ import annotations
 
+if __name__ != "fp4lightning.kernels._common":  # see kernels/__init__.py
+    raise ImportError(f"the kernels/ folder is the package 'fp4lightning.kernels'; import it as "
+                      f"'fp4lightning.kernels' (e.g. `from fp4lightning.kernels import gemm`), not as {__name__!r}")
+
 import os
 
 import torch

@@ -36,7 +36,9 @@ if not CUDA:
 
 import triton  # noqa: E402
 
-from fp4lightning import FP4Config, FP4Linear, gemm_dispatch  # noqa: E402
+from fp4lightning import gemm_dispatch  # noqa: E402
+from fp4lightning.config import FP4Config  # noqa: E402
+from fp4lightning.linear import FP4Linear  # noqa: E402
 from fp4lightning.dge import dge_derivative  # noqa: E402
 from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
