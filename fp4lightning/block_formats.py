@@ -60,7 +60,6 @@ BLOCK_FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZES = {"nvfp4": 16, "mxfp4": 32}
 ROUNDINGS = ("nearest", "stochastic")
 
-E4M3_TINY = F8E4M3_MIN_NORMAL  # smallest normal E4M3 block scale
 NVFP4_GLOBAL_DENOM = F8E4M3_MAX * E2M1_MAX  # 448 * 6: tensor amax -> per-tensor scale
 MXFP4_SR_PRESCALE = 0.75  # Tseng et al. 2025: keeps amax/X < 8 inside [-6, 6] before SR
 
@@ -246,11 +245,11 @@ def _nv_prepare(x: torch.Tensor, block_2d: bool, global_scale):
     bmax = xb.abs().amax(dim=(1, 3)) if block_2d else xb.abs().amax(-1)  # (Mp/16 or M, Kp/16)
     block_scale = bmax / E2M1_MAX
     if global_scale is None:
-        s8 = block_scale.clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+        s8 = block_scale.clamp(min=F8E4M3_MIN_NORMAL, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
         recip = 1.0 / s8.float()
     else:
         global_scale = global_scale.float().reshape(())
-        s8 = (block_scale / global_scale).clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+        s8 = (block_scale / global_scale).clamp(min=F8E4M3_MIN_NORMAL, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
         recip = (1.0 / global_scale) / s8.float()
     y = xb * (recip[:, None, :, None] if block_2d else recip.unsqueeze(-1))
     # NaN input: the block scale is NaN (E4M3 NaN), so the block decodes to NaN

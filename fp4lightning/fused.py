@@ -66,8 +66,9 @@ def _fused(fn):
     return wrapper
 
 
-def _scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:
-    """fp32 ``fmax / max(amax, eps)`` (or its power-of-two floor), NaN where amax is not finite."""
+def scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:
+    """fp32 ``fmax / max(amax, eps)`` (or its power-of-two floor), NaN where amax is not finite: the one
+    absmax scale formula (FP4 rows, FP8 dY; ``quantize.compute_scale`` calls it too)."""
     scale = fmax / amax.clamp(min=eps)
     if pow2:
         scale = pow2_floor(scale)
@@ -94,7 +95,7 @@ def fp4_rows(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_d
     amax = x.abs().amax(1).float()
     if per_tensor:
         amax = amax.amax().expand(x.shape[0])
-    scale = _scale_from_amax(amax, E2M1_MAX, eps, pow2)
+    scale = scale_from_amax(amax, E2M1_MAX, eps, pow2)
     y = torch.mul(x, scale[:, None])  # fp32: the rounding decision is made in fp32
     y = torch.where(torch.isfinite(scale)[:, None], y, 0.0)  # non-finite rows: codes 0, NaN scale
     a = y.abs()
@@ -120,7 +121,7 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     """
     g = x.float() / (div[None, :] if dim == 1 else div[:, None])
     amax = g.abs().amax(dim)
-    scale = _scale_from_amax(amax, fmax, eps, False)
+    scale = scale_from_amax(amax, fmax, eps, False)
     s = scale[:, None] if dim == 1 else scale[None, :]
     scaled = torch.where(torch.isfinite(s), g * s, 0.0)
     scaled = scaled.clamp(-fmax, fmax)

@@ -29,8 +29,8 @@ from typing import Literal
 import torch
 
 from .constants import AMAX_EPS, E2M1_MAX
-from .formats import decode_e2m1, decode_packed_fp4, pow2_floor, unpack_fp4
-from .fused import fp4_rows
+from .formats import decode_e2m1, decode_packed_fp4, unpack_fp4
+from .fused import fp4_rows, scale_from_amax
 
 __all__ = [
     "Granularity",
@@ -77,13 +77,9 @@ class QuantizedFP4:
 
 def compute_scale(amax: torch.Tensor, scale_mode: ScaleMode = "float") -> torch.Tensor:
     """fp32 scale ``6 / amax`` (or its power-of-two floor) with NaN for non-finite amax."""
-    amax = amax.float()
-    scale = E2M1_MAX / amax.clamp(min=AMAX_EPS)
-    if scale_mode == "pow2":
-        scale = pow2_floor(scale)
-    elif scale_mode != "float":
+    if scale_mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; choose one of {SCALE_MODES}")
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return scale_from_amax(amax.float(), E2M1_MAX, AMAX_EPS, scale_mode == "pow2")
 
 
 def quantize_rows_reference(
