@@ -38,6 +38,7 @@ import triton  # noqa: E402
 
 from fp4lightning import gemm_dispatch  # noqa: E402
 from fp4lightning.config import FP4Config  # noqa: E402
+from fp4lightning.constants import E2M1_MAX, F8E4M3_MAX  # noqa: E402
 from fp4lightning.linear import FP4Linear  # noqa: E402
 from fp4lightning.dge import dge_derivative  # noqa: E402
 from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
@@ -157,8 +158,8 @@ def bench_quantize(table: Table, dev, shapes):
 
 def _scaled_mm_fp8(a, w):
     """torch._scaled_mm with row-wise scales (tensor-wise where row-wise is unsupported)."""
-    a8 = (a.float() / a.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn)
-    w8 = (w.float() / w.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn)
+    a8 = (a.float() / a.float().abs().amax(1, keepdim=True) * F8E4M3_MAX).to(torch.float8_e4m3fn)
+    w8 = (w.float() / w.float().abs().amax(1, keepdim=True) * F8E4M3_MAX).to(torch.float8_e4m3fn)
     sa = torch.rand(a.shape[0], 1, device=a.device) + 0.5
     sb = torch.rand(1, w.shape[0], device=a.device) + 0.5
     try:
@@ -294,7 +295,7 @@ def run_checks(table: Table, dev) -> bool:
         report(f"fp4_dgrad {fmt} vs float64", v >= CHECK_SQNR_DB, db(v))
         g2, s2 = gemm_dispatch.quantize_fp8(dy / a_s[:, None], 0, fmt)
         # DGE of the value the quantizer rounds: W * s_w saturated to +/-6 (arXiv 2501.17116, 3.2)
-        dge = dge_derivative((w * w_s[:, None]).clamp(-6.0, 6.0)).double()
+        dge = dge_derivative((w * w_s[:, None]).clamp(-E2M1_MAX, E2M1_MAX)).double()
         ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge
         v = sq(kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
         report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, db(v))
