@@ -1,4 +1,5 @@
-"""The FP4 linear layer's kernels, with dispatch between PyTorch and Triton (section 3).
+"""The three GeMMs of the FP4 linear layer and their operand quantizers: the PyTorch references
+and the dispatch to the Triton kernels (arXiv 2501.17116, section 3; docs/method.md section 3).
 
 Per linear layer ``Y = A W^T`` (A: M x K tokens, W: N x K) the three GeMMs are
 
@@ -12,7 +13,8 @@ is left be applied in the epilogue, so each GeMM consumes raw 4-bit codes.
 The DGE factor ``f'(W s_w)`` multiplies the wgrad output element-wise.
 
 Every function here has a PyTorch reference (``*_reference``), which runs on any
-device and is what CPU training uses. ``FP4LIGHTNING_BACKEND`` selects:
+device and is what CPU training uses, and a Triton twin (``fp4lightning.kernels``,
+``triton_*``); the plain name (``fp4_gemm``, ``quantize_fp8``, ...) picks between them. ``FP4LIGHTNING_BACKEND`` selects:
 
 * ``auto`` (default) - Triton kernels on CUDA when they are importable, else the reference;
 * ``reference``      - always PyTorch;
@@ -35,6 +37,7 @@ from .quantize import quantize_rows_reference
 
 __all__ = [
     "backend_for",
+    "DY_FORMATS",
     "quantize_fp4",
     "quantize_fp4_clamped",
     "quantize_fp8",
