@@ -1,4 +1,4 @@
-"""Reduced-precision optimizer states (METHOD.md section 6): memory and loss trajectory against fp32 AdamW.
+"""Reduced-precision optimizer states (docs/method.md section 6): memory and loss trajectory against fp32 AdamW.
 
 Trains the same small LLaMA (byte-level, real text) from the same initial weights on the same
 batches with

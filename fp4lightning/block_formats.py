@@ -38,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import E2M1_MAX, E2M1_VALUES, F8E4M3_MAX, _lut, _magnitude_index
+from .constants import (E2M1_MAX, E2M1_MAX_POW2, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, F8E4M3_MAX,
+                        F8E4M3_MIN_NORMAL, F32_MIN_NORMAL)
+from .formats import _lut, _magnitude_index
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -58,11 +60,6 @@ BLOCK_FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZES = {"nvfp4": 16, "mxfp4": 32}
 ROUNDINGS = ("nearest", "stochastic")
 
-E2M1_MAX_POW2 = 2  # 4 = 2**2, the largest power of two in E2M1
-E8M0_BIAS = 127  # E8M0 stores exponent + 127; 255 is NaN
-E8M0_NAN = 255
-F32_MIN_NORMAL = 2.0 ** -126  # smallest normal fp32: floor for an all-zero MX block's scale
-E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2**-6, smallest normal E4M3 block scale
 NVFP4_GLOBAL_DENOM = F8E4M3_MAX * E2M1_MAX  # 448 * 6: tensor amax -> per-tensor scale
 MXFP4_SR_PRESCALE = 0.75  # Tseng et al. 2025: keeps amax/X < 8 inside [-6, 6] before SR
 
@@ -248,11 +245,11 @@ def _nv_prepare(x: torch.Tensor, block_2d: bool, global_scale):
     bmax = xb.abs().amax(dim=(1, 3)) if block_2d else xb.abs().amax(-1)  # (Mp/16 or M, Kp/16)
     block_scale = bmax / E2M1_MAX
     if global_scale is None:
-        s8 = block_scale.clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+        s8 = block_scale.clamp(min=F8E4M3_MIN_NORMAL, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
         recip = 1.0 / s8.float()
     else:
         global_scale = global_scale.float().reshape(())
-        s8 = (block_scale / global_scale).clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+        s8 = (block_scale / global_scale).clamp(min=F8E4M3_MIN_NORMAL, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
         recip = (1.0 / global_scale) / s8.float()
     y = xb * (recip[:, None, :, None] if block_2d else recip.unsqueeze(-1))
     # NaN input: the block scale is NaN (E4M3 NaN), so the block decodes to NaN

@@ -39,11 +39,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fp4lightning.formats import F8E4M3_MAX, F8E5M2_MAX
+from fp4lightning.constants import F8E4M3_MAX, F8E5M2_MAX
+from fp4lightning.formats import pow2_floor, saturating_cast_
 
 __all__ = [
     "FP8_FORMATS",
-    "GRAD_FORMATS",
+    "WIRE_FORMATS",
     "CommState",
     "fp8_compress_hook",
     "fp8_async_gather_hook",
@@ -60,7 +61,9 @@ FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e4m3": (torch.float8_e4m3fn, F8E4M3_MAX),  # 448
     "e5m2": (torch.float8_e5m2, F8E5M2_MAX),  # 57344
 }
-GRAD_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
+#: wire formats of the gradient all-reduce (FP4DDPStrategy(grad_format=...)); not the dY formats of
+#: the backward GeMMs (fp4lightning.gemm_dispatch.DY_FORMATS)
+WIRE_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
 SCHEMES = ("reduce_scatter", "all_gather", "async_all_gather")
 
 # 2^126 keeps the scale finite in fp32 even for an amax of a few subnormals.
@@ -103,9 +106,9 @@ class CommState:
     _fallback_logged: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.grad_format not in GRAD_FORMATS:
+        if self.grad_format not in WIRE_FORMATS:
             raise ValueError(
-                f"grad_format={self.grad_format!r} is not supported; choose one of {GRAD_FORMATS} "
+                f"grad_format={self.grad_format!r} is not supported; choose one of {WIRE_FORMATS} "
                 "('e4m3' is the paper's FP8 gradient format)."
             )
         if self.scheme not in SCHEMES:
@@ -142,12 +145,11 @@ def ring_all_reduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
 def _pow2_scales(amax: Tensor, fp8_max: float) -> Tensor:
     """Largest power of two ``s`` with ``amax * s <= fp8_max`` (1 where amax == 0), fp32."""
     a = amax.double()
-    exp = torch.floor(torch.log2(fp8_max / a.clamp_min(torch.finfo(torch.float64).tiny)))
-    exp = exp.clamp(-_MAX_SCALE_EXP, _MAX_SCALE_EXP)
-    # log2 in floating point can land one above the true floor near powers of two
-    exp = torch.where(a * torch.exp2(exp) > fp8_max, exp - 1, exp)
-    exp = torch.where(a > 0, exp, torch.zeros_like(exp))
-    return torch.exp2(exp).float()
+    s = pow2_floor(fp8_max / a.clamp_min(torch.finfo(torch.float64).tiny))
+    s = s.clamp(2.0**-_MAX_SCALE_EXP, 2.0**_MAX_SCALE_EXP)
+    # the division can round up onto a power of two just above the true quotient
+    s = torch.where(a * s > fp8_max, s * 0.5, s)
+    return torch.where(a > 0, s, torch.ones_like(s)).float()
 
 
 def _abs_max(seg: Tensor) -> Tensor:
@@ -156,13 +158,6 @@ def _abs_max(seg: Tensor) -> Tensor:
     # aminmax reads the data once without allocating |x|; NaN propagates, unlike in a MAX collective
     lo, hi = torch.aminmax(seg)
     return torch.maximum(hi, lo.neg()).float()
-
-
-def _encode_fp8_(x_scaled: Tensor, out8: Tensor, fmt: str) -> Tensor:
-    """Saturating round-to-nearest-even cast of fp32 ``x_scaled`` into the float8 tensor ``out8``
-    (same rule as ``fp4lightning.formats.cast_to_fp8``, without allocating; clamps ``x_scaled`` in place)."""
-    fmax = FP8_FORMATS[fmt][1]
-    return out8.copy_(x_scaled.clamp_(-fmax, fmax))
 
 
 def _decode_fp8_raw_into(codes: Tensor, fmt: str, out: Tensor) -> float:
@@ -244,7 +239,7 @@ def fp8_all_reduce_mean_(
     chunk = math.ceil(n / world)
     codes8 = torch.empty(chunk * world if use_rs else n, dtype=dtype8, device=x.device)
     codes8.view(torch.uint8)[n:].zero_()  # byte 0 is +0.0 in both FP8 formats: padding adds nothing
-    _encode_fp8_(x, codes8[:n], fmt)
+    saturating_cast_(x, codes8[:n])
     codes = codes8.view(torch.uint8)
 
     # ---- 3. exchange and reduce in fp32; the mean (scaled domain, up to `factor`) lands in x
@@ -300,7 +295,7 @@ def _reduce_scatter_all_gather(
         mean += tmp
     mean.mul_(factor).div_(world)
     # |mean| <= common amax * scale <= FP8_MAX, so re-quantising with the same scale cannot overflow
-    reduced = _encode_fp8_(mean, torch.empty(chunk, dtype=FP8_FORMATS[fmt][0], device=codes.device), fmt)
+    reduced = saturating_cast_(mean, torch.empty(chunk, dtype=FP8_FORMATS[fmt][0], device=codes.device))
     gathered = torch.empty_like(codes)
     _all_gather_single(gathered, reduced.view(torch.uint8), group=group)
     state.add_bytes((world - 1) * chunk)
@@ -383,7 +378,7 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
     if bool(finite.all()):
         for seg, sc in zip(segs, scales.tolist()):
             seg.mul_(sc)  # exact: a power of two (x is scratch: the bucket is overwritten with the mean)
-        _encode_fp8_(x, payload[:n].view(dtype8), fmt)
+        saturating_cast_(x, payload[:n].view(dtype8))
     else:
         payload[:n].zero_()
     flat_gathered = torch.empty(world * (n + 4 * t), dtype=torch.uint8, device=buf.device)
@@ -449,9 +444,9 @@ def allreduce_counting_hook(state: CommState, bucket: dist.GradBucket) -> torch.
 def hook_for_format(
     grad_format: str, scheme: str = "reduce_scatter"
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
-    """The communication hook that implements ``grad_format`` (one of :data:`GRAD_FORMATS`) and ``scheme``."""
+    """The communication hook that implements ``grad_format`` (one of :data:`WIRE_FORMATS`) and ``scheme``."""
     if grad_format in FP8_FORMATS:
         return fp8_async_gather_hook if scheme == "async_all_gather" else fp8_compress_hook
     if grad_format in ("bf16", "fp32"):
         return allreduce_counting_hook
-    raise ValueError(f"grad_format={grad_format!r} is not supported; choose one of {GRAD_FORMATS}.")
+    raise ValueError(f"grad_format={grad_format!r} is not supported; choose one of {WIRE_FORMATS}.")

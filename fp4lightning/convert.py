@@ -3,10 +3,11 @@
 
 Conversion is in place because Lightning's ``Precision.convert_module`` return value
 is ignored by its strategies. Parameters are shared, not copied, so optimizer
-references, parameter names and state-dict keys are unchanged. Layers are skipped,
-each with a warning naming its fully qualified name, when the filter rejects them
-(by default the output head, ``FP4Config.skip_modules``) or when their shapes are
-not supported.
+references, parameter names and state-dict keys are unchanged. Layers left in high
+precision on purpose (the output head, ``FP4Config.skip_modules``, a ``module_filter_fn``,
+``keep_first_n`` / ``keep_last_n``) are reported as one INFO log line each (logger
+``fp4lightning.convert``); layers that *cannot* be converted (unsupported shape, a
+Linear-like type) get a warning naming their fully qualified name and the reason.
 
 The output head stays in high precision (arXiv 2501.17116, section 4), whatever its name:
 without a ``module_filter_fn``, a Linear is the head when its name matches
@@ -20,6 +21,7 @@ input projection) are reported too, once each, with the reason (docs/lightning.m
 from __future__ import annotations
 
 import fnmatch
+import logging
 import warnings
 from typing import Callable
 
@@ -29,10 +31,14 @@ from torch import nn
 from .config import FP4Config
 from .linear import FP4Linear, check_fp4_shape
 
-__all__ = ["convert_to_fp4", "fp4_modules"]
+__all__ = ["convert_to_fp4", "fp4_modules", "matches_skip"]
+
+log = logging.getLogger(__name__)
 
 
-def _skipped_by_config(fqn: str, config: FP4Config) -> bool:
+def matches_skip(fqn: str, config: FP4Config) -> bool:
+    """True when the fully qualified module name ``fqn`` matches one of ``config.skip_modules``
+    (fnmatch patterns): the one predicate for "left in high precision by the config"."""
     return any(fnmatch.fnmatchcase(fqn, pat) for pat in config.skip_modules)
 
 
@@ -86,7 +92,8 @@ def convert_to_fp4(
     if isinstance(module, nn.Linear) and type(module) is not FP4Linear:
         raise TypeError("convert_to_fp4 converts the Linear layers *inside* a module, in place; "
                         "wrap a bare nn.Linear with FP4Linear.from_linear(layer) instead")
-    skipped: list[str] = []
+    skipped: list[str] = []  # cannot be converted: warned
+    kept: list[str] = []  # kept in high precision on purpose: logged at INFO
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
     from .block_linear import positional_keep  # keep_first_n / keep_last_n transformer blocks
     by_position = positional_keep(module, config.keep_first_n, config.keep_last_n)
@@ -101,17 +108,17 @@ def convert_to_fp4(
             if module_filter_fn is not None:
                 keep = module_filter_fn(child, fqn)
             else:
-                keep = not _skipped_by_config(fqn, config)
+                keep = not matches_skip(fqn, config)
                 if keep:
                     head = _head_reason(embeddings, child)
                     if head:
-                        skipped.append(f"{fqn} ({head})")
+                        kept.append(f"{fqn} ({head})")
                         continue
             if not keep:
-                skipped.append(f"{fqn} (excluded by the module filter)")
+                kept.append(f"{fqn} (excluded by the module filter)")
                 continue
             if any(fqn.startswith(p) for p in by_position):
-                skipped.append(f"{fqn} (keep_first_n/keep_last_n)")
+                kept.append(f"{fqn} (keep_first_n/keep_last_n)")
                 continue
             why = check_fp4_shape(child.in_features, child.out_features)
             if why:
@@ -119,7 +126,9 @@ def convert_to_fp4(
                 continue
             setattr(parent, child_name, FP4Linear.from_linear(child, config))
     if _report_rank():
-        for item in dict.fromkeys(skipped):  # once each
+        for item in dict.fromkeys(kept):  # once each
+            log.info("convert_to_fp4: keeping %s in high precision", item)
+        for item in dict.fromkeys(skipped):
             warnings.warn(f"convert_to_fp4: keeping {item} in high precision", stacklevel=2)
     return module
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import E2M1_MAX
+from .constants import E2M1_MAX
 
 __all__ = ["dge_derivative", "dge_smooth"]
 

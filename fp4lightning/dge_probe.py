@@ -27,7 +27,6 @@ the parameters, it would be recomputed and is not supported.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 from pathlib import Path
@@ -38,7 +37,7 @@ from torch import nn
 
 from .config import FP4Config
 from .dge import dge_derivative
-from .formats import E2M1_MAX
+from .constants import E2M1_MAX
 from .linear import FP4Linear
 from .quantize import compute_scale, fake_quantize
 
@@ -102,8 +101,9 @@ def _probed_layers(model: nn.Module, cfg: FP4Config) -> list[tuple[str, nn.Linea
     out = [(n, m) for n, m in model.named_modules() if isinstance(m, FP4Linear)]
     if out:
         return out
-    return [(n, m) for n, m in model.named_modules()
-            if type(m) is nn.Linear and not any(fnmatch.fnmatchcase(n, p) for p in cfg.skip_modules)]
+    from .convert import matches_skip  # lazily: convert -> linear -> dge_probe
+
+    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not matches_skip(n, cfg)]
 
 
 def model_weight_stats(model: nn.Module, cfg: FP4Config | None = None, bins: int = POSITION_BINS) -> dict:

@@ -9,13 +9,13 @@ then scores each variant with cosine similarity, MSE and SNR, pooled over all ac
 """
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from .config import FP4Config
+from .convert import matches_skip
 from .linear import FP4Linear
 from .occ import occ_bounds, occ_clamp
 from .quantize import fake_quantize
@@ -37,7 +37,7 @@ def _quantized_layers(model: nn.Module, config: FP4Config) -> list[tuple[str, nn
     for name, m in model.named_modules():
         if isinstance(m, FP4Linear):
             out.append((name, m))
-        elif type(m) is nn.Linear and not any(fnmatch.fnmatchcase(name, p) for p in config.skip_modules):
+        elif type(m) is nn.Linear and not matches_skip(name, config):
             out.append((name, m))
     return out
 

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from .constants import E2M1_MAX, E2M1_VALUES, F32_EXPONENT_MASK, F8E4M3_MAX, F8E5M2_MAX
+
 __all__ = [
-    "E2M1_MAX",
-    "E2M1_VALUES",
-    "F8E4M3_MAX",
-    "F8E5M2_MAX",
     "round_to_e2m1",
     "encode_e2m1",
     "decode_e2m1",
@@ -30,14 +28,9 @@ __all__ = [
     "unpack_fp4",
     "decode_packed_fp4",
     "cast_to_fp8",
+    "saturating_cast_",
+    "pow2_floor",
 ]
-
-E2M1_MAX = 6.0  # largest E2M1 magnitude
-F8E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-F8E5M2_MAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
-
-#: The eight non-negative E2M1 magnitudes, indexed by the 3 low bits of a code.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 _LUT_CACHE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -181,6 +174,20 @@ def _round_e5m2(y: torch.Tensor) -> torch.Tensor:
     return torch.where(y.abs() < 2.0**-14, torch.round(y * 65536.0) / 65536.0, normal)
 
 
+def pow2_floor(x: torch.Tensor) -> torch.Tensor:
+    """``2^floor(log2 x)`` of a positive normal fp32 / fp64 ``x``, exactly: keep the exponent
+    bits, zero the mantissa (``log2`` can round up just below a power of two; masking cannot).
+
+    The one power-of-two scale of the package (``scale_mode="pow2"`` of the FP4 quantizer,
+    the per-tensor FP8 scales of the gradient all-reduce). 0 maps to 0, +inf and NaN to +inf.
+    """
+    if x.dtype == torch.float32:
+        return (x.view(torch.int32) & F32_EXPONENT_MASK).view(torch.float32)
+    if x.dtype == torch.float64:
+        return (x.view(torch.int64) & 0x7FF0000000000000).view(torch.float64)  # fp64 exponent bits
+    raise TypeError(f"pow2_floor expects an fp32 or fp64 tensor, got {x.dtype}")
+
+
 def cast_to_fp8(x: torch.Tensor, fmt: str = "e5m2") -> torch.Tensor:
     """Saturating round-to-nearest-even cast to FP8 (``e4m3`` or ``e5m2``).
 
@@ -194,3 +201,13 @@ def cast_to_fp8(x: torch.Tensor, fmt: str = "e5m2") -> torch.Tensor:
     else:
         raise ValueError(f"unknown FP8 format {fmt!r}; choose 'e4m3' or 'e5m2'")
     return x.clamp(-fmax, fmax).to(dtype)
+
+
+def saturating_cast_(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``cast_to_fp8`` into a preallocated ``out`` of any float dtype (FP8, fp16, ...), without
+    allocating: clamps ``x`` *in place* to ``out``'s finite range, then copies (round to nearest
+    even). NaN stays NaN. Returns ``out``. The one saturating cast of the package: the FP8
+    gradient all-reduce (``comm``, ``fsdp``) and the FP8/fp16 optimizer moments (``optim``) use it.
+    """
+    fmax = torch.finfo(out.dtype).max
+    return out.copy_(x.clamp_(-fmax, fmax))

@@ -306,7 +306,8 @@ class FP8ReduceScatter(_ReduceScatterBase):
 
     @torch.no_grad()
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        from .comm import FP8_FORMATS, _decode_fp8_raw_into, _encode_fp8_, _pow2_scales, ring_all_reduce_bytes
+        from .comm import FP8_FORMATS, _decode_fp8_raw_into, _pow2_scales, ring_all_reduce_bytes
+        from .formats import saturating_cast_
 
         world = group.size()
         n = output_tensor.numel()
@@ -328,7 +329,7 @@ class FP8ReduceScatter(_ReduceScatterBase):
             self._count(sent, n, world)
             return None
         scale = torch.repeat_interleave(_pow2_scales(red[:-1], fmax), torch.tensor(self.sizes))  # (n,)
-        codes = _encode_fp8_(x * scale, torch.empty(world, n, dtype=dtype8, device=x.device), self.fmt)
+        codes = saturating_cast_(x * scale, torch.empty(world, n, dtype=dtype8, device=x.device))
         received = torch.empty(world, n, dtype=torch.uint8, device=x.device)
         dist.all_to_all_single(received, codes.view(torch.uint8), group=group)
         acc = torch.empty(n, device=x.device)
@@ -411,7 +412,10 @@ def fully_shard_fp4(
             # quantized-weight cache keys on: drop the cache before every forward
             m.register_forward_pre_hook(_drop_weight_cache)
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
-    units = [m for m in model.modules() if isinstance(m, block_types)]
+    if block_types:
+        units = [m for m in model.modules() if isinstance(m, block_types)]
+    else:  # the elements of the model's ModuleLists: a transformer's stack of blocks (LLaMA's ``layers``)
+        units = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
     for unit in units:
         if activation_checkpointing:
             unit.forward = functools.partial(_checkpointed, unit.forward)

@@ -1,6 +1,6 @@
 """Fused elementwise passes of the PyTorch (CPU) path, compiled with ``torch.compile``.
 
-The reference path of ``fp4lightning.ops`` spends most of its time not in the three GeMMs
+The reference path of ``fp4lightning.gemm_dispatch`` spends most of its time not in the three GeMMs
 but in elementwise passes around them: the FP4 quantizers (absmax, scale, rounding,
 packing, decoding), the two FP8 casts of dY with their pre-scaling, the GeMM epilogues and
 the DGE factor (arXiv 2501.17116, sections 3.1-3.3). Each function here is one such group
@@ -22,7 +22,8 @@ import warnings
 
 import torch
 
-from .formats import E2M1_MAX, _round_e5m2, _round_index, _round_magnitude
+from .constants import E2M1_MAX
+from .formats import pow2_floor, _round_e5m2, _round_index, _round_magnitude
 
 __all__ = ["compile_enabled", "fp4_rows", "fp8_scaled", "gemm_epilogue", "wgrad_epilogue"]
 
@@ -65,11 +66,12 @@ def _fused(fn):
     return wrapper
 
 
-def _scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:
-    """fp32 ``fmax / max(amax, eps)`` (or its power-of-two floor), NaN where amax is not finite."""
+def scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:
+    """fp32 ``fmax / max(amax, eps)`` (or its power-of-two floor), NaN where amax is not finite: the one
+    absmax scale formula (FP4 rows, FP8 dY; ``quantize.compute_scale`` calls it too)."""
     scale = fmax / amax.clamp(min=eps)
-    if pow2:  # exact 2^floor(log2(scale)): keep the exponent bits
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    if pow2:
+        scale = pow2_floor(scale)
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
@@ -93,7 +95,7 @@ def fp4_rows(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_d
     amax = x.abs().amax(1).float()
     if per_tensor:
         amax = amax.amax().expand(x.shape[0])
-    scale = _scale_from_amax(amax, E2M1_MAX, eps, pow2)
+    scale = scale_from_amax(amax, E2M1_MAX, eps, pow2)
     y = torch.mul(x, scale[:, None])  # fp32: the rounding decision is made in fp32
     y = torch.where(torch.isfinite(scale)[:, None], y, 0.0)  # non-finite rows: codes 0, NaN scale
     a = y.abs()
@@ -119,7 +121,7 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     """
     g = x.float() / (div[None, :] if dim == 1 else div[:, None])
     amax = g.abs().amax(dim)
-    scale = _scale_from_amax(amax, fmax, eps, False)
+    scale = scale_from_amax(amax, fmax, eps, False)
     s = scale[:, None] if dim == 1 else scale[None, :]
     scaled = torch.where(torch.isfinite(s), g * s, 0.0)
     scaled = scaled.clamp(-fmax, fmax)

@@ -8,7 +8,7 @@ Forward (per layer, ``Y = A W^T``, A flattened to tokens x K):
 3. ``Y = diag(1/s_a) (A_q W_q^T) diag(1/s_w) + R Wdq^T + b`` - the FP4 GeMM plus the
    compensation product in high precision (``Wdq = W_q / s_w``).
 
-Backward (dY in FP8 E5M2 by default, see ``fp4lightning.ops``):
+Backward (dY in FP8 E5M2 by default, see ``fp4lightning.gemm_dispatch``):
 
 * ``dA = dY Wdq``   (straight-through for the activation quantizer and the clamp:
   clamp + compensation is the identity on A);
@@ -38,7 +38,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import ops
+from . import gemm_dispatch
 from .config import FP4Config
 from .occ import occ_bounds
 
@@ -83,7 +83,7 @@ class _FP4LinearFn(torch.autograd.Function):
             resid_t = False  # resid holds R (Triton path) or R^T (reference path) in CSR form
             per_tensor_a = cfg.act_granularity == "per_tensor"
             # the reference GeMMs run on decoded values in this dtype (bf16 under autocast)
-            vals_dtype = ops._compute_dtype(out_dtype, x.device)
+            vals_dtype = gemm_dispatch._compute_dtype(out_dtype, x.device)
             if cfg.occ:
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
                 # Reference path: fold the residual into the decoded operand,
@@ -91,7 +91,7 @@ class _FP4LinearFn(torch.autograd.Function):
                 # one (CPU sparse kernels cost as much as the dense GeMM). Only the ~2% outlier
                 # entries of the operand change; they are held in the compute dtype, bf16
                 # under autocast, like nn.Linear's operands.
-                a_codes, a_scale, a_vals, r = ops.quantize_fp4_clamped(
+                a_codes, a_scale, a_vals, r = gemm_dispatch.quantize_fp4_clamped(
                     x2d, bounds, cfg.scale_mode, per_tensor_a, fold=cfg.occ_compensation, values_dtype=vals_dtype)
                 if cfg.occ_compensation and a_vals is None:
                     # Triton path: R in the compute dtype (bf16 under autocast, as the reference
@@ -106,22 +106,22 @@ class _FP4LinearFn(torch.autograd.Function):
                 else:
                     r = None
             else:
-                a_codes, a_scale, a_vals = ops.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a, values_dtype=vals_dtype)
+                a_codes, a_scale, a_vals = gemm_dispatch.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a, values_dtype=vals_dtype)
             w_codes, w_scale, w_vals = w_quant if w_quant is not None else _quantize_weight(weight, cfg, vals_dtype)
             # --- the FP4 GeMM plus the compensation product R Wdq^T
             if r is not None and a_vals is not None:  # compensation already folded into a_vals
-                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
+                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
             elif r is not None:
                 # Triton path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM on the
                 # dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse one,
                 # which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
                 # R and the E2M1 values are exact in R's dtype, the accumulation is fp32.
-                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias)
-                w_q = ops.decode_packed_fp4(w_codes, k, r.dtype)
+                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias)
+                w_q = gemm_dispatch.decode_packed_fp4(w_codes, k, r.dtype)
                 y = y.add_(_mm_f32(r, w_q.t()).div_(w_scale[None, :])).to(out_dtype)
             else:
-                y = ops.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
+                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
         compact = isinstance(resid, tuple)
         ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, *(resid if compact else (resid,)))
@@ -142,14 +142,14 @@ class _FP4LinearFn(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 # dA = dY diag(1/s_w) W_q : fold the reduction-dim scale into dY first
-                g1, s_g1 = ops.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
-                                                    carrier=ops._compute_dtype(cd, dy.device))
-                grad_x = ops.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
+                g1, s_g1 = gemm_dispatch.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
+                                                    carrier=gemm_dispatch._compute_dtype(cd, dy.device))
+                grad_x = gemm_dispatch.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
             if ctx.needs_input_grad[1]:
                 # Under bf16 autocast the wgrad GeMM runs in bf16 like nn.Linear's: its
                 # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
                 gemm_dtype = torch.bfloat16 if cd == torch.bfloat16 else torch.float32
-                g2, s_g2 = ops.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format, carrier=gemm_dtype)
+                g2, s_g2 = gemm_dispatch.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format, carrier=gemm_dtype)
                 # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
                 # factor: DGE multiplies the whole dL/dW_q
                 comp = None
@@ -159,7 +159,7 @@ class _FP4LinearFn(torch.autograd.Function):
                     rt = resid if ctx.resid_t else _csr_transpose(resid)
                     dyf = dy2d.float()
                     comp = torch.sparse.mm(rt, dyf).t()
-                grad_w = ops.fp4_wgrad(
+                grad_w = gemm_dispatch.fp4_wgrad(
                     g2, s_g2, a_codes, k, torch.float32,
                     dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
                     dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
@@ -175,7 +175,7 @@ class _FP4LinearFn(torch.autograd.Function):
 
 def _quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32):
     """(packed codes, per-channel scales, decoded values or None) of the weight."""
-    return ops.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
+    return gemm_dispatch.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
                             values_dtype=values_dtype)
 
 

@@ -1,4 +1,4 @@
-"""AdamW with optimizer states in reduced precision (arXiv 2501.17116, section 4).
+"""AdamW with optimizer states in reduced precision (docs/method.md section 6; arXiv 2501.17116, section 4).
 
 The paper keeps the optimizer states in reduced precision, reusing MS-AMP. MS-AMP's level O2 stores
 the first moment ``m`` in FP8 E4M3 and the second moment ``v`` in FP16, each with one fp32 scale per
@@ -29,6 +29,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .constants import F8E4M3_MAX, F16_MAX, F32_MAX
+from .formats import saturating_cast_
+
 __all__ = [
     "MOMENT_FORMATS",
     "LowPrecisionAdamW",
@@ -39,9 +42,9 @@ __all__ = [
 
 #: name -> (storage dtype, largest finite value of the format)
 MOMENT_FORMATS: dict[str, tuple[torch.dtype, float]] = {
-    "fp8": (torch.float8_e4m3fn, 448.0),  # E4M3, torch.finfo(torch.float8_e4m3fn).max
-    "fp16": (torch.float16, 65504.0),  # torch.finfo(torch.float16).max
-    "fp32": (torch.float32, 3.4028234663852886e38),  # no compression (a baseline for ablations)
+    "fp8": (torch.float8_e4m3fn, F8E4M3_MAX),  # E4M3, 448
+    "fp16": (torch.float16, F16_MAX),  # 65504
+    "fp32": (torch.float32, F32_MAX),  # no compression (a baseline for ablations)
 }
 _EXP_AVG_FORMATS = ("fp8", "fp16", "fp32")
 # v >= 0 spans the square of the gradient's range: E4M3's ~18 binades would flush most of it to zero.
@@ -66,12 +69,12 @@ def _encode_(dst: Tensor, scale_dst: Tensor, x: Tensor, fmt: str, generator: tor
         return
     amax = x.abs().amax()
     scale = torch.where(amax > _TINY_AMAX, fmax / amax.clamp(min=_TINY_AMAX), torch.ones_like(amax))
-    # clamp: fp32 rounding can put the amax element a hair above FORMAT_MAX, and E4M3 has no inf
+    # saturate: fp32 rounding can put the amax element a hair above FORMAT_MAX, and E4M3 has no inf
     # (an overflowing cast becomes NaN)
-    y = (x * scale).clamp_(-fmax, fmax)
+    y = x * scale
     if fmt == "fp8" and generator is not None:
-        y = _stochastic_round_e4m3(y, generator)
-    dst.copy_(y)
+        y = _stochastic_round_e4m3(y.clamp_(-fmax, fmax), generator)
+    saturating_cast_(y, dst)
     scale_dst.copy_(scale)
 
 

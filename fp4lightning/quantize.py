@@ -28,17 +28,17 @@ from typing import Literal
 
 import torch
 
-from .formats import E2M1_MAX, decode_e2m1, decode_packed_fp4, unpack_fp4
-from .fused import fp4_rows
+from .constants import AMAX_EPS, E2M1_MAX
+from .formats import decode_e2m1, decode_packed_fp4, unpack_fp4
+from .fused import fp4_rows, scale_from_amax
 
 __all__ = [
     "Granularity",
     "ScaleMode",
     "QuantizedFP4",
-    "AMAX_EPS",
     "compute_scale",
     "quantize",
-    "quantize_rows",
+    "quantize_rows_reference",
     "dequantize",
     "fake_quantize",
 ]
@@ -48,11 +48,6 @@ ScaleMode = Literal["float", "pow2"]
 GRANULARITIES = ("per_token", "per_channel", "per_tensor")
 SCALE_MODES = ("float", "pow2")
 
-#: amax floor, 2^-124 ~ 4.7e-38: the largest power of two below which 6 / amax would overflow
-#: fp32. Every row with a normal fp32 amax (>= 2^-126 ~ 1.2e-38) above it is scaled exactly
-#: by 6 / amax, however small; an all-zero row gets a finite scale (6 * 2^124) and codes of 0;
-#: rows of fp32 subnormals get that same largest scale (their values land below 6).
-AMAX_EPS = 2.0**-124
 
 
 @dataclass
@@ -82,18 +77,12 @@ class QuantizedFP4:
 
 def compute_scale(amax: torch.Tensor, scale_mode: ScaleMode = "float") -> torch.Tensor:
     """fp32 scale ``6 / amax`` (or its power-of-two floor) with NaN for non-finite amax."""
-    amax = amax.float()
-    scale = E2M1_MAX / amax.clamp(min=AMAX_EPS)
-    if scale_mode == "pow2":
-        # Exact 2^floor(log2(scale)): keep the fp32 exponent bits, zero the mantissa.
-        # (log2 can round up just below a power of two; bit masking cannot.)
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-    elif scale_mode != "float":
+    if scale_mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; choose one of {SCALE_MODES}")
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return scale_from_amax(amax.float(), E2M1_MAX, AMAX_EPS, scale_mode == "pow2")
 
 
-def quantize_rows(
+def quantize_rows_reference(
     x2d: torch.Tensor,
     scale_mode: ScaleMode = "float",
     per_tensor: bool = False,
@@ -108,7 +97,7 @@ def quantize_rows(
     codes again. The passes run fused (``fp4lightning.fused``).
     """
     if x2d.dim() != 2:
-        raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x2d.shape)}")
+        raise ValueError(f"quantize_rows_reference expects a 2-D tensor, got shape {tuple(x2d.shape)}")
     if x2d.dtype == torch.float64:
         x2d = x2d.float()  # the spec is fp32 arithmetic (bit-exact twin of the Triton kernel)
     if scale_mode not in SCALE_MODES:
@@ -147,7 +136,7 @@ def quantize(
     if not x.is_floating_point():
         raise TypeError(f"quantize expects a floating-point tensor, got {x.dtype}")
     rows, per_tensor = _as_rows(x, granularity)
-    codes, scale = quantize_rows(rows, scale_mode, per_tensor=per_tensor, packed=packed)
+    codes, scale = quantize_rows_reference(rows, scale_mode, per_tensor=per_tensor, packed=packed)
     return QuantizedFP4(codes, scale, x.shape, packed)
 
 
@@ -162,5 +151,5 @@ def fake_quantize(
 ) -> torch.Tensor:
     """Quantize and dequantize in one go (no gradient logic), keeping ``x``'s dtype."""
     rows, per_tensor = _as_rows(x, granularity)
-    _, scale, q = quantize_rows(rows, scale_mode, per_tensor=per_tensor, packed=False, return_values=True)
+    _, scale, q = quantize_rows_reference(rows, scale_mode, per_tensor=per_tensor, packed=False, return_values=True)
     return (q / scale[:, None]).to(x.dtype).reshape(x.shape)

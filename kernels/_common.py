@@ -1,20 +1,27 @@
 """Shared pieces of the FP4 Triton kernels: mode flags, E2M1/FP8 bit arithmetic, input checks.
 
-The E2M1 format (arXiv 2501.17116, section 3.1; METHOD.md section 1) is a minifloat
+The E2M1 format (arXiv 2501.17116, section 3.1; docs/method.md section 1) is a minifloat
 with 1 mantissa bit and exponent bias 1, so every E2M1 value is exact in FP8 E4M3,
 FP8 E5M2, fp16 and bf16. The kernels therefore never convert *values* between float
 types: decoding builds the target type's bit pattern with integer arithmetic, and
 encoding rounds with exact fp32 arithmetic and emits integer codes. That keeps the
 kernels bit-identical to the PyTorch reference and sidesteps the Triton interpreter's
-inexact in-kernel fp8 downcasts (see /work/shared/ENV.md).
+inexact in-kernel fp8 downcasts (docs/kernels.md, "Known interpreter bugs").
 """
 from __future__ import annotations
+
+if __name__ != "fp4lightning.kernels._common":  # see kernels/__init__.py
+    raise ImportError(f"the kernels/ folder is the package 'fp4lightning.kernels'; import it as "
+                      f"'fp4lightning.kernels' (e.g. `from fp4lightning.kernels import gemm`), not as {__name__!r}")
 
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from fp4lightning.constants import (AMAX_EPS, E2M1_MAX, E8M0_BIAS, F8E4M3_MAX, F8E4M3_MIN_NORMAL, F32_MAX,
+                                    F32_MIN_NORMAL, FP8_AMAX_EPS)
 
 #: Kernels run under the Triton interpreter (CPU tensors) when this is set before import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -24,9 +31,7 @@ DOT_FP8E4 = 0  # FP8 E4M3 tensor cores (Hopper+): forward GeMM, and backward wit
 DOT_FP8E5 = 1  # FP8 E5M2 tensor cores: backward with an E5M2 dY (codes decoded to E5M2)
 DOT_FP16 = 2  # fp16 tensor cores: GPUs without FP8 MMA, fp16 dY
 DOT_BF16 = 3  # bf16 tensor cores: bf16 dY on a GPU
-DOT_FP32 = 4  # interpreter only: its bf16 tl.dot returns garbage (ENV.md), so upcast
-
-_FP8_DOT = {torch.float8_e4m3fn: DOT_FP8E4, torch.float8_e5m2: DOT_FP8E5}
+DOT_FP32 = 4  # interpreter only: its bf16 tl.dot returns garbage (docs/kernels.md), so upcast
 
 #: Hopper's FP8 MMA accumulates in reduced precision. By default each tl.dot's partial
 #: sum is promoted into the fp32 accumulator (``max_num_imprecise_acc`` = the dot's K),
@@ -39,11 +44,22 @@ AUTOTUNE = os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0"
 
 INTERPRET_C = tl.constexpr(INTERPRET)
 
+# fp4lightning.constants as compile-time constants of the kernels (a jit function may only read
+# globals that are tl.constexpr)
+E2M1_MAX_C = tl.constexpr(E2M1_MAX)  # 6.0
+AMAX_EPS_C = tl.constexpr(AMAX_EPS)  # 2^-124
+FP8_AMAX_EPS_C = tl.constexpr(FP8_AMAX_EPS)  # 2^-110
+F8E4M3_MAX_C = tl.constexpr(F8E4M3_MAX)  # 448.0
+F8E4M3_MIN_NORMAL_C = tl.constexpr(F8E4M3_MIN_NORMAL)  # 2^-6
+F32_MIN_NORMAL_C = tl.constexpr(F32_MIN_NORMAL)  # 2^-126
+F32_MAX_C = tl.constexpr(F32_MAX)  # 3.4028234663852886e38: |x| <= it  <=>  x finite
+E8M0_BIAS_C = tl.constexpr(E8M0_BIAS)  # 127
+
 
 def has_fp8_mma(device: torch.device) -> bool:
     """FP8 tensor cores reachable from ``tl.dot``: Hopper (sm_90) and newer."""
     if INTERPRET or device.type != "cuda":
-        return INTERPRET  # the interpreter's fp8 tl.dot is exact (ENV.md): test that path
+        return INTERPRET  # the interpreter's fp8 tl.dot is exact (docs/kernels.md): test that path
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 

@@ -36,13 +36,16 @@ if not CUDA:
 
 import triton  # noqa: E402
 
-from fp4lightning import FP4Config, FP4Linear, ops  # noqa: E402
+from fp4lightning import gemm_dispatch  # noqa: E402
+from fp4lightning.config import FP4Config  # noqa: E402
+from fp4lightning.constants import E2M1_MAX, F8E4M3_MAX  # noqa: E402
+from fp4lightning.linear import FP4Linear  # noqa: E402
 from fp4lightning.dge import dge_derivative  # noqa: E402
 from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 from fp4lightning.kernels import fp4_triton as kt  # noqa: E402
 from fp4lightning.kernels import gemm  # noqa: E402
-from fp4lightning.quantize import quantize_rows as quantize_rows_reference  # noqa: E402
+from fp4lightning.quantize import quantize_rows_reference  # noqa: E402
 
 # (label, M tokens, N out, K in). LLaMA-2 7B: dim 4096, FFN 11008; the project's 1.3B
 # (fp4lightning.models.llama): dim 2048, FFN 5504. 8192 tokens = 4 sequences of 2048.
@@ -125,10 +128,10 @@ def _winner(kernel) -> str:
 
 # --------------------------------------------------------------------------- sections
 def bench_quantize(table: Table, dev, shapes):
-    quant = kt.quantize_rows if CUDA else (lambda x: quantize_rows_reference(x))
-    clamped = kt.quantize_rows_clamped if CUDA else (
-        lambda x, b: ops.quantize_fp4_clamped(x, b))  # CPU: the reference (occ_clamp + quantize_rows)
-    fp8 = kt.quantize_fp8 if CUDA else (lambda x, dim, fmt: ops.quantize_fp8_reference(x, dim, fmt))
+    quant = kt.triton_quantize_rows if CUDA else (lambda x: quantize_rows_reference(x))
+    clamped = kt.triton_quantize_rows_clamped if CUDA else (
+        lambda x, b: gemm_dispatch.quantize_fp4_clamped(x, b))  # CPU: the reference (occ_clamp + quantize_rows)
+    fp8 = kt.triton_quantize_fp8 if CUDA else (lambda x, dim, fmt: gemm_dispatch.quantize_fp8_reference(x, dim, fmt))
     for m, k in shapes:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         dst = torch.empty_like(x)
@@ -146,7 +149,7 @@ def bench_quantize(table: Table, dev, shapes):
         ]
         if CUDA:  # the layout FP4Linear's wgrad reads
             cases.append(("fp8 e5m2, per column, column-major out",
-                          lambda: kt.quantize_fp8(x, 0, "e5m2", column_major=True), x.numel() * 3 + k * 4))
+                          lambda: kt.triton_quantize_fp8(x, 0, "e5m2", column_major=True), x.numel() * 3 + k * 4))
         for name, fn, nbytes in cases:
             t = _time_ms(fn)
             bw = nbytes / (t * 1e-3)
@@ -155,8 +158,8 @@ def bench_quantize(table: Table, dev, shapes):
 
 def _scaled_mm_fp8(a, w):
     """torch._scaled_mm with row-wise scales (tensor-wise where row-wise is unsupported)."""
-    a8 = (a.float() / a.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn)
-    w8 = (w.float() / w.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn)
+    a8 = (a.float() / a.float().abs().amax(1, keepdim=True) * F8E4M3_MAX).to(torch.float8_e4m3fn)
+    w8 = (w.float() / w.float().abs().amax(1, keepdim=True) * F8E4M3_MAX).to(torch.float8_e4m3fn)
     sa = torch.rand(a.shape[0], 1, device=a.device) + 0.5
     sb = torch.rand(1, w.shape[0], device=a.device) + 0.5
     try:
@@ -193,25 +196,25 @@ def bench_gemms(table: Table, dev, shapes):
             dec = "fp8" if kt.has_fp8_mma(dev) else "fp16"
             for fast in (False, True):
                 acc = "fast accum" if fast else "precise accum"
-                t = _time_ms(lambda: kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16, fast_accum=fast))
+                t = _time_ms(lambda: kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16, fast_accum=fast))
                 table.add("gemm fwd", f"fp4_gemm (Triton, {dec} decode, {acc})", shape, t, tf(t),
                           f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
                 table.note(f"autotune winner fp4_gemm {acc}: {_winner(gemm._fp4_gemm_kernel)}")
             dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-            g1, s1 = kt.quantize_fp8(dy, 1, "e5m2")
-            g2, s2 = kt.quantize_fp8(dy, 0, "e5m2", column_major=True)  # FP4Linear's layout
+            g1, s1 = kt.triton_quantize_fp8(dy, 1, "e5m2")
+            g2, s2 = kt.triton_quantize_fp8(dy, 0, "e5m2", column_major=True)  # FP4Linear's layout
             # fast-accumulation backward rows at the square shapes only (time budget)
             for fast in (False, True) if label == "square" else (False,):
                 acc = "fast accum" if fast else "precise accum"
-                t = _time_ms(lambda: kt.fp4_dgrad(g1, s1, w_p, k, out_dtype=torch.bfloat16, fast_accum=fast))
+                t = _time_ms(lambda: kt.triton_fp4_dgrad(g1, s1, w_p, k, out_dtype=torch.bfloat16, fast_accum=fast))
                 table.add("gemm bwd", f"fp4_dgrad (e5m2 dY, {acc})", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16 fwd")
                 table.note(f"autotune winner fp4_dgrad {acc}: {_winner(gemm._fp4_dgrad_kernel)}")
-                t = _time_ms(lambda: kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, fast_accum=fast))
+                t = _time_ms(lambda: kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, fast_accum=fast))
                 table.add("gemm bwd", f"fp4_wgrad (e5m2 dY, DGE, {acc})", shape, t, tf(t),
                           f"{t_bf16 / t:.2f}x bf16 fwd")
                 table.note(f"autotune winner fp4_wgrad {acc}: {_winner(gemm._fp4_wgrad_kernel)}")
         else:
-            t = _time_ms(lambda: ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, torch.bfloat16))
+            t = _time_ms(lambda: gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, torch.bfloat16))
             table.add("gemm fwd", "fp4_gemm_reference (PyTorch)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
 
 
@@ -264,37 +267,37 @@ def run_checks(table: Table, dev) -> bool:
         return "identical" if v == math.inf else f"SQNR {v:.0f} dB"
 
     for mode in ("float", "pow2"):
-        c, s = kt.quantize_rows(x.bfloat16(), scale_mode=mode)
+        c, s = kt.triton_quantize_rows(x.bfloat16(), scale_mode=mode)
         rc, rs = quantize_rows_reference(x.bfloat16(), mode)
         report(f"quantize_rows {mode} vs reference", torch.equal(c, rc) and torch.equal(s, rs), "bitwise")
     bounds = occ_bounds(x, 0.99, "exact")
-    c, s, r = kt.quantize_rows_clamped(x, bounds)
+    c, s, r = kt.triton_quantize_rows_clamped(x, bounds)
     xc, rr = occ_clamp(x, bounds)
     rc, rs = quantize_rows_reference(xc)
     same = torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(r, rr)
     report("quantize_rows_clamped (OCC) vs reference", same, "bitwise")
     for dim in (1, 0):
-        q, s = kt.quantize_fp8(dy, dim, "e5m2")
-        rq, rs = ops.quantize_fp8_reference(dy, dim, "e5m2")
+        q, s = kt.triton_quantize_fp8(dy, dim, "e5m2")
+        rq, rs = gemm_dispatch.quantize_fp8_reference(dy, dim, "e5m2")
         same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
         report(f"quantize_fp8 e5m2 dim={dim} vs reference", same, "bitwise")
-    a_p, a_s = kt.quantize_rows(x)
-    w_p, w_s = kt.quantize_rows(w)
-    y = kt.fp4_gemm(a_p, a_s, w_p, w_s, k)
-    v = sq(y, ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k))
+    a_p, a_s = kt.triton_quantize_rows(x)
+    w_p, w_s = kt.triton_quantize_rows(w)
+    y = kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k)
+    v = sq(y, gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k))
     report("fp4_gemm vs reference", v >= CHECK_SQNR_DB, db(v))
     w_q = decode_e2m1(unpack_fp4(w_p, k), torch.float64)
     a_q = decode_e2m1(unpack_fp4(a_p, k), torch.float64)
     for fmt in ("e5m2", "e4m3", "bf16"):
-        g1, s1 = ops.quantize_fp8(dy / w_s[None, :], 1, fmt)
+        g1, s1 = gemm_dispatch.quantize_fp8(dy / w_s[None, :], 1, fmt)
         ref = (g1.double() / s1.double()[:, None]) @ w_q
-        v = sq(kt.fp4_dgrad(g1, s1, w_p, k), ref)
+        v = sq(kt.triton_fp4_dgrad(g1, s1, w_p, k), ref)
         report(f"fp4_dgrad {fmt} vs float64", v >= CHECK_SQNR_DB, db(v))
-        g2, s2 = ops.quantize_fp8(dy / a_s[:, None], 0, fmt)
+        g2, s2 = gemm_dispatch.quantize_fp8(dy / a_s[:, None], 0, fmt)
         # DGE of the value the quantizer rounds: W * s_w saturated to +/-6 (arXiv 2501.17116, 3.2)
-        dge = dge_derivative((w * w_s[:, None]).clamp(-6.0, 6.0)).double()
+        dge = dge_derivative((w * w_s[:, None]).clamp(-E2M1_MAX, E2M1_MAX)).double()
         ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge
-        v = sq(kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
+        v = sq(kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
         report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, db(v))
     return ok_all
 

@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, decode_e2m1, minifloat_bits, sign_bit
+from ._common import (E2M1_MAX_C, E8M0_BIAS_C, F8E4M3_MAX_C, F8E4M3_MIN_NORMAL_C, F32_MIN_NORMAL_C, INTERPRET,
+                      decode_e2m1, minifloat_bits, sign_bit)
 
-__all__ = ["quantize_mxfp4", "quantize_nvfp4", "block_gemm"]
+__all__ = ["triton_quantize_mxfp4", "triton_quantize_nvfp4", "triton_block_gemm"]
 
 _DOT_FP32 = 4  # decode_e2m1 target: fp32 values (exact)
 
@@ -46,11 +47,11 @@ def _mx_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, BL
     x = x.to(tl.float32)
     # --- E8M0 scale: 2^(floor(log2 amax) - 2), read off the exponent bits
     amax = tl.max(tl.abs(x), axis=1)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2
-    biased = tl.minimum(tl.maximum(e, -127), 128) + 127
-    scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - E8M0_BIAS_C - 2  # 2 = log2 of E2M1's largest power of two
+    biased = tl.minimum(tl.maximum(e, -E8M0_BIAS_C), E8M0_BIAS_C + 1) + E8M0_BIAS_C
+    scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), F32_MIN_NORMAL_C)
     # --- scale, saturate, round, pack
-    y = tl.minimum(tl.maximum(x / scale[:, None], -6.0), 6.0)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -E2M1_MAX_C), E2M1_MAX_C)
     _e2m1_pack_store(y, q_ptr, rows, pid_b * 32, M, stride_qm, BLOCK_M, 32)
     tl.store(s_ptr + rows * stride_sm + pid_b, biased.to(tl.uint8), mask=rows < M)
 
@@ -75,11 +76,11 @@ def _nv_quant_kernel(x_ptr, q_ptr, s_ptr, g_ptr, M, stride_xm, stride_qm, stride
     g = tl.load(g_ptr)  # per-tensor decode scale amax / (448 * 6)
     # --- E4M3 block scale of (amax / 6) / g, saturating, at least the smallest normal 2^-6
     amax = tl.max(tl.abs(x), axis=1)
-    s = tl.minimum(tl.maximum((amax / 6.0) / g, 0.015625), 448.0)
-    bits = minifloat_bits(s, 3, -6)
+    s = tl.minimum(tl.maximum((amax / E2M1_MAX_C) / g, F8E4M3_MIN_NORMAL_C), F8E4M3_MAX_C)
+    bits = minifloat_bits(s, 3, -6)  # E4M3: F8E4M3_MANT_BITS, F8E4M3_EMIN
     s8 = _e4m3_value(bits)
     recip = (1.0 / g) / s8
-    y = tl.minimum(tl.maximum(x * recip[:, None], -6.0), 6.0)
+    y = tl.minimum(tl.maximum(x * recip[:, None], -E2M1_MAX_C), E2M1_MAX_C)
     _e2m1_pack_store(y, q_ptr, rows, pid_b * 16, M, stride_qm, BLOCK_M, 16)
     tl.store(s_ptr + rows * stride_sm + pid_b, bits.to(tl.uint8), mask=rows < M)
 
@@ -95,7 +96,7 @@ def _check(x: torch.Tensor, b: int, name: str) -> torch.Tensor:
     return x.contiguous()
 
 
-def quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
+def triton_quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
     """(packed codes (M, K/2) uint8, biased E8M0 exponents (M, K/32) uint8), as the reference."""
     x = _check(x, 32, "quantize_mxfp4")
     m, k = x.shape
@@ -106,7 +107,7 @@ def quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
     return q, s
 
 
-def quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
+def triton_quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
     """(packed codes, E4M3 block scales (M, K/16) float8_e4m3fn, fp32 global scale), as the reference."""
     from fp4lightning.block_formats import nvfp4_global_scale
 
@@ -162,7 +163,7 @@ def _block_gemm_kernel(
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
 
 
-def block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: float | torch.Tensor = 1.0,
+def triton_block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: float | torch.Tensor = 1.0,
                block_m: int = 32, block_n: int = 32) -> torch.Tensor:
     """fp32 ``A B^T`` of two block-FP4 operands (packed codes + block scales along K) times ``factor``.
 

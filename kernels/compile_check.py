@@ -48,6 +48,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from fp4lightning.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,  # noqa: E402
+                                    F8E5M2_MANT_BITS, F8E5M2_MAX)
 from fp4lightning.kernels import gemm, quantize  # noqa: E402
 from fp4lightning.kernels._common import DOT_BF16, DOT_FP8E4, DOT_FP8E5, DOT_FP16  # noqa: E402
 
@@ -103,12 +105,12 @@ def _cases(all_configs: bool = False):
         dict(name="quantize_fp4 two passes + OCC clamp", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
              types=q_types, consts=dict(q_meta, SINGLE_PASS=False, CLAMP=True), num_warps=8, num_stages=1),
         dict(name="quantize_fp8 rows e5m2", arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel,
-             types=f8_types, consts=dict(FMAX=57344.0, MANT=2, EMIN=-14, DIV=1, BLOCK_M=4, BLOCK_N=1024), num_warps=4,
+             types=f8_types, consts=dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN, DIV=1, BLOCK_M=4, BLOCK_N=1024), num_warps=4,
              num_stages=1),
         dict(name="fp8 column absmax", arch=90, kind="quantize", fn=quantize._col_amax_kernel, types=f8_types,
              consts=dict(DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4, num_stages=1),
         dict(name="quantize_fp8 columns e4m3", arch=90, kind="quantize", fn=quantize._quantize_fp8_cols_kernel,
-             types=f8_types, consts=dict(FMAX=448.0, MANT=3, EMIN=-6, DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4,
+             types=f8_types, consts=dict(FMAX=F8E4M3_MAX, MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN, DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4,
              num_stages=1),
     ]
     for c in cases:
@@ -124,7 +126,7 @@ def _cases(all_configs: bool = False):
          dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0), gemm._DGRAD_SWEEP, fwd),
         ("fp4_dgrad bf16 dY", 90, "dgrad", gemm._fp4_dgrad_kernel, dict(d_types, g_ptr="*bf16"),
          dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP, fwd),
-        # column-major dY (G_T) is what FP4Linear's Triton path hands over (ops.quantize_fp8)
+        # column-major dY (G_T) is what FP4Linear's Triton path hands over (gemm_dispatch.quantize_fp8)
         ("fp4_wgrad e5m2 dY + DGE + addend", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
          dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=True, HAS_ADDEND=True, TWO_PHASE=True, EPI_N=16, **dge),
          gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),

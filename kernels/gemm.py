@@ -1,4 +1,4 @@
-"""The three FP4 GeMMs of a linear layer in Triton (arXiv 2501.17116, section 3; METHOD.md 3).
+"""The three FP4 GeMMs of a linear layer in Triton (arXiv 2501.17116, section 3; docs/method.md section 3).
 
 With ``Y = A W^T`` (A: M x K tokens, W: N x K), A and W quantized per row along K to
 packed E2M1 codes with fp32 multipliers ``s`` (``q = x * s``):
@@ -39,6 +39,7 @@ from ._common import (
     DOT_FP8E5,
     DOT_FP16,
     DOT_FP32,
+    E2M1_MAX_C,
     FLOAT_DTYPES,
     FP8_DECODE_SHIFT,
     FP8_FAST_ACCUM,
@@ -56,7 +57,7 @@ from ._common import (
     tile_ids,
 )
 
-__all__ = ["fp4_gemm", "fp4_dgrad", "fp4_wgrad", "dge_factor", "GRAD_DTYPES"]
+__all__ = ["triton_fp4_gemm", "triton_fp4_dgrad", "triton_fp4_wgrad", "triton_dge_factor", "GRAD_DTYPES"]
 
 #: Accepted dtypes of the high-precision backward operand (dY).
 GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float16)
@@ -210,7 +211,7 @@ def _decode_mode(decode: str | None, device: torch.device) -> int:
     return DOT_FP8E4 if decode == "fp8" else DOT_FP16
 
 
-def fp4_gemm(
+def triton_fp4_gemm(
     a_packed: torch.Tensor,
     a_scale: torch.Tensor,
     w_packed: torch.Tensor,
@@ -327,7 +328,7 @@ def _fp4_dgrad_kernel(
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_k < K)[None, :])
 
 
-def fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k: int,
+def triton_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k: int,
               out_dtype: torch.dtype = torch.float32, *, fast_accum: bool | None = None) -> torch.Tensor:
     """Activation gradient ``dA = (G1 W_q) / s_g1[:, None]`` -> (M, k) ``out_dtype``.
 
@@ -365,7 +366,7 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
     grid point, so its derivative is exactly 1/k - never 0. Same formula as
     ``fp4lightning.dge.dge_derivative``; NaN and +/-inf get 0.
     """
-    a = tl.minimum(tl.abs(x), 6.0)
+    a = tl.minimum(tl.abs(x), E2M1_MAX_C)
     # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
     inv_delta = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
     delta = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
@@ -393,7 +394,7 @@ def _dge_factor_kernel(w_ptr, sw_ptr, y_ptr, N, K, stride_wn, stride_yn,
     tl.store(y_ptr + rows * stride_yn + offs_k[None, :], f, mask=mask)
 
 
-def dge_factor(w: torch.Tensor, w_scale: torch.Tensor, dge_k: float = 5.0, dge_clamp: float = 3.0) -> torch.Tensor:
+def triton_dge_factor(w: torch.Tensor, w_scale: torch.Tensor, dge_k: float = 5.0, dge_clamp: float = 3.0) -> torch.Tensor:
     """The DGE factor ``f'(W s_w)`` (N, K) fp32 that ``fp4_wgrad`` fuses into its epilogue.
 
     The same device function as the wgrad epilogue, so ``fp4_wgrad(..., dge_weight=w)``
@@ -527,7 +528,7 @@ def _wgrad_epilogue_half(acc, inv_sg, sw, offs_n, n_ok, col, K, c_ptr, stride_cn
     tl.store(y_ptr + rows * stride_yn + col[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def fp4_wgrad(
+def triton_fp4_wgrad(
     g: torch.Tensor,
     g_scale: torch.Tensor,
     a_packed: torch.Tensor,

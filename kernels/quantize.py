@@ -1,6 +1,6 @@
 """Fused row-wise FP4 quantization and FP8 gradient quantization in Triton (arXiv 2501.17116, 3.1).
 
-``quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows``: one
+``triton_quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows_reference``: one
 program reads a block of rows, takes each row's absmax, forms the fp32 scale
 ``6 / max(amax, 2^-124)`` (optionally rounded down to a power of two by masking the
 exponent bits), rounds ``x * scale`` to E2M1 with ties to even, and writes two codes
@@ -14,8 +14,8 @@ arithmetic (``_common.minifloat_bits``). ``quantize_rows_clamped`` fuses OCC's c
 Rows up to ``2 * MAX_SINGLE_PASS_KH`` elements are held in registers and read once;
 longer rows take two passes over the row (amax, then encode), the second mostly from L2.
 
-``quantize_fp8`` is the twin of ``fp4lightning.ops.quantize_fp8_reference`` (the
-dY quantizer of the backward GeMMs, METHOD.md section 3): absmax FP8 E4M3/E5M2 with
+``quantize_fp8`` is the twin of ``fp4lightning.gemm_dispatch.quantize_fp8_reference`` (the
+dY quantizer of the backward GeMMs, docs/method.md section 3): absmax FP8 E4M3/E5M2 with
 one fp32 scale per row or per column, saturating, round-to-nearest-even, emitted as
 FP8 bit patterns computed arithmetically.
 """
@@ -25,8 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4lightning.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN, F8E5M2_MANT_BITS,
+                                    F8E5M2_MAX)
+
 from ._common import (
+    AMAX_EPS_C,
+    E2M1_MAX_C,
+    F32_MAX_C,
     FLOAT_DTYPES,
+    FP8_AMAX_EPS_C,
     INTERPRET,
     check_rows,
     check_same_device,
@@ -35,18 +42,14 @@ from ._common import (
     sign_bit,
 )
 
-__all__ = ["quantize_rows", "quantize_rows_clamped", "quantize_fp8", "MAX_SINGLE_PASS_KH"]
+__all__ = ["triton_quantize_rows", "triton_quantize_rows_clamped", "triton_quantize_fp8", "MAX_SINGLE_PASS_KH"]
 
-E2M1_MAX = 6.0  # largest E2M1 magnitude (fp4lightning.formats.E2M1_MAX)
-AMAX_EPS = 2.0**-124  # fp4lightning.quantize.AMAX_EPS: 6 / amax stays finite in fp32
-FP8_AMAX_EPS = 2.0**-110  # fp4lightning.ops.FP8_AMAX_EPS
-FLT_MAX = 3.4028234663852886e38  # |x| <= FLT_MAX  <=>  x finite (NaN compares false)
 #: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
 MAX_SINGLE_PASS_KH = 4096
 # FP8 formats: (max, mantissa bits, smallest normal exponent), per torch.finfo.
 _FP8 = {
-    "e4m3": (448.0, 3, -6, torch.float8_e4m3fn),
-    "e5m2": (57344.0, 2, -14, torch.float8_e5m2),
+    "e4m3": (F8E4M3_MAX, F8E4M3_MANT_BITS, F8E4M3_EMIN, torch.float8_e4m3fn),
+    "e5m2": (F8E5M2_MAX, F8E5M2_MANT_BITS, F8E5M2_EMIN, torch.float8_e5m2),
 }
 
 
@@ -57,18 +60,18 @@ def _fp4_scale(amax, POW2: tl.constexpr):
     # torch evaluates ``6 / t`` (Python scalar over tensor) as ``t.reciprocal() * 6``:
     # two IEEE roundings, mirrored here so the scales agree bit for bit.
     one = tl.full(amax.shape, 1.0, tl.float32)
-    scale = tl.math.div_rn(one, tl.maximum(amax, 4.70197740328915e-38)) * 6.0  # floor 2^-124
+    scale = tl.math.div_rn(one, tl.maximum(amax, AMAX_EPS_C)) * E2M1_MAX_C
     if POW2:
         # 2^floor(log2(scale)) exactly: keep the exponent bits, zero the mantissa.
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
+    return tl.where(amax <= F32_MAX_C, scale, float("nan"))
 
 
 @triton.jit
 def _row_amax(x):
     """Row absmax of a [rows, cols] fp32 tile, NaN for rows holding NaN or +/-inf."""
     xa = tl.abs(x)
-    finite = xa <= 3.4028234663852886e38
+    finite = xa <= F32_MAX_C
     amax = tl.max(tl.where(finite, xa, 0.0), axis=1)
     bad = tl.max(tl.where(finite, 0, 1), axis=1)
     return tl.where(bad > 0, float("nan"), amax)
@@ -80,7 +83,7 @@ def _encode_fp4_store(x, scale, q_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_KH: t
     s = scale[:, None]
     y = x * s
     y = tl.where(s == s, y, 0.0)  # NaN-scale rows: zero codes (the reference's nan_to_num)
-    mag = minifloat_bits(tl.minimum(tl.abs(y), 6.0), 1, 0)
+    mag = minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0)
     code = mag | (sign_bit(y) << 3)
     even, odd = tl.split(code.reshape(BLOCK_M, BLOCK_KH, 2))
     tl.store(q_ptrs, (even | (odd << 4)).to(tl.uint8), mask=mask)
@@ -212,11 +215,11 @@ def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
     return q, scale, (resid if bounds is not None else None)
 
 
-def quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
+def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
                   block_kh: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
 
-    Bit-identical to ``fp4lightning.quantize.quantize_rows(x2d, scale_mode, per_tensor)``
+    Bit-identical to ``fp4lightning.quantize.quantize_rows_reference(x2d, scale_mode, per_tensor)``
     (codes, padding nibble and scales, NaN scales for non-finite rows included).
     ``x2d``: fp32/bf16/fp16, 2-D, contiguous rows, on CUDA (or CPU under the
     interpreter). ``block_kh`` (bytes per block, power of two) is a tuning/testing
@@ -226,11 +229,11 @@ def quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool
     return q, scale
 
 
-def quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
                           per_tensor: bool = False, *, block_kh: int | None = None):
     """OCC clamp fused into the FP4 quantizer (section 3.3): ``(packed, scale, residual)``.
 
-    Equals ``occ_clamp(x2d, bounds)`` followed by ``quantize_rows`` on the clamped
+    Equals ``occ_clamp(x2d, bounds)`` followed by ``triton_quantize_rows`` on the clamped
     tensor: ``bounds = tensor([lo, hi])`` (from ``occ_bounds``) is cast to x's dtype
     as the reference does, the codes and scales are bit-identical, and ``residual``
     (dense, x's dtype) is ``x - clamp(x)``, computed in fp32 and rounded once to x's
@@ -259,7 +262,7 @@ def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV: tl.constexpr):
 def _line_amax(x, AXIS: tl.constexpr):
     """Absmax along ``AXIS`` of an fp32 tile, NaN for lines holding NaN or +/-inf."""
     xa = tl.abs(x)
-    finite = xa <= 3.4028234663852886e38
+    finite = xa <= F32_MAX_C
     amax = tl.max(tl.where(finite, xa, 0.0), axis=AXIS)
     bad = tl.max(tl.where(finite, 0, 1), axis=AXIS)
     return tl.where(bad > 0, float("nan"), amax)
@@ -279,9 +282,9 @@ def _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, A
 @triton.jit
 def _fp8_scale(amax, FMAX: tl.constexpr):
     one = tl.full(amax.shape, 1.0, tl.float32)
-    # torch's fmax / t, see _fp4_scale; floor 2^-110
-    scale = tl.math.div_rn(one, tl.maximum(amax, 7.703719777548943e-34)) * FMAX
-    return tl.where(amax <= 3.4028234663852886e38, scale, float("nan"))
+    # torch's fmax / t, see _fp4_scale
+    scale = tl.math.div_rn(one, tl.maximum(amax, FP8_AMAX_EPS_C)) * FMAX
+    return tl.where(amax <= F32_MAX_C, scale, float("nan"))
 
 
 @triton.jit
@@ -347,12 +350,12 @@ def _quantize_fp8_cols_kernel(
     tl.store(s_ptr + cols, scale, mask=(cols < N) & (pid_m == 0))
 
 
-def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
+def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
                  divide_by: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
-    ``fp4lightning.ops.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
+    ``fp4lightning.gemm_dispatch.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
     (``'bf16'`` needs no kernel; the dispatch layer handles it). ``x2d``: fp32/bf16/fp16,
     2-D, any strides. ``column_major=True`` (with ``dim=0``) returns the same values laid
     out column by column (``q.t()`` contiguous): the layout ``fp4_wgrad`` feeds to the FP8

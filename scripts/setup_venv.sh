@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) the local virtualenv .venv and install fp4lightning into it
-# through constraints.txt, which pins torch to the CPU build (ENV.md: any other torch
+# through constraints.txt, which pins torch to the CPU build (any other torch
 # spec pulls a multi-GB CUDA build). Idempotent: reinstalls only when pyproject.toml
 # or constraints.txt changed.
 set -euo pipefail

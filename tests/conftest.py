@@ -13,7 +13,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_ROOT, ".cache", "
 # eagerly (same numerics) and tests/test_linear.py checks compiled against eager bitwise.
 os.environ.setdefault("FP4LIGHTNING_COMPILE", "0")
 # Triton kernels run on CPU tensors only under the interpreter, and only if this is
-# set before any kernel is defined (ENV.md). On a CUDA machine leave it unset so the
+# set before any kernel is defined (docs/kernels.md). On a CUDA machine leave it unset so the
 # GPU tests exercise the compiled kernels.
 try:
     import torch

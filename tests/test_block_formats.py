@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from fp4lightning.block_formats import (
-    E8M0_NAN,
     block_gemm_reference,
     dequantize_block,
     e8m0_to_float,
@@ -22,7 +21,7 @@ from fp4lightning.block_formats import (
     quantize_nvfp4,
     stochastic_round_e2m1,
 )
-from fp4lightning.formats import E2M1_VALUES
+from fp4lightning.constants import E2M1_VALUES, E8M0_NAN
 from fp4lightning.hadamard import RHT_SIZE, apply_rht, hadamard_matrix, rht_matrix
 from tests._numerics import heavy_tailed, sqnr
 

@@ -26,7 +26,7 @@ def _inputs(m, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_quantizer_bitwise(dtype):
     x = _inputs(24, 96).to(dtype)
-    q, s = (t.cpu() for t in kb.quantize_mxfp4(x.to(DEV)))
+    q, s = (t.cpu() for t in kb.triton_quantize_mxfp4(x.to(DEV)))
     ref = quantize_mxfp4(x)
     assert torch.equal(s, ref.scales) and torch.equal(q, ref.codes)
 
@@ -34,7 +34,7 @@ def test_mxfp4_quantizer_bitwise(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4_quantizer_bitwise(dtype):
     x = _inputs(24, 64).to(dtype)
-    q, s, g = (t.cpu() for t in kb.quantize_nvfp4(x.to(DEV)))
+    q, s, g = (t.cpu() for t in kb.triton_quantize_nvfp4(x.to(DEV)))
     ref = quantize_nvfp4(x)
     assert torch.equal(g, ref.global_scale)
     assert torch.equal(s.view(torch.uint8), ref.scales.view(torch.uint8)) and torch.equal(q, ref.codes)
@@ -47,13 +47,13 @@ def test_block_gemm_matches_reference(fmt):
     qa, qw = quant(a), quant(w)
     factor = 1.0 if fmt == "mxfp4" else qa.global_scale * qw.global_scale
     dev = [t.to(DEV) for t in (qa.codes, qa.scales, qw.codes, qw.scales)]
-    got = kb.block_gemm(*dev, fmt, factor if isinstance(factor, float) else factor.to(DEV)).cpu()
+    got = kb.triton_block_gemm(*dev, fmt, factor if isinstance(factor, float) else factor.to(DEV)).cpu()
     assert sqnr(got, block_gemm_reference(qa, qw).double()) > GEMM_MIN_SQNR_DB
 
 
 def test_kernel_inputs_checked():
     with pytest.raises(ValueError, match="multiple of 32"):
-        kb.quantize_mxfp4(torch.randn(4, 48, device=DEV))
-    q, s = kb.quantize_mxfp4(torch.randn(4, 64, device=DEV))
+        kb.triton_quantize_mxfp4(torch.randn(4, 48, device=DEV))
+    q, s = kb.triton_quantize_mxfp4(torch.randn(4, 64, device=DEV))
     with pytest.raises(ValueError, match="shapes do not match"):
-        kb.block_gemm(q, s, q[:, :16], s, "mxfp4")
+        kb.triton_block_gemm(q, s, q[:, :16], s, "mxfp4")

@@ -1,9 +1,12 @@
 """convert_to_fp4: in place, keys unchanged, filter honoured, skip warnings, trains."""
+import logging
+
 import pytest
 import torch
 from torch import nn
 
-from fp4lightning import FP4Config, FP4Linear, convert_to_fp4, fp4_modules
+from fp4lightning import FP4Config, FP4Linear, convert_to_fp4
+from fp4lightning.convert import fp4_modules
 
 
 class Block(nn.Module):
@@ -32,11 +35,11 @@ class TinyLM(nn.Module):
         return self.lm_head(h) + self.odd(h).mean() * 0
 
 
-def test_in_place_keys_and_parameters_unchanged():
+def test_in_place_keys_and_parameters_unchanged(caplog):
     model = TinyLM()
     keys = list(model.state_dict().keys())
     params = {n: p for n, p in model.named_parameters()}
-    with pytest.warns(UserWarning) as rec:
+    with pytest.warns(UserWarning) as rec, caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
         out = convert_to_fp4(model)
     assert out is model
     assert list(model.state_dict().keys()) == keys
@@ -44,13 +47,16 @@ def test_in_place_keys_and_parameters_unchanged():
         assert p is params[n]  # shared, not copied: optimizers keep working
     assert sorted(fp4_modules(model)) == ["blocks.0.down", "blocks.0.up", "blocks.1.down", "blocks.1.up"]
     msgs = " ".join(str(w.message) for w in rec)
-    assert "lm_head" in msgs and "odd" in msgs and "multiple of 16" in msgs
+    # a layer that cannot be converted is a warning; the output head, kept on purpose, an INFO line
+    assert "odd" in msgs and "multiple of 16" in msgs and "lm_head" not in msgs
+    assert "convert_to_fp4: keeping lm_head (excluded by the module filter)" in caplog.text
 
 
-def test_module_filter_and_preset_name():
+def test_module_filter_and_preset_name(caplog):
     model = TinyLM()
-    with pytest.warns(UserWarning, match="excluded by the module filter"):
+    with caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
         convert_to_fp4(model, "w4a4-direct", module_filter_fn=lambda m, fqn: fqn.endswith("up"))
+    assert "keeping blocks.0.down (excluded by the module filter)" in caplog.text
     assert sorted(fp4_modules(model)) == ["blocks.0.up", "blocks.1.up"]
     assert model.blocks[0].up.config == FP4Config.from_preset("w4a4-direct")
     assert type(model.blocks[0].down) is nn.Linear
@@ -112,21 +118,25 @@ class MaskedLM(nn.Module):
         return self.decoder(h + self.ffn(h))
 
 
-def test_output_head_found_by_structure_and_linear_likes_reported(recwarn):
+def test_output_head_found_by_structure_and_linear_likes_reported(recwarn, caplog):
     model = MaskedLM()
-    convert_to_fp4(model)
+    with caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
+        convert_to_fp4(model)
     assert fp4_modules(model) == ["ffn.0", "ffn.2"]
     assert type(model.decoder) is nn.Linear
     msgs = [str(w.message) for w in recwarn.list if "convert_to_fp4" in str(w.message)]
-    assert any("keeping decoder (output head: out_features=96 is the vocabulary size" in m for m in msgs), msgs
+    assert "keeping decoder (output head: out_features=96 is the vocabulary size" in caplog.text
+    assert not any("decoder" in m for m in msgs), msgs  # the head, kept on purpose, is not a warning
     assert any(m.startswith("convert_to_fp4: keeping attn (nn.MultiheadAttention") for m in msgs), msgs
     assert any("keeping attn.out_proj (" in m and "subclass of nn.Linear" in m for m in msgs), msgs
-    assert len(msgs) == len(set(msgs)) == 3  # each skipped layer once
+    assert len(msgs) == len(set(msgs)) == 2  # each skipped layer once
     # a tied head is the head too, whatever its name
     tied = MaskedLM(vocab=32)  # vocab == width: only the tying identifies the head
     tied.decoder.weight = tied.embed.weight
-    with pytest.warns(UserWarning, match=r"keeping decoder \(output head: weight tied to an nn.Embedding\)"):
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
         convert_to_fp4(tied)
+    assert "keeping decoder (output head: weight tied to an nn.Embedding)" in caplog.text
     assert type(tied.decoder) is nn.Linear
     # the model still runs and trains through the converted layers
     out = model(torch.randint(0, 96, (2, 16)))

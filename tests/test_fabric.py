@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp4lightning import FP4Linear, fp4_modules
+from fp4lightning import FP4Linear
+from fp4lightning.convert import fp4_modules
 from fp4lightning.fabric import FP4FabricPrecision
 from fp4lightning.loss_scaler import DynamicLossScaler
 from fp4lightning.precision import FP4Precision

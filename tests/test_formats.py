@@ -1,4 +1,4 @@
-"""E2M1 rounding, encoding and packing against exact value tables (METHOD.md section 1)."""
+"""E2M1 rounding, encoding and packing against exact value tables (docs/method.md section 1)."""
 import math
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fp4lightning.constants import E2M1_VALUES
 from fp4lightning.formats import (
-    E2M1_VALUES,
     cast_to_fp8,
     decode_e2m1,
     decode_packed_fp4,
@@ -153,7 +153,8 @@ def test_round_bitwise_equal_to_exact_table_on_every_bf16_pattern():
 def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
     """formats._round_e5m2 (the fused CPU path's FP8 rounding) against torch's E5M2 cast, on
     random fp32 bit patterns of every exponent, ties, subnormals and signed zeros."""
-    from fp4lightning.formats import F8E5M2_MAX, _round_e5m2
+    from fp4lightning.constants import F8E5M2_MAX
+    from fp4lightning.formats import _round_e5m2
 
     bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), dtype=torch.int64).to(torch.int32)
     x = bits.view(torch.float32)
@@ -166,3 +167,31 @@ def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
     got = _round_e5m2(x)
     want = x.to(torch.float8_e5m2).float()
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_pow2_floor_is_exact_floor_of_log2():
+    """``pow2_floor`` against math.frexp (exact), fp32 and fp64, across the normal range and at
+    values one ulp either side of powers of two, where a float log2 can round the wrong way."""
+    from fp4lightning.formats import pow2_floor
+
+    for dtype in (torch.float32, torch.float64):
+        tiny, big = torch.finfo(dtype).tiny, torch.finfo(dtype).max
+        x = torch.exp2(torch.empty(2000, dtype=torch.float64).uniform_(math.log2(tiny), math.log2(big) - 1)).to(dtype)
+        p2 = torch.exp2(torch.arange(-100, 100, dtype=dtype))
+        x = torch.cat([x, p2, torch.nextafter(p2, torch.zeros_like(p2)), torch.nextafter(p2, p2 * 4)])
+        expected = torch.tensor([math.ldexp(1.0, math.frexp(v)[1] - 1) for v in x.tolist()], dtype=dtype)
+        assert torch.equal(pow2_floor(x), expected)
+    with pytest.raises(TypeError, match="fp32 or fp64"):
+        pow2_floor(torch.ones(2, dtype=torch.float16))
+
+
+def test_saturating_cast_matches_cast_to_fp8_and_saturates_fp16():
+    from fp4lightning.formats import saturating_cast_
+
+    x = torch.randn(512) * 1e5
+    x[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        out = saturating_cast_(x.clone(), torch.empty(512, dtype=dtype))
+        assert torch.equal(out.view(torch.uint8), cast_to_fp8(x, fmt).view(torch.uint8))
+    half = saturating_cast_(x.clone(), torch.empty(512, dtype=torch.float16))
+    assert torch.isfinite(half[1:]).all() and half[1].item() == 65504.0 and half[2].item() == -65504.0

@@ -1,4 +1,4 @@
-"""Triton kernels against their PyTorch twins (METHOD.md sections 1-3; docs/kernels.md).
+"""Triton kernels against their PyTorch twins (docs/method.md sections 1-3; docs/kernels.md).
 
 Without CUDA these run under the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), at shapes <= ~256 whose sizes are not multiples of the blocks.
@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from fp4lightning import FP4Config, FP4Linear
-from fp4lightning import ops
+from fp4lightning import gemm_dispatch
 from fp4lightning.dge import dge_derivative
-from fp4lightning.formats import E2M1_MAX, E2M1_VALUES, decode_e2m1, unpack_fp4
+from fp4lightning.constants import E2M1_MAX, E2M1_VALUES
+from fp4lightning.formats import decode_e2m1, unpack_fp4
 from fp4lightning.kernels import fp4_triton as kt
 from fp4lightning.occ import occ_bounds, occ_clamp
-from fp4lightning.quantize import quantize_rows as quantize_rows_reference
+from fp4lightning.quantize import quantize_rows_reference
 
 from ._numerics import sqnr
 
@@ -131,7 +132,7 @@ def test_quantize_bitwise(dtype, scale_mode, per_tensor, block_kh):
     x = _rows(m, k, dtype)
     if per_tensor:
         x[2:5] = 1.0  # drop the non-finite rows, else every scale is NaN
-    codes, scale = kt.quantize_rows(x, scale_mode=scale_mode, per_tensor=per_tensor, block_kh=block_kh)
+    codes, scale = kt.triton_quantize_rows(x, scale_mode=scale_mode, per_tensor=per_tensor, block_kh=block_kh)
     ref_codes, ref_scale = quantize_rows_reference(x, scale_mode, per_tensor=per_tensor)
     assert codes.dtype == torch.uint8 and codes.shape == (m, (k + 1) // 2)
     assert torch.equal(codes, ref_codes)
@@ -144,7 +145,7 @@ def test_quantize_bitwise(dtype, scale_mode, per_tensor, block_kh):
 
 def test_quantize_per_tensor_non_finite_poisons_all():
     x = _rows(20, 40)
-    codes, scale = kt.quantize_rows(x, per_tensor=True)
+    codes, scale = kt.triton_quantize_rows(x, per_tensor=True)
     assert torch.isnan(scale).all() and (codes == 0).all()
 
 
@@ -160,7 +161,7 @@ def test_quantize_ties_and_exact_table(scale_mode):
     below = torch.nextafter(torch.tensor(ties), torch.tensor(0.0))
     row = torch.cat([vals, -vals, above, -below])
     x = torch.stack([row * 2.0 ** -r for r in range(-3, 9)]).to(DEV)
-    codes, scale = kt.quantize_rows(x, scale_mode=scale_mode)
+    codes, scale = kt.triton_quantize_rows(x, scale_mode=scale_mode)
     ref_codes, ref_scale = quantize_rows_reference(x, scale_mode)
     assert torch.equal(codes, ref_codes)
     _assert_same_scale(scale, ref_scale)
@@ -186,7 +187,7 @@ def test_quantize_saturates_scaled_values_just_above_six():
     over = cand[(cand * scale) > 6.0][:32]
     assert over.numel() > 0
     x = torch.cat([over[:, None], torch.rand(over.numel(), 15) * over[:, None]], dim=1).to(DEV)
-    codes, _ = kt.quantize_rows(x)
+    codes, _ = kt.triton_quantize_rows(x)
     assert torch.equal(codes, quantize_rows_reference(x)[0])
     assert ((codes[:, 0] & 0xF) == 7).all()
 
@@ -201,14 +202,14 @@ def test_quantize_clamped_matches_occ_then_quantize(dtype, per_tensor, block_kh)
         x[3, 4] = float("nan")  # stays NaN: NaN scale for that row
     finite = x.float()[torch.isfinite(x.float())]
     bounds = occ_bounds(finite, 0.97, "exact")
-    codes, scale, resid = kt.quantize_rows_clamped(x, bounds, per_tensor=per_tensor, block_kh=block_kh)
+    codes, scale, resid = kt.triton_quantize_rows_clamped(x, bounds, per_tensor=per_tensor, block_kh=block_kh)
     ref_codes, ref_scale, ref_resid = _clamped_reference(x, bounds, per_tensor)
     assert torch.equal(codes, ref_codes)
     _assert_same_scale(scale, ref_scale)
     assert resid.dtype == dtype and torch.equal(torch.isnan(resid), torch.isnan(ref_resid))
     r, rr = resid.nan_to_num(0.0), ref_resid.nan_to_num(0.0)
     if dtype == torch.bfloat16 and kt.INTERPRET:
-        # the interpreter truncates fp32 -> bf16 stores (ENV.md); compiled stores round to nearest
+        # the interpreter truncates fp32 -> bf16 stores (docs/kernels.md); compiled stores round to nearest
         r32 = (x.float() - torch.clamp(x, *bounds.to(dtype)).float()).nan_to_num(0.0)
         rr = (r32.view(torch.int32) & -65536).view(torch.float32).to(dtype)
     assert torch.equal(r, rr)
@@ -228,7 +229,7 @@ def test_ops_quantize_fp4_clamped_dispatches_to_kernel(monkeypatch):
     out = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        out[backend] = ops.quantize_fp4_clamped(x, bounds)
+        out[backend] = gemm_dispatch.quantize_fp4_clamped(x, bounds)
     (c_r, s_r, v_r, r_r), (c_t, s_t, v_t, r_t) = out["reference"], out["triton"]
     assert v_t is None and v_r is not None  # the kernel returns no decoded values
     assert torch.equal(c_t, c_r) and torch.equal(s_t, s_r) and torch.equal(r_t, r_r)
@@ -248,8 +249,8 @@ def test_quantize_fp8_bitwise(fmt, dim, dtype):
     x[7, 11] = float("inf")
     x[9, ::5] = -0.0
     x = x.to(dtype).to(DEV)
-    q, s = kt.quantize_fp8(x, dim=dim, fmt=fmt)
-    q_ref, s_ref = ops.quantize_fp8_reference(x, dim, fmt)
+    q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt)
+    q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(x, dim, fmt)
     assert q.dtype == q_ref.dtype and q.shape == (m, n)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     _assert_same_scale(s, s_ref)
@@ -266,12 +267,12 @@ def test_quantize_fp8_divide_by_folds_the_fp4_scale(dim, dtype):
     d = torch.exp(3.0 * torch.randn(n if dim == 1 else m)).to(DEV)
     ref_in = x.float() / (d[None, :] if dim == 1 else d[:, None])
     for fmt in ("e4m3", "e5m2"):
-        q, s = kt.quantize_fp8(x, dim=dim, fmt=fmt, divide_by=d, column_major=dim == 0)
-        q_ref, s_ref = ops.quantize_fp8_reference(ref_in, dim, fmt)
+        q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt, divide_by=d, column_major=dim == 0)
+        q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(ref_in, dim, fmt)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
         _assert_same_scale(s, s_ref)
     with pytest.raises(ValueError, match="divide_by must have shape"):
-        kt.quantize_fp8(x, dim=dim, divide_by=d[:3])
+        kt.triton_quantize_fp8(x, dim=dim, divide_by=d[:3])
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -308,7 +309,7 @@ def test_fp4_gemm(decode, out_dtype):
     _, a_p, a_s = _fp4_operand(m, k)
     _, w_p, w_s = _fp4_operand(n, k)
     bias = torch.randn(n, device=DEV).to(out_dtype) if out_dtype != torch.float16 else None
-    y = kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=out_dtype, bias=bias, decode=decode)
+    y = kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=out_dtype, bias=bias, decode=decode)
     ref = _dequant(a_p, a_s, k) @ _dequant(w_p, w_s, k).t()
     slack = 1e-6 * ref.abs()  # fp32 epilogue roundings before the final cast
     if bias is not None:
@@ -320,45 +321,45 @@ def test_fp4_gemm(decode, out_dtype):
         # exact accumulation (E2M1 products sum exactly in fp32 at this K) and the same
         # IEEE epilogue as the reference: bit-identical under the interpreter
         absprod = _dequant(a_p, a_s, k).abs() @ _dequant(w_p, w_s, k).abs().t()
-        _assert_gemm_close(y, ops.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, out_dtype, bias), absprod)
+        _assert_gemm_close(y, gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, out_dtype, bias), absprod)
     else:
         # one rounding to the output type: within 1 ulp (the interpreter truncates bf16)
         assert ((y.double() - ref).abs() <= _ulp(ref, out_dtype) + slack).all()
 
 
 # --------------------------------------------------------------------------- backward GeMMs
-GRAD_FORMATS = ["e5m2", "e4m3", "bf16"]
+DY_FORMATS = ["e5m2", "e4m3", "bf16"]
 
 
-@pytest.mark.parametrize("fmt", GRAD_FORMATS)
+@pytest.mark.parametrize("fmt", DY_FORMATS)
 def test_fp4_dgrad(fmt):
     m, n, k = 77, 100, 131
     _, w_p, w_s = _fp4_operand(n, k)
     dy = torch.randn(m, n, device=DEV)
-    g, g_s = ops.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
-    da = kt.fp4_dgrad(g, g_s, w_p, k)
+    g, g_s = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+    da = kt.triton_fp4_dgrad(g, g_s, w_p, k)
     ref = (g.double() / g_s.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
     assert da.shape == (m, k) and da.dtype == torch.float32
     assert sqnr(da, ref) >= GEMM_SQNR_DB
-    assert sqnr(da, ops.fp4_dgrad_reference(g, g_s, w_p, k)) >= GEMM_SQNR_DB
+    assert sqnr(da, gemm_dispatch.fp4_dgrad_reference(g, g_s, w_p, k)) >= GEMM_SQNR_DB
 
 
-@pytest.mark.parametrize("fmt", GRAD_FORMATS)
+@pytest.mark.parametrize("fmt", DY_FORMATS)
 @pytest.mark.parametrize("dge", [False, True])
 def test_fp4_wgrad(fmt, dge):
     m, n, k = 90, 72, 99
     _, a_p, a_s = _fp4_operand(m, k)
     w, _, w_s = _fp4_operand(n, k)
     dy = torch.randn(m, n, device=DEV)
-    g, g_s = ops.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+    g, g_s = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
     kw = dict(dge_weight=w, dge_weight_scale=w_s, dge_k=5.0, dge_clamp=3.0) if dge else {}
-    dw = kt.fp4_wgrad(g, g_s, a_p, k, **kw)
+    dw = kt.triton_fp4_wgrad(g, g_s, a_p, k, **kw)
     ref = (g.double() / g_s.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64)
     if dge:
         ref = ref * _dge_reference(w.float() * w_s[:, None]).double()
     assert dw.shape == (n, k) and dw.dtype == torch.float32
     assert sqnr(dw, ref) >= GEMM_SQNR_DB
-    assert sqnr(dw, ops.fp4_wgrad_reference(g, g_s, a_p, k, torch.float32, **kw)) >= GEMM_SQNR_DB
+    assert sqnr(dw, gemm_dispatch.fp4_wgrad_reference(g, g_s, a_p, k, torch.float32, **kw)) >= GEMM_SQNR_DB
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed-view"])
@@ -368,15 +369,15 @@ def test_fp4_wgrad_addend_before_dge(transposed, monkeypatch):
     m, n, k = 64, 48, 90
     _, a_p, a_s = _fp4_operand(m, k)
     w, _, w_s = _fp4_operand(n, k)
-    g, g_s = ops.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
+    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
     comp = torch.randn(k, n, device=DEV).t() if transposed else torch.randn(n, k, device=DEV)
     kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=comp)
     ref = ((g.double() / g_s.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64) + comp.double())
     ref = ref * _dge_reference(w * w_s[:, None]).double()
-    assert sqnr(kt.fp4_wgrad(g, g_s, a_p, k, **kw), ref) >= GEMM_SQNR_DB
+    assert sqnr(kt.triton_fp4_wgrad(g, g_s, a_p, k, **kw), ref) >= GEMM_SQNR_DB
     for backend in ("reference", "triton"):  # the dispatch passes the addend through
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        assert sqnr(ops.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw), ref) >= GEMM_SQNR_DB
+        assert sqnr(gemm_dispatch.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw), ref) >= GEMM_SQNR_DB
 
 
 def test_fp4_wgrad_dge_bf16_output_matches_fp32():
@@ -385,10 +386,10 @@ def test_fp4_wgrad_dge_bf16_output_matches_fp32():
     m, n, k = 64, 40, 70
     _, a_p, a_s = _fp4_operand(m, k)
     w, _, w_s = _fp4_operand(n, k)
-    g, g_s = ops.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
+    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
     kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=torch.randn(n, k, device=DEV))
-    ref = kt.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw)
-    out = kt.fp4_wgrad(g, g_s, a_p, k, torch.bfloat16, **kw)
+    ref = kt.triton_fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw)
+    out = kt.triton_fp4_wgrad(g, g_s, a_p, k, torch.bfloat16, **kw)
     assert out.dtype == torch.bfloat16
     # one rounding to bf16 (the interpreter truncates: also within one ulp)
     assert ((out.double() - ref.double()).abs() <= _ulp(ref.double(), torch.bfloat16) + 1e-6 * ref.abs()).all()
@@ -404,9 +405,9 @@ def test_wgrad_dge_midpoints_and_outside_grid():
     w_big = w.clone()
     w_big[0, 8:] = 7.0
     a_p, a_s = quantize_rows_reference(torch.ones(4, k, device=DEV))
-    g, g_s = ops.quantize_fp8_reference(torch.ones(4, 1, device=DEV), 0, "e5m2")
-    dw = kt.fp4_wgrad(g, g_s, a_p, k, dge_weight=w_big, dge_weight_scale=w_s, dge_k=5.0, dge_clamp=3.0)
-    base = kt.fp4_wgrad(g, g_s, a_p, k)
+    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.ones(4, 1, device=DEV), 0, "e5m2")
+    dw = kt.triton_fp4_wgrad(g, g_s, a_p, k, dge_weight=w_big, dge_weight_scale=w_s, dge_k=5.0, dge_clamp=3.0)
+    base = kt.triton_fp4_wgrad(g, g_s, a_p, k)
     factor = (dw / base).cpu()[0]
     assert torch.equal(factor[:4], torch.full((4,), 3.0))
     torch.testing.assert_close(factor[4:8], torch.full((4,), 0.2), rtol=1e-6, atol=0)
@@ -422,13 +423,13 @@ def test_dge_factor_row_maximum_is_one_over_k():
     w[:, 0] = 0.37
     _, w_s = quantize_rows_reference(w)
     assert (w[:, 0] * w_s > 6.0).all()  # the fp32 product really lands above 6
-    f = kt.dge_factor(w, w_s)
+    f = kt.triton_dge_factor(w, w_s)
     assert torch.equal(f[:, 0], torch.full((n,), 0.2, device=DEV))
     _assert_dge_close(f, _dge_reference(w * w_s[:, None]))
     a_p, _ = quantize_rows_reference(torch.ones(m, k, device=DEV))
-    g, g_s = ops.quantize_fp8_reference(torch.ones(m, n, device=DEV), 0, "e5m2")
-    base = kt.fp4_wgrad(g, g_s, a_p, k)
-    dw = kt.fp4_wgrad(g, g_s, a_p, k, dge_weight=w, dge_weight_scale=w_s)
+    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.ones(m, n, device=DEV), 0, "e5m2")
+    base = kt.triton_fp4_wgrad(g, g_s, a_p, k)
+    dw = kt.triton_fp4_wgrad(g, g_s, a_p, k, dge_weight=w, dge_weight_scale=w_s)
     assert (dw[:, 0] != 0).all()
     assert torch.equal(dw, base * f)  # the epilogue applies exactly this factor
 
@@ -449,14 +450,14 @@ def test_dge_factor_random_weights(dtype):
     w = (torch.randn(n, k) * torch.exp(torch.randn(n, 1))).to(dtype).to(DEV)
     _, w_s = quantize_rows_reference(w)
     x = w.float() * w_s[:, None]
-    f = kt.dge_factor(w, w_s)
+    f = kt.triton_dge_factor(w, w_s)
     ref = _dge_reference(x)
     _assert_dge_close(f, ref)
     assert (f > 0).all(), "no finite weight may lose its gradient"
     assert torch.equal(f[x.abs() >= 6.0], torch.full_like(f[x.abs() >= 6.0], 0.2))
     grid = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -6.0, 7.5, 0.25, 2.5, 5.0, float("nan"),
                           float("inf"), -float("inf")]], device=DEV)
-    fg = kt.dge_factor(grid, torch.ones(1, device=DEV))[0].cpu()
+    fg = kt.triton_dge_factor(grid, torch.ones(1, device=DEV))[0].cpu()
     assert torch.equal(fg, torch.tensor([0.2] * 10 + [3.0] * 3 + [0.0] * 3))
     assert torch.equal(fg, _dge_reference(grid)[0].cpu())
 
@@ -472,7 +473,7 @@ def test_fp4linear_triton_matches_reference(preset, dtype, monkeypatch):
     out = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        assert ops.backend_for(DEV) == backend
+        assert gemm_dispatch.backend_for(DEV) == backend
         xx = x.clone().requires_grad_(True)
         lin.zero_grad()
         y = lin(xx)
@@ -598,33 +599,33 @@ def test_kernels_accept_any_strides():
     # transposed and sliced operands are copied once, as nn.Linear accepts them
     x = torch.randn(70, 96, device=DEV)
     for view in (x.t(), x[:, ::2], x[::3]):
-        codes, scale = kt.quantize_rows(view)
+        codes, scale = kt.triton_quantize_rows(view)
         ref_codes, ref_scale = quantize_rows_reference(view.contiguous())
         assert torch.equal(codes, ref_codes)
         _assert_same_scale(scale, ref_scale)
         for dim in (0, 1):
-            q, s = kt.quantize_fp8(view, dim=dim, fmt="e5m2")
-            q_ref, s_ref = ops.quantize_fp8_reference(view.contiguous(), dim, "e5m2")
+            q, s = kt.triton_quantize_fp8(view, dim=dim, fmt="e5m2")
+            q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(view.contiguous(), dim, "e5m2")
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     m, n, k = 40, 48, 64
     _, a_p, a_s = _fp4_operand(m, k)
     w, w_p, w_s = _fp4_operand(n, k)
-    g, g_s = ops.quantize_fp8_reference(torch.randn(m, n, device=DEV), 1, "e4m3")
+    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(m, n, device=DEV), 1, "e4m3")
     g_t = g.t().contiguous().t()  # same values, column-major
     assert g_t.stride(1) != 1
-    assert torch.equal(kt.fp4_dgrad(g_t, g_s, w_p, k), kt.fp4_dgrad(g, g_s, w_p, k))
+    assert torch.equal(kt.triton_fp4_dgrad(g_t, g_s, w_p, k), kt.triton_fp4_dgrad(g, g_s, w_p, k))
     dy = torch.randn(m, n, device=DEV)
-    g0, g0_s = ops.quantize_fp8_reference(dy, 0, "e4m3")
-    q_cm, s_cm = kt.quantize_fp8(dy, dim=0, fmt="e4m3", column_major=True)  # wgrad's layout on the GPU path
+    g0, g0_s = gemm_dispatch.quantize_fp8_reference(dy, 0, "e4m3")
+    q_cm, s_cm = kt.triton_quantize_fp8(dy, dim=0, fmt="e4m3", column_major=True)  # wgrad's layout on the GPU path
     assert q_cm.stride() == (1, m) and torch.equal(q_cm.view(torch.uint8), g0.view(torch.uint8))
     assert torch.equal(s_cm, g0_s)
     w_t = w.t().contiguous().t()
     # a column-major dY takes wgrad's K-major path (another kernel variant on a GPU)
-    dw_cm = kt.fp4_wgrad(g0.t().contiguous().t(), g0_s, a_p, k, dge_weight=w_t, dge_weight_scale=w_s)
-    dw_rm = kt.fp4_wgrad(g0, g0_s, a_p, k, dge_weight=w, dge_weight_scale=w_s)
+    dw_cm = kt.triton_fp4_wgrad(g0.t().contiguous().t(), g0_s, a_p, k, dge_weight=w_t, dge_weight_scale=w_s)
+    dw_rm = kt.triton_fp4_wgrad(g0, g0_s, a_p, k, dge_weight=w, dge_weight_scale=w_s)
     assert torch.equal(dw_cm, dw_rm) if kt.INTERPRET else sqnr(dw_cm, dw_rm) >= GEMM_SQNR_DB
     s2 = torch.stack([a_s, a_s], 1)[:, 0]  # a strided scale vector
-    assert torch.equal(kt.fp4_gemm(a_p, s2, w_p, w_s, k), kt.fp4_gemm(a_p, a_s, w_p, w_s, k))
+    assert torch.equal(kt.triton_fp4_gemm(a_p, s2, w_p, w_s, k), kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k))
 
 
 @pytest.mark.parametrize("case", ["transposed-input", "sliced-input", "transposed-grad"])
@@ -658,51 +659,51 @@ def test_fp4linear_triton_non_contiguous(case, monkeypatch):
 def test_bad_inputs_raise_clear_errors():
     x = torch.randn(8, 32, device=DEV)
     with pytest.raises(TypeError, match="x2d has dtype torch.int32"):
-        kt.quantize_rows(torch.ones(8, 32, dtype=torch.int32, device=DEV))
+        kt.triton_quantize_rows(torch.ones(8, 32, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="must be 2-D"):
-        kt.quantize_rows(x[0])
+        kt.triton_quantize_rows(x[0])
     with pytest.raises(ValueError, match="empty"):
-        kt.quantize_rows(x[:0])
+        kt.triton_quantize_rows(x[:0])
     with pytest.raises(ValueError, match="scale_mode"):
-        kt.quantize_rows(x, scale_mode="log")
+        kt.triton_quantize_rows(x, scale_mode="log")
     with pytest.raises(ValueError, match="power of two"):
-        kt.quantize_rows(x, block_kh=12)
+        kt.triton_quantize_rows(x, block_kh=12)
     with pytest.raises(ValueError, match="'e4m3' or 'e5m2'"):
-        kt.quantize_fp8(x, dim=1, fmt="e3m4")
+        kt.triton_quantize_fp8(x, dim=1, fmt="e3m4")
     with pytest.raises(ValueError, match="dim must be"):
-        kt.quantize_fp8(x, dim=2)
+        kt.triton_quantize_fp8(x, dim=2)
     a_p, a_s = quantize_rows_reference(x)
     with pytest.raises(ValueError, match="k=30 needs 15"):
-        kt.fp4_gemm(a_p, a_s, a_p, a_s, 30)
+        kt.triton_fp4_gemm(a_p, a_s, a_p, a_s, 30)
     with pytest.raises(TypeError, match="uint8"):
-        kt.fp4_gemm(x, a_s, a_p, a_s, 32)
+        kt.triton_fp4_gemm(x, a_s, a_p, a_s, 32)
     with pytest.raises(ValueError, match=r"a_scale must have shape \(8,\)"):
-        kt.fp4_gemm(a_p, a_s[:4], a_p, a_s, 32)
+        kt.triton_fp4_gemm(a_p, a_s[:4], a_p, a_s, 32)
     with pytest.raises(TypeError, match="a_scale has dtype torch.float16"):
-        kt.fp4_gemm(a_p, a_s.half(), a_p, a_s, 32)
+        kt.triton_fp4_gemm(a_p, a_s.half(), a_p, a_s, 32)
     with pytest.raises(TypeError, match="out_dtype"):
-        kt.fp4_gemm(a_p, a_s, a_p, a_s, 32, out_dtype=torch.int8)
+        kt.triton_fp4_gemm(a_p, a_s, a_p, a_s, 32, out_dtype=torch.int8)
     with pytest.raises(ValueError, match="decode="):
-        kt.fp4_gemm(a_p, a_s, a_p, a_s, 32, decode="fp9")
+        kt.triton_fp4_gemm(a_p, a_s, a_p, a_s, 32, decode="fp9")
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
-        kt.fp4_gemm(a_p, a_s, a_p, a_s, 32, bias=torch.zeros(3, device=DEV))
-    g, g_s = ops.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 1, "e5m2")
+        kt.triton_fp4_gemm(a_p, a_s, a_p, a_s, 32, bias=torch.zeros(3, device=DEV))
+    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 1, "e5m2")
     with pytest.raises(ValueError, match="g has 6 columns but w_packed has 8 rows"):
-        kt.fp4_dgrad(g, g_s, a_p, 32)
+        kt.triton_fp4_dgrad(g, g_s, a_p, 32)
     with pytest.raises(TypeError, match="g has dtype torch.float32"):
-        kt.fp4_dgrad(torch.randn(8, 8, device=DEV), a_s, a_p, 32)
-    g0, g0_s = ops.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 0, "e5m2")
+        kt.triton_fp4_dgrad(torch.randn(8, 8, device=DEV), a_s, a_p, 32)
+    g0, g0_s = gemm_dispatch.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 0, "e5m2")
     with pytest.raises(ValueError, match="dge_weight_scale"):
-        kt.fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 32, device=DEV))
+        kt.triton_fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 32, device=DEV))
     with pytest.raises(ValueError, match=r"dge_weight must have shape \(6, 32\)"):
-        kt.fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 30, device=DEV), dge_weight_scale=g0_s)
+        kt.triton_fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 30, device=DEV), dge_weight_scale=g0_s)
     with pytest.raises(ValueError, match=r"addend must be .* shape \(6, 32\)"):
-        kt.fp4_wgrad(g0, g0_s, a_p, 32, addend=torch.zeros(32, 6, device=DEV))
+        kt.triton_fp4_wgrad(g0, g0_s, a_p, 32, addend=torch.zeros(32, 6, device=DEV))
     with pytest.raises(ValueError, match="g has 5 rows but a_packed has 8"):
-        kt.fp4_wgrad(g0[:5], g0_s, a_p, 32)
+        kt.triton_fp4_wgrad(g0[:5], g0_s, a_p, 32)
     other = torch.device("cpu") if CUDA else torch.device("meta")
     with pytest.raises(ValueError, match="is on"):
-        kt.quantize_rows(torch.randn(8, 32, device=other))
+        kt.triton_quantize_rows(torch.randn(8, 32, device=other))
 
 
 # --------------------------------------------------------------------------- compiled path, no GPU
@@ -749,21 +750,21 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
 def test_gpu_quantizers_bitwise_at_scale():
     x = (torch.randn(8192, 4096, device="cuda") * torch.exp(2 * torch.randn(8192, 1, device="cuda"))).bfloat16()
     for mode in ("float", "pow2"):
-        codes, scale = kt.quantize_rows(x, scale_mode=mode)
+        codes, scale = kt.triton_quantize_rows(x, scale_mode=mode)
         ref_codes, ref_scale = quantize_rows_reference(x, mode)
         assert torch.equal(codes, ref_codes)
         _assert_same_scale(scale, ref_scale)
     bounds = occ_bounds(x, 0.99, "sample")
-    codes, scale, resid = kt.quantize_rows_clamped(x, bounds)
+    codes, scale, resid = kt.triton_quantize_rows_clamped(x, bounds)
     ref_codes, ref_scale, ref_resid = _clamped_reference(x, bounds, False)
     assert torch.equal(codes, ref_codes) and torch.equal(resid, ref_resid)  # compiled bf16 stores round
     _assert_same_scale(scale, ref_scale)
     long_rows = torch.randn(64, 3 * 11008 + 1, device="cuda")  # two-pass path, odd K
-    assert torch.equal(kt.quantize_rows(long_rows)[0], quantize_rows_reference(long_rows)[0])
+    assert torch.equal(kt.triton_quantize_rows(long_rows)[0], quantize_rows_reference(long_rows)[0])
     for fmt in ("e4m3", "e5m2"):
         for dim in (0, 1):
-            q, s = kt.quantize_fp8(x, dim=dim, fmt=fmt)
-            q_ref, s_ref = ops.quantize_fp8_reference(x, dim, fmt)
+            q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt)
+            q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(x, dim, fmt)
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
             _assert_same_scale(s, s_ref)
 
@@ -777,17 +778,17 @@ def test_gpu_gemms_at_scale(mnk):
     w, w_p, w_s = _fp4_operand(n, k)
     a_dq, w_dq = _dequant(a_p, a_s, k), _dequant(w_p, w_s, k)
     for decode in (["fp8"] if kt.has_fp8_mma(DEV) else []) + ["fp16"]:
-        y = kt.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.float32, decode=decode)
+        y = kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.float32, decode=decode)
         assert sqnr(y, a_dq @ w_dq.t()) >= GEMM_SQNR_DB, decode
     dy = torch.randn(m, n, device="cuda")
-    for fmt in GRAD_FORMATS:
-        g1, s1 = ops.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+    for fmt in DY_FORMATS:
+        g1, s1 = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
         ref = (g1.double() / s1.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
-        assert sqnr(kt.fp4_dgrad(g1, s1, w_p, k), ref) >= GEMM_SQNR_DB, fmt
-        g2, s2 = ops.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+        assert sqnr(kt.triton_fp4_dgrad(g1, s1, w_p, k), ref) >= GEMM_SQNR_DB, fmt
+        g2, s2 = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
         ref = ((g2.double() / s2.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64))
         ref = ref * _dge_reference(w * w_s[:, None]).double()
-        dw = kt.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s)
+        dw = kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s)
         assert sqnr(dw, ref) >= GEMM_SQNR_DB, fmt
 
 

@@ -1,4 +1,4 @@
-"""FP4Linear: forward and both gradients against float64 references (METHOD.md section 3)."""
+"""FP4Linear: forward and both gradients against float64 references (docs/method.md section 3)."""
 import pytest
 import torch
 from torch import nn
@@ -7,8 +7,8 @@ from fp4lightning import FP4Config, FP4Linear
 from fp4lightning.fidelity import saved_tensor_bytes
 from fp4lightning.dge import dge_derivative
 from fp4lightning.occ import occ_bounds, occ_clamp
-from fp4lightning.ops import quantize_fp8_reference
-from fp4lightning.quantize import quantize_rows
+from fp4lightning.gemm_dispatch import quantize_fp8_reference
+from fp4lightning.quantize import quantize_rows_reference
 
 from ._numerics import heavy_tailed, sqnr
 
@@ -33,8 +33,8 @@ def _reference_f64(x, w, b, dy, cfg):
         xc, rr = occ_clamp(x2d, occ_bounds(x2d, cfg.occ_alpha, "exact"))
         if cfg.occ_compensation:
             r = rr.double()
-    _, s_a, a_q = quantize_rows(xc, cfg.scale_mode, return_values=True, packed=False)
-    _, s_w, w_q = quantize_rows(w, cfg.scale_mode, return_values=True, packed=False)
+    _, s_a, a_q = quantize_rows_reference(xc, cfg.scale_mode, return_values=True, packed=False)
+    _, s_w, w_q = quantize_rows_reference(w, cfg.scale_mode, return_values=True, packed=False)
     a_dq = a_q.double() / s_a.double()[:, None]
     w_dq = w_q.double() / s_w.double()[:, None]
     y = a_dq @ w_dq.t() + r @ w_dq.t() + (b.double() if b is not None else 0)
@@ -79,8 +79,8 @@ def test_weight_gradient_is_dge_times_fp4_product():
     x = x / x.abs().amax(1, keepdim=True) * 6.0 * 2.0 ** torch.randint(-3, 3, (48, 1))
     dy = torch.randint(-4, 5, (48, 32)).float() * 0.25
     _, _, dw = _run(layer, x, dy)
-    _, s_a, a_q = quantize_rows(x, return_values=True, packed=False)
-    _, s_w, _ = quantize_rows(layer.weight.detach(), return_values=True, packed=False)
+    _, s_a, a_q = quantize_rows_reference(x, return_values=True, packed=False)
+    _, s_w, _ = quantize_rows_reference(layer.weight.detach(), return_values=True, packed=False)
     a_dq = a_q.double() / s_a.double()[:, None]
     want = (dy.double().t() @ a_dq) * dge_derivative(layer.weight.detach() * s_w[:, None]).double()
     assert sqnr(dw, want) > SAME_MATH_SQNR_DB
@@ -237,14 +237,14 @@ BF16_WGRAD_REL = 2.0**-8
 
 
 def test_bf16_wgrad_gemm_within_bf16_rounding_of_fp32_gemm():
-    from fp4lightning import ops
+    from fp4lightning import gemm_dispatch
 
     g = torch.randn(256, 96).to(torch.float8_e5m2)
     s_g = torch.rand(96) + 0.5
-    a_packed, _ = quantize_rows(heavy_tailed(256, 128))
-    ref = ops.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.float32)
-    fast = ops.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.bfloat16)
-    noise = 1e-6 * (g.float().abs().t() @ ops._fp4_values(a_packed, 128, torch.float32).abs()) / s_g[:, None]
+    a_packed, _ = quantize_rows_reference(heavy_tailed(256, 128))
+    ref = gemm_dispatch.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.float32)
+    fast = gemm_dispatch.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.bfloat16)
+    noise = 1e-6 * (g.float().abs().t() @ gemm_dispatch._fp4_values(a_packed, 128, torch.float32).abs()) / s_g[:, None]
     assert torch.all((fast - ref).abs() <= BF16_WGRAD_REL * ref.abs() + noise)
     assert not torch.equal(fast, ref)  # the bf16 rounding is really there
 

@@ -1,4 +1,4 @@
-"""Outlier Clamping and Compensation (METHOD.md section 5; the paper's Table 1 ordering)."""
+"""Outlier Clamping and Compensation (docs/method.md section 5; the paper's Table 1 ordering)."""
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
-"""The FP4 linear layer's kernels, with dispatch between PyTorch and Triton (section 3).
+"""The three GeMMs of the FP4 linear layer and their operand quantizers: the PyTorch references
+and the dispatch to the Triton kernels (arXiv 2501.17116, section 3; docs/method.md section 3).
 
 Per linear layer ``Y = A W^T`` (A: M x K tokens, W: N x K) the three GeMMs are
 
@@ -12,7 +13,8 @@ is left be applied in the epilogue, so each GeMM consumes raw 4-bit codes.
 The DGE factor ``f'(W s_w)`` multiplies the wgrad output element-wise.
 
 Every function here has a PyTorch reference (``*_reference``), which runs on any
-device and is what CPU training uses. ``FP4LIGHTNING_BACKEND`` selects:
+device and is what CPU training uses, and a Triton twin (``fp4lightning.kernels``,
+``triton_*``); the plain name (``fp4_gemm``, ``quantize_fp8``, ...) picks between them. ``FP4LIGHTNING_BACKEND`` selects:
 
 * ``auto`` (default) - Triton kernels on CUDA when they are importable, else the reference;
 * ``reference``      - always PyTorch;
@@ -27,13 +29,15 @@ import warnings
 
 import torch
 
-from .formats import F8E4M3_MAX, F8E5M2_MAX, decode_packed_fp4
+from .constants import AMAX_EPS, F8E4M3_MAX, F8E5M2_MAX, FP8_AMAX_EPS
+from .formats import decode_packed_fp4
 from . import fused
 from .occ import occ_clamp
-from .quantize import AMAX_EPS, quantize_rows
+from .quantize import quantize_rows_reference
 
 __all__ = [
     "backend_for",
+    "DY_FORMATS",
     "quantize_fp4",
     "quantize_fp4_clamped",
     "quantize_fp8",
@@ -48,10 +52,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "triton")
-#: amax floor of the FP8 scales, 2^-110: ``fmax / amax`` stays finite in fp32 for E5M2
-#: (57344 * 2^110 < 2^126) and E4M3; every normal amax above it is scaled exactly.
-FP8_AMAX_EPS = 2.0**-110
-GRAD_FORMATS = ("e5m2", "e4m3", "bf16")
+#: formats of dY in the two backward GeMMs (FP4Config.grad_format)
+DY_FORMATS = ("e5m2", "e4m3", "bf16")
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +92,7 @@ def backend_for(device: torch.device) -> str:
 def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Dtype the reference GeMMs run in: E2M1/E5M2 values are exact in all three.
 
-    fp16 matmul on CPU is very slow (ENV.md), so CPU fp16 computes in fp32.
+    fp16 matmul on CPU is very slow (no vectorised kernel), so CPU fp16 computes in fp32.
     """
     if dtype == torch.float16 and device.type == "cpu":
         return torch.float32
@@ -106,9 +108,9 @@ def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool 
     when the reference path computed it anyway (it saves the forward GeMM a decode), else None.
     """
     if backend_for(x2d.device) == "triton":
-        codes, scale = _triton_kernels().quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor)
+        codes, scale = _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor)
         return codes, scale, None
-    return quantize_rows(x2d, scale_mode, per_tensor=per_tensor, packed=True, return_values=True,
+    return quantize_rows_reference(x2d, scale_mode, per_tensor=per_tensor, packed=True, return_values=True,
                          values_dtype=values_dtype)
 
 
@@ -124,14 +126,13 @@ def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: st
     The Triton backend and the compiled reference do it in one fused pass over x.
     """
     if backend_for(x2d.device) == "triton":
-        kern = _triton_kernels()
-        if hasattr(kern, "quantize_rows_clamped"):
-            codes, scale, resid = kern.quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
-            return codes, scale, None, resid
+        codes, scale, resid = _triton_kernels().triton_quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode,
+                                                                      per_tensor=per_tensor)
+        return codes, scale, None, resid
     if x2d.dtype != torch.float64 and x2d.shape[1] % 2 == 0 and scale_mode in ("float", "pow2"):
         return fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype, bounds, fold)
     xc, resid = occ_clamp(x2d, bounds)
-    codes, scale, values = quantize_rows(xc, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
+    codes, scale, values = quantize_rows_reference(xc, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
     if fold:
         values = values + resid.float() * scale[:, None]
     return codes, scale, values.to(values_dtype), resid
@@ -174,16 +175,14 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
         return g.to(torch.bfloat16), torch.ones(n, device=x2d.device, dtype=torch.float32)
     fp8 = {"e5m2": (F8E5M2_MAX, torch.float8_e5m2), "e4m3": (F8E4M3_MAX, torch.float8_e4m3fn)}.get(fmt)
     if fp8 is None:
-        raise ValueError(f"unknown gradient format {fmt!r}; choose one of {GRAD_FORMATS}")
+        raise ValueError(f"unknown gradient format {fmt!r}; choose one of {DY_FORMATS}")
     return fused.fp8_scaled(x2d, div, dim, fp8[0], FP8_AMAX_EPS, fp8[1], carrier)
 
 
 def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
     if backend_for(x2d.device) == "triton" and fmt != "bf16":
-        kern = _triton_kernels()
-        if hasattr(kern, "quantize_fp8"):
-            # per-column scales feed fp4_wgrad, which reads a column-major dY without a transpose
-            return kern.quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0)
+        # per-column scales feed fp4_wgrad, which reads a column-major dY without a transpose
+        return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0)
     return quantize_fp8_reference(x2d, dim, fmt)
 
 
@@ -256,20 +255,20 @@ def fp4_wgrad_reference(
 def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, a_values=None,
              w_values=None):
     if backend_for(a_packed.device) == "triton":
-        return _triton_kernels().fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
+        return _triton_kernels().triton_fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
     return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values, w_values)
 
 
 def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
     if backend_for(g.device) == "triton":
-        return _triton_kernels().fp4_dgrad(g, g_scale, w_packed, k, out_dtype=out_dtype)
+        return _triton_kernels().triton_fp4_dgrad(g, g_scale, w_packed, k, out_dtype=out_dtype)
     return fp4_dgrad_reference(g, g_scale, w_packed, k, out_dtype)
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
               dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None):
     if backend_for(g.device) == "triton":
-        return _triton_kernels().fp4_wgrad(
+        return _triton_kernels().triton_fp4_wgrad(
             g, g_scale, a_packed, k, out_dtype=out_dtype, dge_weight=dge_weight,
             dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp, addend=addend,
         )
