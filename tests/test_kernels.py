@@ -576,7 +576,7 @@ def test_fp4linear_triton_occ_capacity_overflow_gives_nan_wgrad(monkeypatch):
 
 def test_fp4linear_triton_paper_saved_bytes_within_budget(monkeypatch):
     # the compact residual keeps the Triton path within the reference path's budget
-    from fp4lightning.analysis import saved_tensor_bytes
+    from fp4lightning.fidelity import saved_tensor_bytes
     from ._numerics import heavy_tailed
     from .test_linear import SAVED_BYTES_RATIO_MAX
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
