@@ -276,15 +276,15 @@ def test_quantize_fp8_divide_by_folds_the_fp4_scale(dim, dtype):
 
 
 @pytest.mark.parametrize("dim", [0, 1])
-def test_ops_quantize_fp8_divided_dispatches_to_the_dividing_kernel(dim, monkeypatch):
-    # the Triton branch of ops.quantize_fp8_divided divides inside the kernel (one pass over
+def test_quantize_fp8_divided_dispatches_to_the_dividing_kernel(dim, monkeypatch):
+    # the Triton branch of gemm_dispatch.quantize_fp8_divided divides inside the kernel (one pass over
     # dY, issue 12): same FP8 values and scales as the reference branch
     x = torch.randn(40, 72, device=DEV).bfloat16()
     d = torch.exp(3.0 * torch.randn(72 if dim == 1 else 40, device=DEV))
     out = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        out[backend] = ops.quantize_fp8_divided(x, d, dim, "e5m2")
+        out[backend] = gemm_dispatch.quantize_fp8_divided(x, d, dim, "e5m2")
     (q_r, s_r), (q_t, s_t) = out["reference"], out["triton"]
     assert torch.equal(q_t.view(torch.uint8), q_r.view(torch.uint8))
     _assert_same_scale(s_t, s_r)

@@ -226,7 +226,11 @@ def test_ddp_ranks_skip_and_stop_together(corpus, tmp_path):
     script = tmp_path / "ddp_nonfinite.py"
     script.write_text(DDP_SCRIPT.format(root=str(ROOT)))
     # an explicit free port: Lightning's own pick races with other processes opening ports
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    # a clean launch: no rank/world variables an earlier in-process test may have left behind
+    # (with them set, Lightning takes the run as launched by torchrun and never starts rank 1)
+    leaked = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR"}
+    env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith(("PL_", "TORCHELASTIC"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run([sys.executable, str(script), str(corpus), str(tmp_path / "run")], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == EXIT_NONFINITE, proc.stderr[-3000:]
