@@ -37,7 +37,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -104,10 +103,7 @@ def load_model_and_tokenizer(
             "as pretrained=... (lm-eval) or CKPT (fp4lightning eval)"
         )
     tok_override = _load_tokenizer(tokenizer) if tokenizer is not None else None
-    with warnings.catch_warnings():
-        # an FP4 run keeps lm_head in high precision by design; not worth a warning per load
-        warnings.filterwarnings("ignore", message="convert_to_fp4: keeping")
-        model, tok, recipe = load_checkpoint(path, map_location=map_location, fp4=True)
+    model, tok, recipe = load_checkpoint(path, map_location=map_location, fp4=True)
     tok = tok_override or tok
     if tok is None:
         raise InputNotFoundError(
@@ -220,9 +216,7 @@ class FP4LightningLM(TemplateLM):
             from fp4lightning.config import FP4Config
             from fp4lightning.convert import convert_to_fp4
 
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "keeping lm_head in high precision" is the recipe, not news
-                convert_to_fp4(model, FP4Config.from_preset(fp4_preset or "paper"))
+            convert_to_fp4(model, FP4Config.from_preset(fp4_preset or "paper"))  # warns only on shape skips
         elif fp4_preset is not None:
             log.warning("fp4_preset=%s ignored: it only applies to linear=fp4 on a model trained in high precision",
                         fp4_preset)

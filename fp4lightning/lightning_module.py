@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import lightning as L
@@ -96,10 +95,7 @@ class LlamaLightningModule(L.LightningModule):
         if self.hparams.fp4 is not None and self.hparams.fp4_in_module:
             from fp4lightning.convert import convert_to_fp4
 
-            with warnings.catch_warnings():
-                # keeping the output head in high precision is the method, not news
-                warnings.filterwarnings("ignore", message=r"convert_to_fp4: keeping lm_head ")
-                convert_to_fp4(model, self.fp4_config)
+            convert_to_fp4(model, self.fp4_config)  # the head is kept quietly; shape skips warn
         if getattr(self, "_device_mesh", None) is not None:  # ModelParallelStrategy: FSDP2 (docs/distributed.md)
             from fp4lightning.fsdp import fully_shard_fp4
 
