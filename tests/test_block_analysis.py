@@ -24,8 +24,10 @@ def test_report_on_model_activations_and_weights():
 
 
 def test_rht_rows_score_the_rotated_tensor():
-    # an exact spike per 16-token group is what the RHT flattens: its wgrad rows must improve
+    # an exact spike per 16-token group is what the RHT flattens: its MXFP4 wgrad row must not get
+    # worse. Measured over seeds 0-59 (2026-11-30): never worse, 57 better by 0.001-0.01 dB, 3 equal
+    # to the last digit, so a strict ">" failed at random.
     x = torch.randn(256, 64) * 0.01
     x[::16] = heavy_tailed(16, 64) * 100
     db = {r["format"]: r["sqnr_db"] for r in block_fidelity_report({"x": x})}
-    assert db["MXFP4, 32 along tokens + RHT (wgrad)"] > db["MXFP4, 32 along tokens (wgrad)"]
+    assert db["MXFP4, 32 along tokens + RHT (wgrad)"] >= db["MXFP4, 32 along tokens (wgrad)"]
