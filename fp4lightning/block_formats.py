@@ -223,7 +223,10 @@ def quantize_mxfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.
 # --------------------------------------------------------------------------- NVFP4
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """Per-tensor fp32 decode scale ``amax / (448 * 6)`` (1.0 for an all-zero tensor)."""
-    g = amax.float() / NVFP4_GLOBAL_DENOM
+    amax = amax.float()
+    # tensor / tensor, not tensor / Python scalar: on CUDA torch turns a scalar divisor into a
+    # multiplication by its reciprocal, which is 1 ulp off the CPU's (and torchao's) IEEE division
+    g = amax / torch.full_like(amax, NVFP4_GLOBAL_DENOM)
     return torch.where(g > 0, g, torch.ones_like(g))
 
 

@@ -207,7 +207,7 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-limit", type=int, default=None, help="at most this many items per eval task")
     parser.add_argument("--no-occ-report", action="store_true", help="skip the OCC fidelity table")
     parser.add_argument("--reuse", action="store_true",
-                        help="reuse runs whose checkpoint already exists in the output folder")
+                        help="reuse finished runs in the output folder and resume cut-off ones from their last.ckpt")
 
 
 def _compare_run(args: argparse.Namespace) -> int:

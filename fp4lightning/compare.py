@@ -361,21 +361,26 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             lrs[v.name] = cfg.optimizer.lr
             last = run_dir / "checkpoints" / "last.ckpt"
             probe_path = run_dir / "dge_probe.jsonl"
+            wall_file = run_dir / "compare_wall.json"  # written only when a run finished
             t0 = time.perf_counter()
-            if reuse and last.exists() and (not dge_probe or probe_path.exists()):
+            if reuse and wall_file.exists() and last.exists() and (not dge_probe or probe_path.exists()):
                 print(f"[compare] {v.name} seed {seed}: reusing {last}", flush=True)
-                wall = json.loads((run_dir / "compare_wall.json").read_text())["wall_s"] \
-                    if (run_dir / "compare_wall.json").exists() else float("nan")
+                wall = json.loads(wall_file.read_text())["wall_s"]
             else:
-                print(f"[compare] training {v.name} seed {seed} ({' '.join(v.overrides())})", flush=True)
+                # --reuse continues a run that was cut off (bit-exact resume from its last.ckpt)
+                # instead of counting it as finished or starting it over
+                resume = reuse and last.exists() and not wall_file.exists() and (not dge_probe or probe_path.exists())
+                print(f"[compare] {'resuming' if resume else 'training'} {v.name} seed {seed} "
+                      f"({' '.join(v.overrides())})", flush=True)
                 callbacks = []
                 if dge_probe:
                     from .dge_probe import DGEProbe
 
                     callbacks.append(DGEProbe(probe_path, dge_probe))
-                train(cfg, callbacks=callbacks)
-                wall = time.perf_counter() - t0
-                (run_dir / "compare_wall.json").write_text(json.dumps({"wall_s": wall}))
+                train(cfg, resume=resume, callbacks=callbacks)
+                # a resumed run's wall time covers only the part after the resume
+                wall = float("nan") if resume else time.perf_counter() - t0
+                wall_file.write_text(json.dumps({"wall_s": wall}))
             m = read_losses(run_dir)
             if not m["val"]:
                 raise RuntimeError(f"variant {v.name} seed {seed}: no validation loss was logged in {run_dir}/logs; "

@@ -44,7 +44,8 @@ from fp4lightning.dge import dge_derivative  # noqa: E402
 from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 from fp4lightning.kernels import fp4_triton as kt  # noqa: E402
-from fp4lightning.kernels import gemm  # noqa: E402
+from fp4lightning.kernels import block, gemm  # noqa: E402
+from fp4lightning.block_formats import block_gemm_reference, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from fp4lightning.quantize import quantize_rows_reference  # noqa: E402
 
 # (label, M tokens, N out, K in). LLaMA-2 7B: dim 4096, FFN 11008; the project's 1.3B
@@ -200,6 +201,13 @@ def bench_gemms(table: Table, dev, shapes):
                 table.add("gemm fwd", f"fp4_gemm (Triton, {dec} decode, {acc})", shape, t, tf(t),
                           f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
                 table.note(f"autotune winner fp4_gemm {acc}: {_winner(gemm._fp4_gemm_kernel)}")
+            if label == "square":  # block-scaled formats (no FP4 tensor cores: decoded to bf16)
+                for fmt, quant in (("mxfp4", block.triton_quantize_mxfp4), ("nvfp4", block.triton_quantize_nvfp4)):
+                    qa, qw = quant(a), quant(w)
+                    factor = 1.0 if fmt == "mxfp4" else qa[2] * qw[2]
+                    t = _time_ms(lambda: block.triton_block_gemm(qa[0], qa[1], qw[0], qw[1], fmt, factor))
+                    table.add("gemm fwd", f"block_gemm {fmt} (Triton, bf16 dot)", shape, t, tf(t),
+                              f"{t_bf16 / t:.2f}x bf16")
             dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
             g1, s1 = kt.triton_quantize_fp8(dy, 1, "e5m2")
             g2, s2 = kt.triton_quantize_fp8(dy, 0, "e5m2", column_major=True)  # FP4Linear's layout
@@ -299,6 +307,19 @@ def run_checks(table: Table, dev) -> bool:
         ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge
         v = sq(kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
         report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, db(v))
+    kb = k - k % 32  # block formats: K a multiple of the block
+    for fmt, quant, tquant in (("mxfp4", quantize_mxfp4, block.triton_quantize_mxfp4),
+                               ("nvfp4", quantize_nvfp4, block.triton_quantize_nvfp4)):
+        ra, rw = quant(x[:, :kb].cpu()), quant(w[:, :kb].cpu())
+        got = tquant(x[:, :kb])
+        same = torch.equal(got[0].cpu(), ra.codes) and torch.equal(got[1].cpu().view(torch.uint8),
+                                                                  ra.scales.view(torch.uint8))
+        report(f"quantize_{fmt} vs reference", same, "bitwise")
+        factor = 1.0 if fmt == "mxfp4" else (ra.global_scale * rw.global_scale).to(dev)
+        y = block.triton_block_gemm(ra.codes.to(dev), ra.scales.to(dev), rw.codes.to(dev), rw.scales.to(dev),
+                                    fmt, factor)
+        v = sq(y.cpu(), block_gemm_reference(ra, rw))
+        report(f"block_gemm {fmt} vs reference", v >= CHECK_SQNR_DB, db(v))
     return ok_all
 
 

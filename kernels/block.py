@@ -1,15 +1,16 @@
 """Triton kernels for the block-scaled FP4 formats: MXFP4 / NVFP4 quantizers and a block-scaled GeMM.
 
 Twins of the PyTorch reference in ``fp4lightning/block_formats.py`` (see its docstring for
-the formats). They target CUDA GPUs *without* FP4 tensor cores: the GeMM decodes each
-K-block of E2M1 codes, applies that block's scale to the operand, and accumulates in fp32,
-one ``tl.dot`` per block of 32 (MXFP4) or 16 (NVFP4) along K.
+the formats). They target CUDA GPUs *without* FP4 tensor cores: the GeMM decodes a tile of
+E2M1 codes, multiplies each value by its block's scale (exact in bf16), and runs one
+bf16 ``tl.dot`` with fp32 accumulation per ``block_k`` columns (several scale blocks).
 
 All rounding is exact integer/fp32 arithmetic (``_common.minifloat_bits``), never an
 in-kernel float downcast, so the codes and scales are bit-identical to the reference
 (and hence to torchao) under the interpreter and on a GPU. Scope: round-to-nearest,
 1-D blocks, K a multiple of the block, finite inputs (a NaN block is the reference's job).
-Tested under ``TRITON_INTERPRET=1`` only (``tests/test_block_kernels.py``).
+Tested under ``TRITON_INTERPRET=1`` (``tests/test_block_kernels.py``); the same tests pass
+compiled on an H200 (docs/perf.md).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _mx_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, BL
     biased = tl.minimum(tl.maximum(e, -E8M0_BIAS_C), E8M0_BIAS_C + 1) + E8M0_BIAS_C
     scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), F32_MIN_NORMAL_C)
     # --- scale, saturate, round, pack
-    y = tl.minimum(tl.maximum(x / scale[:, None], -E2M1_MAX_C), E2M1_MAX_C)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -E2M1_MAX_C), E2M1_MAX_C)
     _e2m1_pack_store(y, q_ptr, rows, pid_b * 32, M, stride_qm, BLOCK_M, 32)
     tl.store(s_ptr + rows * stride_sm + pid_b, biased.to(tl.uint8), mask=rows < M)
 
@@ -76,10 +77,13 @@ def _nv_quant_kernel(x_ptr, q_ptr, s_ptr, g_ptr, M, stride_xm, stride_qm, stride
     g = tl.load(g_ptr)  # per-tensor decode scale amax / (448 * 6)
     # --- E4M3 block scale of (amax / 6) / g, saturating, at least the smallest normal 2^-6
     amax = tl.max(tl.abs(x), axis=1)
-    s = tl.minimum(tl.maximum((amax / E2M1_MAX_C) / g, F8E4M3_MIN_NORMAL_C), F8E4M3_MAX_C)
+    # IEEE divisions (div_rn): a plain '/' compiles to an approximate division on GPUs, which
+    # changed codes against the reference on an H200 (the interpreter divides exactly)
+    s = tl.minimum(tl.maximum(tl.math.div_rn(tl.math.div_rn(amax, E2M1_MAX_C), g), F8E4M3_MIN_NORMAL_C),
+                   F8E4M3_MAX_C)
     bits = minifloat_bits(s, 3, -6)  # E4M3: F8E4M3_MANT_BITS, F8E4M3_EMIN
     s8 = _e4m3_value(bits)
-    recip = (1.0 / g) / s8
+    recip = tl.math.div_rn(tl.math.div_rn(tl.full(s8.shape, 1.0, tl.float32), g), s8)
     y = tl.minimum(tl.maximum(x * recip[:, None], -E2M1_MAX_C), E2M1_MAX_C)
     _e2m1_pack_store(y, q_ptr, rows, pid_b * 16, M, stride_qm, BLOCK_M, 16)
     tl.store(s_ptr + rows * stride_sm + pid_b, bits.to(tl.uint8), mask=rows < M)
@@ -133,12 +137,29 @@ def _block_scales(s_ptr, rows, kb, M, stride_sm, FMT: tl.constexpr):
 
 
 @triton.jit
-def _decode_tile(q_ptr, rows, kb, M, stride_qm, BLOCK: tl.constexpr, B: tl.constexpr):
-    bcols = kb * (B // 2) + tl.arange(0, B // 2)
-    byte = tl.load(q_ptr + rows[:, None] * stride_qm + bcols[None, :], mask=(rows < M)[:, None], other=0)
-    lo = decode_e2m1(byte & 0xF, 4)
-    hi = decode_e2m1(byte >> 4, 4)
-    return tl.reshape(tl.join(lo, hi), (BLOCK, B))
+def _scaled_tile(q_ptr, s_ptr, rows, k0, M, K, stride_qm, stride_sm,
+                 BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, B: tl.constexpr, FMT: tl.constexpr,
+                 DOT_BF16: tl.constexpr):
+    """Rows ``rows`` x K columns ``k0 .. k0+BLOCK_K`` of a block-FP4 operand: E2M1 value times its
+    block's scale. The product has at most 2 + 4 significant bits, so it is exact in bf16 (same
+    exponent range as fp32): the tensor-core dot then multiplies exact values and adds in fp32."""
+    bcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(q_ptr + rows[:, None] * stride_qm + bcols[None, :],
+                   mask=(rows < M)[:, None] & (bcols < K // 2)[None, :], other=0)
+    v = tl.reshape(tl.join(decode_e2m1(byte & 0xF, 4), decode_e2m1(byte >> 4, 4)), (BLOCK, BLOCK_K))
+    NB: tl.constexpr = BLOCK_K // B
+    kb = k0 // B + tl.arange(0, NB)
+    raw = tl.load(s_ptr + rows[:, None] * stride_sm + kb[None, :], mask=(rows < M)[:, None] & (kb < K // B)[None, :],
+                  other=127 if FMT == 0 else 56).to(tl.int32)
+    if FMT == 0:  # E8M0: 2^(raw - 127); raw 0 reads as 2^-126 like the reference
+        sc = tl.maximum((raw << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
+    else:  # E4M3
+        sc = _e4m3_value(raw)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK, NB, B)), (BLOCK, BLOCK_K))
+    v = v * sc
+    if DOT_BF16:
+        v = v.to(tl.bfloat16)
+    return v
 
 
 @triton.jit
@@ -146,25 +167,24 @@ def _block_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, y_ptr,  # pointers
     M, N, K,  # sizes
     stride_am, stride_sam, stride_bn, stride_sbn, stride_ym,  # strides
-    B: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    B: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_BF16: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # --- one K block per step: decode codes, apply the block scale, fp32 dot
-    for kb in range(0, K // B):
-        a = _decode_tile(a_ptr, rm, kb, M, stride_am, BLOCK_M, B)
-        b = _decode_tile(b_ptr, rn, kb, N, stride_bn, BLOCK_N, B)
-        a = a * _block_scales(sa_ptr, rm, kb, M, stride_sam, FMT)[:, None]
-        b = b * _block_scales(sb_ptr, rn, kb, N, stride_sbn, FMT)[:, None]
-        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+    # --- BLOCK_K columns (several scale blocks) per step: decode, scale (exact), one fp32-accumulating dot
+    for k0 in range(0, K, BLOCK_K):
+        a = _scaled_tile(a_ptr, sa_ptr, rm, k0, M, K, stride_am, stride_sam, BLOCK_M, BLOCK_K, B, FMT, DOT_BF16)
+        b = _scaled_tile(b_ptr, sb_ptr, rn, k0, N, K, stride_bn, stride_sbn, BLOCK_N, BLOCK_K, B, FMT, DOT_BF16)
+        acc = tl.dot(a, tl.trans(b), acc)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
 
 
 def triton_block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: float | torch.Tensor = 1.0,
-               block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+                      block_m: int = 128, block_n: int = 256, block_k: int = 64) -> torch.Tensor:
     """fp32 ``A B^T`` of two block-FP4 operands (packed codes + block scales along K) times ``factor``.
 
     ``fmt``: ``"mxfp4"`` (uint8 E8M0 scales) or ``"nvfp4"`` (float8_e4m3fn scales; pass the
@@ -173,6 +193,8 @@ def triton_block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: fl
     if fmt not in ("mxfp4", "nvfp4"):
         raise ValueError(f"block_gemm: unknown format {fmt!r}; choose 'mxfp4' or 'nvfp4'")
     b = 32 if fmt == "mxfp4" else 16
+    if block_k % b:
+        raise ValueError(f"block_gemm: block_k={block_k} must be a multiple of the {fmt} block size {b}")
     m, kh = a_codes.shape
     n = b_codes.shape[0]
     k = 2 * kh
@@ -184,5 +206,7 @@ def triton_block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: fl
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _block_gemm_kernel[grid](a_codes, sa, b_codes, sb, y, m, n, k, a_codes.stride(0), sa.stride(0),
                              b_codes.stride(0), sb.stride(0), y.stride(0),
-                             B=b, FMT=0 if fmt == "mxfp4" else 1, BLOCK_M=block_m, BLOCK_N=block_n)
+                             B=b, FMT=0 if fmt == "mxfp4" else 1, BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, DOT_BF16=not INTERPRET,  # bf16 tl.dot is wrong in the interpreter
+                             num_warps=8 if block_m * block_n >= 128 * 128 else 4)
     return y if isinstance(factor, float) and factor == 1.0 else y * factor

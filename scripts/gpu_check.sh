@@ -9,7 +9,7 @@
 # 2. runs the GPU tests of tests/test_kernels.py (compiled kernels, default configs);
 # 3. runs the full benchmark (python -m fp4lightning.kernels.bench): kernel-vs-reference
 #    checks first, then every timing row printed as soon as it is measured;
-# 4. runs the rest of tests/test_kernels.py compiled on the GPU.
+# 4. runs the rest of tests/test_kernels.py and tests/test_block_kernels.py compiled on the GPU.
 # Everything goes to stdout and to $OUT/gpu_check.log (when $OUT is set) or
 # /tmp/fp4lightning_gpu_check.log. Exit status: 0 if every test and check passed, 1 on any
 # wrong result or crash, 2 if a step ran out of its time limit without a wrong result.
@@ -88,9 +88,9 @@ timeout -k 10 270 "$PY" -m fp4lightning.kernels.bench
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("bench (ran out of its 270 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("bench (rc=$rc: a kernel check failed or it crashed; see above)"); fi
 
-step "the remaining kernel tests, compiled (pytest -m 'not gpu and not slow' tests/test_kernels.py)"
+step "the remaining kernel tests, compiled (pytest -m 'not gpu and not slow' tests/test_kernels.py tests/test_block_kernels.py)"
 FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE --durations=5 \
-  -m "not gpu and not slow" tests/test_kernels.py
+  -m "not gpu and not slow" tests/test_kernels.py tests/test_block_kernels.py
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("small-shape tests (ran out of their 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("small-shape tests (rc=$rc)"); fi
 

@@ -41,13 +41,15 @@ def test_nvfp4_quantizer_bitwise(dtype):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_block_gemm_matches_reference(fmt):
-    a, w = _inputs(40, 64), torch.randn(24, 64)  # 2 MXFP4 / 4 NVFP4 K blocks
+@pytest.mark.parametrize("k, block_k", [(64, 64), (96, 64), (96, 32)])  # one tile, a K tail, several tiles
+def test_block_gemm_matches_reference(fmt, k, block_k):
+    a, w = _inputs(40, k), torch.randn(24, k)  # 2-3 MXFP4 / 4-6 NVFP4 K blocks
     quant = quantize_mxfp4 if fmt == "mxfp4" else quantize_nvfp4
     qa, qw = quant(a), quant(w)
     factor = 1.0 if fmt == "mxfp4" else qa.global_scale * qw.global_scale
     dev = [t.to(DEV) for t in (qa.codes, qa.scales, qw.codes, qw.scales)]
-    got = kb.triton_block_gemm(*dev, fmt, factor if isinstance(factor, float) else factor.to(DEV)).cpu()
+    got = kb.triton_block_gemm(*dev, fmt, factor if isinstance(factor, float) else factor.to(DEV),
+                               block_m=32, block_n=32, block_k=block_k).cpu()
     assert sqnr(got, block_gemm_reference(qa, qw).double()) > GEMM_MIN_SQNR_DB
 
 
@@ -57,3 +59,5 @@ def test_kernel_inputs_checked():
     q, s = kb.triton_quantize_mxfp4(torch.randn(4, 64, device=DEV))
     with pytest.raises(ValueError, match="shapes do not match"):
         kb.triton_block_gemm(q, s, q[:, :16], s, "mxfp4")
+    with pytest.raises(ValueError, match="block_k=48 must be a multiple"):
+        kb.triton_block_gemm(q, s, q, s, "mxfp4", block_k=48)

@@ -75,6 +75,31 @@ def test_compare_seeds_through_cli(tmp_path_factory):
     assert len(full["block_fidelity"]["activations"]) == len(ACT_FORMATS)
 
 
+@pytest.mark.slow
+def test_compare_reuse_resumes_a_cut_off_run(tmp_path_factory, capsys):
+    """--reuse skips a finished run, and continues one that was cut off (last.ckpt but no
+    compare_wall.json) from its checkpoint instead of counting it as finished."""
+    corpus = prepared_test_corpus(tmp_path_factory)
+    out = tmp_path_factory.mktemp("compare-reuse")
+
+    def run(steps, *extra):
+        args = ["compare", *tiny_overrides(corpus, out / "unused", f"schedule.max_steps={steps}",
+                                           "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2"),
+                "--variants", "bf16", "--out", str(out), "--eval-tasks", "none", "--no-occ-report", *extra]
+        assert cli_main(args) == 0
+        return capsys.readouterr().out
+
+    run(2)
+    run_dir = out / "bf16" / "seed1234"
+    (run_dir / "compare_wall.json").unlink()  # as if the job had been killed after step 2
+    printed = run(4, "--reuse")
+    assert "resuming bf16 seed 1234" in printed
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 4  # trained on from step 2, not restarted or skipped
+    assert (run_dir / "compare_wall.json").is_file()
+    assert "reusing" in run(4, "--reuse")  # now finished: reused as is
+
+
 def test_occ_report_on_model_activations():
     cfg = llama_config("tiny", vocab_size=256, dim=64, n_layers=2, n_heads=2, ffn_dim=176, max_seq_len=32)
     model = Llama(cfg)
