@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fp4lightning.errors import InputNotFoundError, UsageError, UserError, run_command
+from fp4lightning.errors import InputNotFoundError, UsageError, UserError, check_writable_dir, run_command
 
 __all__ = [
     "PAPER_TASKS",
@@ -517,6 +517,8 @@ def _default_out(ckpt: Path, linear: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     """Run ``fp4lightning eval`` from parsed arguments; returns the exit code."""
     args.limit = _limit(args.limit)
+    if args.out:  # before any evaluation: a bad output path fails first
+        check_writable_dir(args.out, "--out")
     if args.compare:
         if args.checkpoint:
             raise UsageError("give either CKPT or --compare A B, not both")

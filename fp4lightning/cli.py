@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4lightning.errors import run_command
+from fp4lightning.errors import UsageError, check_writable_dir, run_command
 
 __all__ = ["Command", "COMMANDS", "main", "build_parser", "EXIT_PREEMPTED", "EXIT_NONFINITE"]
 
@@ -134,6 +134,7 @@ def _export_hf_run(args: argparse.Namespace) -> int:
     from fp4lightning.checkpoint import load_checkpoint
     from fp4lightning.models.hf import LM_EVAL_HINT, save_hf
 
+    check_writable_dir(args.out_dir, "OUT_DIR")  # before loading: a bad path fails first
     model, tokenizer, _ = load_checkpoint(args.ckpt)
     out = save_hf(model, args.out_dir, tokenizer)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
@@ -156,6 +157,9 @@ def _import_hf_run(args: argparse.Namespace) -> int:
     from fp4lightning.models.llama import LlamaConfig
 
     out = Path(args.out) if args.out else Path(args.hf_dir) / "fp4lightning.ckpt"
+    if out.is_dir():
+        raise UsageError(f"OUT {out} is a folder; name the checkpoint file to write (e.g. {out / 'model.ckpt'})")
+    check_writable_dir(out.parent, "the folder of OUT")
     path, cfg, with_tok = import_hf(args.hf_dir, out)
     keys = " ".join(f"model.{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(LlamaConfig)
                     if f.name not in ("init_std", "max_seq_len"))

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["UserError", "UsageError", "InputNotFoundError", "EXIT_USAGE", "run_command"]
+__all__ = ["UserError", "UsageError", "InputNotFoundError", "EXIT_USAGE", "run_command", "check_writable_dir"]
 
 #: exit status of a command stopped by a user error (argparse uses the same for bad arguments)
 EXIT_USAGE = 2
@@ -43,3 +43,18 @@ def run_command(prog: str, fn: Callable[[Any], int | None], args: Any) -> int:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+
+
+def check_writable_dir(path: str | os.PathLike, what: str, error: type[UserError] = UsageError,
+                       fix: str | None = None) -> None:
+    """Raise ``error`` naming ``what`` (the key or option, e.g. ``"--out"``) unless ``path`` is a
+    folder that can be written, or can be created: its nearest existing ancestor must be a
+    writable folder. Commands call it before any long work, so a bad output path fails first."""
+    fix = fix or f"choose another {what}"
+    probe = os.path.abspath(os.fspath(path))
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise error(f"{what} {os.fspath(path)}: {probe} exists and is not a folder; {fix}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise error(f"{what} {os.fspath(path)}: {probe} is not writable; {fix}")

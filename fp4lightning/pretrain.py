@@ -35,7 +35,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from fp4lightning.errors import InputNotFoundError
+from fp4lightning.errors import InputNotFoundError, check_writable_dir
 from fp4lightning.checkpoint import AtomicCheckpointIO, remove_stale_temporaries
 from fp4lightning.data import TokenDataModule, prepare_command
 from fp4lightning.lightning_module import LlamaLightningModule
@@ -182,13 +182,7 @@ def _is_rank_zero() -> bool:
 
 def _check_writable(out: Path) -> None:
     """Fail before any work if the run folder cannot be created or written."""
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise RecipeError(f"recipe key `out_dir` = {out}: {probe} exists and is not a folder; choose another out_dir")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise RecipeError(f"recipe key `out_dir` = {out}: {probe} is not writable; choose another out_dir")
+    check_writable_dir(out, "recipe key `out_dir` =", RecipeError, "choose another out_dir")
 
 
 class LinePrinter(L.Callback):

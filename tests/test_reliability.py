@@ -657,6 +657,18 @@ def test_output_path_that_is_a_file_is_refused_up_front(corpus, tmp_path, capsys
     assert cli_main(["data", "prepare", "--source", str(tmp_path), "--out", str(blocker)]) == 2
     err = capsys.readouterr().err.strip()
     assert "--out" in err and "a_file exists and is not a folder" in err and "\n" not in err
+    # export-hf / eval check OUT before they load anything: the checkpoint named here does not
+    # even exist, and the error is still about the output path
+    missing = str(tmp_path / "no.ckpt")
+    assert cli_main(["export-hf", missing, str(blocker / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "OUT_DIR" in err and "a_file exists and is not a folder" in err and "\n" not in err
+    assert cli_main(["eval", missing, "--out", str(blocker)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--out" in err and "a_file exists and is not a folder" in err and "\n" not in err
+    assert cli_main(["import-hf", str(tmp_path), str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a folder; name the checkpoint file" in err and "\n" not in err
 
 
 # ------------------------------------------------------------------ 11. bad records and prepare arguments

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fp4lightning.data._common import _log, _sha256
+from fp4lightning.errors import check_writable_dir
 from fp4lightning.data.manifest import FORMAT_VERSION, META_FILE, MIN_VOCAB, default_data_dir, shard_problems
 from fp4lightning.data.sources import BUILTIN_PACKAGES, BadRecords, DataSourceError, iter_documents
 from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
@@ -178,13 +179,7 @@ def prepare(
         "text_key": text_key,
         "on_bad_record": on_bad_record,
     }
-    probe = out_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if probe == out_dir and not out_dir.is_dir() or probe != out_dir and not probe.is_dir():
-        raise DataSourceError(f"--out {out_dir}: {probe} exists and is not a folder; choose another --out")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise DataSourceError(f"--out {out_dir}: {probe} is not writable; choose another --out")
+    check_writable_dir(out_dir, "--out", DataSourceError)
     with _FolderLock(out_dir):
         _recover_and_clean(out_dir)
         meta_path = out_dir / META_FILE
