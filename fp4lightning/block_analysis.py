@@ -11,7 +11,12 @@ layers):
 * NVFP4 and MXFP4 with blocks along the tokens, as the wgrad GeMM quantizes A, with and
   without the 16-point random Hadamard transform (the transform is orthogonal, so the
   error is measured in the rotated basis without changing its energy);
-* NVFP4 with 16 x 16 weight tiles.
+* NVFP4 with 16 x 16 weight tiles;
+* for the output gradients dY of those layers (next-token loss on the same batches): the
+  paper's FP8 E5M2 with one scale per token (dgrad operand) or per output channel (wgrad
+  operand), and NVFP4 / MXFP4 with blocks along the output channels (dgrad) or the tokens
+  (wgrad), with the random Hadamard transform and stochastic rounding of the block recipes.
+  Stochastic rounding is unbiased but adds noise, so its SQNR is lower than round-to-nearest.
 
 ``python -m fp4lightning.block_analysis CHECKPOINT DATA_DIR [--seq-len N]`` prints the
 Markdown table; ``fp4lightning compare`` appends it to its report.
@@ -25,10 +30,12 @@ import torch
 
 from .block_formats import fake_quantize_block
 from .hadamard import apply_rht, rht_matrix
+from .gemm_dispatch import quantize_fp8_reference
 from .occ import occ_bounds, occ_clamp
 from .quantize import fake_quantize
 
-__all__ = ["ACT_FORMATS", "WEIGHT_FORMATS", "block_fidelity_report", "format_block_table", "checkpoint_report"]
+__all__ = ["ACT_FORMATS", "WEIGHT_FORMATS", "GRAD_FORMATS", "block_fidelity_report", "format_block_table",
+           "capture_output_grads", "checkpoint_report"]
 
 
 def _fq(x: torch.Tensor, fmt: str, block_2d: bool = False) -> torch.Tensor:
@@ -41,10 +48,25 @@ def _occ_paper(x: torch.Tensor) -> torch.Tensor:
     return fake_quantize(xc, "per_token", "float") + r
 
 
-def _tokens(fmt: str, rht: bool):
+def _tokens(fmt: str, rht: bool, rounding: str = "nearest"):
+    """Blocks along the tokens (dim 0), as the wgrad GeMM quantizes its operands."""
     def run(x: torch.Tensor):
         ref = apply_rht(x, rht_matrix(0, device=x.device), 0) if rht else x
-        return ref, _fq(ref.t().contiguous(), fmt).t()
+        return ref, _fq_round(ref.t().contiguous(), fmt, rounding).t()
+    return run
+
+
+def _fq_round(x: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
+    gen = torch.Generator(device=x.device).manual_seed(0) if rounding == "stochastic" else None
+    v, factor, _ = fake_quantize_block(x, fmt, rounding=rounding, generator=gen)
+    return v * factor
+
+
+def _fp8(dim: int):
+    """The paper's dY: FP8 E5M2, one absmax scale per row (dim=1) or per column (dim=0)."""
+    def run(g: torch.Tensor):
+        q, scale = quantize_fp8_reference(g, dim, "e5m2")
+        return g, q.float() / (scale[:, None] if dim == 1 else scale[None, :])
     return run
 
 
@@ -69,6 +91,56 @@ WEIGHT_FORMATS = (
 )
 
 
+#: (label, fn(dy) -> (reference, quantized)) for output gradients (tokens x out)
+GRAD_FORMATS = (
+    ("paper: FP8 E5M2 per token (dgrad)", _fp8(1)),
+    ("paper: FP8 E5M2 per output channel (wgrad)", _fp8(0)),
+    ("NVFP4, 16 along out (dgrad)", lambda g: (g, _fq(g, "nvfp4"))),
+    ("NVFP4, 16 along out + SR (dgrad)", lambda g: (g, _fq_round(g, "nvfp4", "stochastic"))),
+    ("NVFP4, 16 along tokens (wgrad)", _tokens("nvfp4", False)),
+    ("NVFP4, 16 along tokens + RHT + SR (wgrad)", _tokens("nvfp4", True, "stochastic")),
+    ("MXFP4, 32 along out (dgrad)", lambda g: (g, _fq(g, "mxfp4"))),
+    ("MXFP4, 32 along out + SR (dgrad)", lambda g: (g, _fq_round(g, "mxfp4", "stochastic"))),
+    ("MXFP4, 32 along tokens (wgrad)", _tokens("mxfp4", False)),
+    ("MXFP4, 32 along tokens + RHT + SR (wgrad)", _tokens("mxfp4", True, "stochastic")),
+)
+
+
+def capture_output_grads(model: torch.nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+                         max_rows: int = 4096) -> dict[str, torch.Tensor]:
+    """dY of each layer FP4 would quantize under the next-token loss, (rows, out) fp32.
+
+    ``model(inputs[i])`` gives logits scored against ``targets[i]`` (mean cross-entropy);
+    at most ``max_rows`` rows are kept per layer. The model's parameters get gradients.
+    """
+    from .config import FP4Config
+    from .fidelity import _quantized_layers
+
+    layers = _quantized_layers(model, FP4Config())
+    if not layers:
+        raise ValueError("capture_output_grads: the model has no linear layers that FP4 would quantize")
+    store: dict[str, list[torch.Tensor]] = {n: [] for n, _ in layers}
+    handles = []
+    for name, layer in layers:
+        def hook(mod, grad_input, grad_output, name=name):
+            g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).float()
+            have = sum(t.shape[0] for t in store[name])
+            if have < max_rows:
+                store[name].append(g[: max_rows - have].cpu())
+        handles.append(layer.register_full_backward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        for x, y in zip(inputs, targets):
+            logits = model(x)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return {n: torch.cat(v) for n, v in store.items() if v}
+
+
 @torch.no_grad()
 def block_fidelity_report(tensors: dict[str, torch.Tensor], formats=ACT_FORMATS) -> list[dict]:
     """Pooled SQNR (dB) of each format over ``tensors`` (name -> 2-D fp32)."""
@@ -86,16 +158,19 @@ def block_fidelity_report(tensors: dict[str, torch.Tensor], formats=ACT_FORMATS)
     return rows
 
 
-def format_block_table(act_rows: list[dict], weight_rows: list[dict] | None = None) -> str:
+def format_block_table(act_rows: list[dict], weight_rows: list[dict] | None = None,
+                       grad_rows: list[dict] | None = None) -> str:
     lines = ["| tensor | format | SQNR (dB) |", "|---|---|---|"]
     lines += [f"| activations | {r['format']} | {r['sqnr_db']:.2f} |" for r in act_rows]
     lines += [f"| weights | {r['format']} | {r['sqnr_db']:.2f} |" for r in (weight_rows or [])]
+    lines += [f"| gradients (dY) | {r['format']} | {r['sqnr_db']:.2f} |" for r in (grad_rows or [])]
     return "\n".join(lines)
 
 
 def checkpoint_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4,
-                      batch_size: int = 8) -> tuple[list[dict], list[dict]]:
-    """(activation rows, weight rows) for a trained checkpoint on held-out windows of ``data_dir``."""
+                      batch_size: int = 8, gradients: bool = False) -> tuple[list[dict], ...]:
+    """(activation rows, weight rows), plus gradient rows with ``gradients=True``, for a trained
+    checkpoint on held-out windows of ``data_dir``."""
     from .fidelity import _quantized_layers, capture_linear_inputs
     from .checkpoint import load_checkpoint
     from .config import FP4Config
@@ -103,20 +178,24 @@ def checkpoint_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: i
 
     model, _, _ = load_checkpoint(checkpoint)
     ds = ValWindowDataset(PreparedData(data_dir).shards("val"), seq_len, batches * batch_size)
-    windows = [ds[i][:-1] for i in range(len(ds))]
-    acts = capture_linear_inputs(model, [torch.stack(windows[i:i + batch_size])
-                                         for i in range(0, len(windows), batch_size)])
+    windows = [ds[i] for i in range(len(ds))]
+    batches = [torch.stack(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
+    acts = capture_linear_inputs(model, [b[:, :-1] for b in batches])
     weights = {n: m.weight.detach().float() for n, m in _quantized_layers(model, FP4Config())}
-    return block_fidelity_report(acts, ACT_FORMATS), block_fidelity_report(weights, WEIGHT_FORMATS)
+    rows = (block_fidelity_report(acts, ACT_FORMATS), block_fidelity_report(weights, WEIGHT_FORMATS))
+    if not gradients:
+        return rows
+    grads = capture_output_grads(model, [b[:, :-1] for b in batches], [b[:, 1:] for b in batches])
+    return (*rows, block_fidelity_report(grads, GRAD_FORMATS))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="SQNR of every FP4 format on a checkpoint's activations and weights")
+    p = argparse.ArgumentParser(description="SQNR of every FP4 format on a checkpoint's activations, weights and gradients")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("data_dir", type=Path)
     p.add_argument("--seq-len", type=int, default=256)
     a = p.parse_args(argv)
-    print(format_block_table(*checkpoint_report(a.checkpoint, a.data_dir, a.seq_len)))
+    print(format_block_table(*checkpoint_report(a.checkpoint, a.data_dir, a.seq_len, gradients=True)))
     return 0
 
 

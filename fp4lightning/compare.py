@@ -457,11 +457,12 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                format_occ_table(occ), ""]
         from .block_analysis import checkpoint_report, format_block_table  # every format, same tensors
 
-        act_rows, w_rows = checkpoint_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir),
-                                             base.data.seq_len)
-        summary["block_fidelity"] = {"variant": src, "seed": seed_list[0], "activations": act_rows, "weights": w_rows}
+        act_rows, w_rows, g_rows = checkpoint_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir),
+                                                     base.data.seq_len, gradients=True)
+        summary["block_fidelity"] = {"variant": src, "seed": seed_list[0], "activations": act_rows, "weights": w_rows,
+                                     "gradients": g_rows}
         md += [f"## Quantization fidelity of every FP4 format on the trained {src} model (SQNR)", "",
-               format_block_table(act_rows, w_rows), ""]
+               format_block_table(act_rows, w_rows, g_rows), ""]
     tokens = base.schedule.max_steps * base.data.global_batch_size * base.data.seq_len
     core = {"recipe": recipe or "tiny", "steps": base.schedule.max_steps, "tokens": tokens,
             "variants": {v.name: {"preset": v.preset, "lr": lrs[v.name], "seeds": seed_list,

@@ -1,8 +1,9 @@
-"""SQNR of every FP4 format on a model's activations and weights (fp4lightning.block_analysis)."""
+"""SQNR of every FP4 format on a model's activations, weights and gradients (fp4lightning.block_analysis)."""
 import torch
 
 from fp4lightning.fidelity import capture_linear_inputs
-from fp4lightning.block_analysis import ACT_FORMATS, WEIGHT_FORMATS, block_fidelity_report, format_block_table
+from fp4lightning.block_analysis import (ACT_FORMATS, GRAD_FORMATS, WEIGHT_FORMATS, block_fidelity_report,
+                                         capture_output_grads, format_block_table)
 from fp4lightning.models.llama import Llama, llama_config
 from tests._numerics import heavy_tailed
 
@@ -31,3 +32,28 @@ def test_rht_rows_score_the_rotated_tensor():
     x[::16] = heavy_tailed(16, 64) * 100
     db = {r["format"]: r["sqnr_db"] for r in block_fidelity_report({"x": x})}
     assert db["MXFP4, 32 along tokens + RHT (wgrad)"] >= db["MXFP4, 32 along tokens (wgrad)"]
+
+
+def test_gradient_rows_score_the_real_output_gradients():
+    cfg = llama_config("tiny", vocab_size=256, dim=64, n_layers=2, n_heads=2, ffn_dim=176, max_seq_len=32)
+    model = Llama(cfg)
+    tokens = torch.randint(0, 256, (2, 33))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    acts = capture_linear_inputs(model, [x])
+    grads = capture_output_grads(model, [x], [y])
+    assert set(grads) == set(acts)
+    layers = dict(model.named_modules())
+    for name, dy in grads.items():
+        lin = layers[name]
+        assert dy.shape == (64, lin.out_features)
+        # the captured dY is the layer's real output gradient: dW = dY^T X (no bias in LLaMA)
+        torch.testing.assert_close(lin.weight.grad, dy.t() @ acts[name], rtol=1e-4, atol=1e-7)
+    rows = block_fidelity_report(grads, GRAD_FORMATS)
+    assert [r["format"] for r in rows] == [label for label, _ in GRAD_FORMATS]
+    db = {r["format"]: r["sqnr_db"] for r in rows}
+    assert all(5.0 < v < 40.0 for v in db.values()), db
+    # stochastic rounding is unbiased but noisier than round-to-nearest
+    assert db["NVFP4, 16 along out + SR (dgrad)"] < db["NVFP4, 16 along out (dgrad)"]
+    assert db["MXFP4, 32 along out + SR (dgrad)"] < db["MXFP4, 32 along out (dgrad)"]
+    table = format_block_table([], [], rows)
+    assert table.count("| gradients (dY) |") == len(GRAD_FORMATS)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp4lightning.fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
-from fp4lightning.block_analysis import ACT_FORMATS
+from fp4lightning.block_analysis import ACT_FORMATS, GRAD_FORMATS
 from fp4lightning.cli import main as cli_main
 from fp4lightning.compare import variant_overrides
 from fp4lightning.dge_probe import read_probe
@@ -73,6 +73,7 @@ def test_compare_seeds_through_cli(tmp_path_factory):
     assert read_probe(out / "bf16" / "seed7" / "dge_probe.jsonl")[-1]["step"] == 4
     assert "Quantization fidelity of every FP4 format" in md and "NVFP4" in md
     assert len(full["block_fidelity"]["activations"]) == len(ACT_FORMATS)
+    assert len(full["block_fidelity"]["gradients"]) == len(GRAD_FORMATS) and "gradients (dY)" in md
 
 
 @pytest.mark.slow
