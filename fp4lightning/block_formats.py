@@ -113,13 +113,15 @@ class BlockFP4:
 
 
 # --------------------------------------------------------------------------- rounding
-def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | None,
+                  u: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``y`` in [-6, 6] rounded onto the E2M1 grid (values, sign kept; NaN stays NaN).
 
     The grid has spacing 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6], so rounding is
     ``round(y / step) * step``. ``torch.round`` breaks ties to the even integer, which is
     exactly the even-mantissa E2M1 neighbour (0.25 -> 0, 2.5 -> 2, 5 -> 4). Stochastic:
     ``floor(|y| / step) + (u < frac)``, so ``E[q] = y`` and q is one of y's two neighbours.
+    ``u`` (same number of elements as ``y``) replaces the uniform draw from ``generator``.
     """
     a = y.abs()
     # step = 2**(exponent of clamp(a, 1, 4)) / 2, read off the fp32 bits: 0.5, 1 or 2
@@ -129,7 +131,10 @@ def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | N
     if rounding == "stochastic":
         t = a / step
         lo = torch.floor(t)
-        u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+        if u is None:
+            u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+        else:
+            u = u.reshape(y.shape)
         q = lo.add_((u < t.sub_(lo)).float()).mul_(step)
         return torch.copysign(q, y)
     raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
@@ -287,24 +292,44 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
     ``values * factor`` is ``quantize_block(...).dequantize()`` (``factor``: the global and
     post scale, a float or 0-dim tensor). ``block_scales`` is the fp32 decode scale per
     block, (M, Kp/b) or (Mp/16, Kp/16). No packing: this is what the reference GeMMs use.
+
+    The elementwise work runs as one fused pass (``fp4lightning.fused``: ``torch.compile`` on
+    CPU, bit for bit equal to eager); stochastic rounding draws its uniforms from
+    ``generator`` first, in the same order as ``quantize_block``.
     """
     x = _check_2d(x, "fake_quantize_block")
+    if fmt not in BLOCK_SIZES:
+        raise ValueError(f"unknown block format {fmt!r}; choose one of {BLOCK_FORMATS}")
+    if fmt == "mxfp4" and block_2d:
+        raise ValueError("2-D weight blocks are defined for NVFP4 (16x16) only; set weight_block_2d=False "
+                         "with block32_e8m0")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+    u = None
+    if rounding == "stochastic":
+        b = BLOCK_SIZES[fmt]
+        m, k = x.shape
+        rows = -(-m // b) * b if block_2d else m
+        u = torch.rand((rows, -(-k // b) * b), generator=generator, device=x.device, dtype=torch.float32)
+    from .fused import fake_quantize_block_pass
+
+    return fake_quantize_block_pass(x, fmt, rounding, u, block_2d, dtype)
+
+
+def _fake_quantize_block_eager(x: torch.Tensor, fmt: str, rounding: str, u: torch.Tensor | None, block_2d: bool,
+                               dtype: torch.dtype):
+    """The body of :func:`fake_quantize_block` (``fused.fake_quantize_block_pass`` compiles it)."""
     m, k = x.shape
     if fmt == "mxfp4":
-        if block_2d:
-            raise ValueError("2-D weight blocks are defined for NVFP4 (16x16) only; set weight_block_2d=False "
-                             "with block32_e8m0")
         y, biased, _, factor = _mx_prepare(x, rounding)
         dec = e8m0_to_float(biased)
         bshape = dec.unsqueeze(-1)
-    elif fmt == "nvfp4":
+    else:
         y, s8, g = _nv_prepare(x, block_2d, True)
         dec = s8.float()
         bshape = dec[:, None, :, None] if block_2d else dec.unsqueeze(-1)
         factor = g
-    else:
-        raise ValueError(f"unknown block format {fmt!r}; choose one of {BLOCK_FORMATS}")
-    vals = _round_values(y, rounding, generator)
+    vals = _round_values(y, rounding, None, u)
     vals = vals.mul_(bshape).reshape(_rows(y, block_2d), -1)[:m, :k]
     return vals.to(dtype), factor, dec
 

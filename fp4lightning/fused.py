@@ -158,3 +158,13 @@ def wgrad_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, addend: torch.Ten
     if weight is not None:
         dw = dw * dge_derivative(weight.float() * weight_scale[:, None], dge_k, dge_clamp)
     return dw.to(out_dtype)
+
+
+def _fake_quantize_block(x, fmt, rounding, u, block_2d, dtype):
+    from .block_formats import _fake_quantize_block_eager
+
+    return _fake_quantize_block_eager(x, fmt, rounding, u, block_2d, dtype)
+
+
+#: block-FP4 quantize-dequantize (NVFP4 / MXFP4, block_formats.fake_quantize_block) in one pass
+fake_quantize_block_pass = _fused(_fake_quantize_block)

@@ -16,6 +16,7 @@ from fp4lightning.block_formats import (
     block_gemm_reference,
     dequantize_block,
     e8m0_to_float,
+    fake_quantize_block,
     quantize_block,
     quantize_mxfp4,
     quantize_nvfp4,
@@ -292,3 +293,26 @@ def test_block_gemm_matches_dequantized_float64_product(fmt, out_dtype):
     got = block_gemm_reference(qa, qw, out_dtype)
     assert got.dtype == out_dtype
     assert sqnr(got, ref) > (60 if out_dtype == torch.float32 else 35)
+
+
+# two of the six (format, 2-D, rounding) graphs: each compile costs ~20-50 s of CI time
+@pytest.mark.parametrize("fmt, block_2d, rounding", [("nvfp4", True, "stochastic"), ("mxfp4", False, "nearest")])
+def test_fake_quantize_block_compiled_is_bitwise_equal_to_eager(monkeypatch, fmt, block_2d, rounding):
+    """torch.compile fuses the block quantizer on CPU; values, factor and scales must not change a bit."""
+    from fp4lightning import fused
+
+    x = heavy_tailed(70, 100) * torch.exp(torch.randn(70, 1) * 3)  # K and M not multiples of the block
+    x[3, :40] = 0
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("FP4LIGHTNING_COMPILE", mode)
+        gen = torch.Generator().manual_seed(7)
+        out[mode] = fake_quantize_block(x, fmt, rounding, gen, block_2d=block_2d, dtype=torch.bfloat16)
+    assert not fused._FAILED, fused._FAILED
+    for a, b in zip(out["0"], out["1"]):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    # and the same values as the packed quantizer with the same generator (same stochastic draws;
+    # only the order of the two scale multiplications differs: <= 1 ulp, a wrong draw is a grid step)
+    q = quantize_block(x, fmt, rounding, torch.Generator().manual_seed(7), block_2d=block_2d)
+    v, factor, _ = out["1"]
+    torch.testing.assert_close(v.float() * factor, q.dequantize(), rtol=2.0**-22, atol=0.0)
