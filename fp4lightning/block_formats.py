@@ -313,7 +313,8 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
         u = torch.rand((rows, -(-k // b) * b), generator=generator, device=x.device, dtype=torch.float32)
     from .fused import fake_quantize_block_pass
 
-    return fake_quantize_block_pass(x, fmt, rounding, u, block_2d, dtype)
+    # detached: the pass is never differentiated, and requires_grad would double its compiled graphs
+    return fake_quantize_block_pass(x.detach(), fmt, rounding, u, block_2d, dtype)
 
 
 def _fake_quantize_block_eager(x: torch.Tensor, fmt: str, rounding: str, u: torch.Tensor | None, block_2d: bool,

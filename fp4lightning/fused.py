@@ -41,20 +41,34 @@ def compile_enabled(device: torch.device) -> bool:
     return choice == "1" or device.type == "cpu"
 
 
+#: input variants (shapes stay dynamic; dtypes, flags and formats each add a graph) one fused
+#: function may compile before it runs eagerly; torch's default (8) is too few for the block
+#: quantizer (format x 2-D x rounding x dtype x requires_grad)
+RECOMPILE_LIMIT = 64
+
+
 def _fused(fn):
     """Run ``fn`` compiled where ``compile_enabled``, else (or if compiling fails) eagerly."""
     compiled = None
+    too_many_variants = False
 
     @functools.wraps(fn)
     def wrapper(x, *args, **kwargs):
-        nonlocal compiled
-        if compile_enabled(x.device):
+        nonlocal compiled, too_many_variants
+        if compile_enabled(x.device) and not too_many_variants:
             if compiled is None:
                 compiled = torch.compile(fn, dynamic=True, fullgraph=True)
             try:
-                return compiled(x, *args, **kwargs)
-            except Exception as e:  # no C++ compiler, or Inductor cannot build: same math eagerly
-                if not _FAILED:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return compiled(x, *args, **kwargs)
+            except Exception as e:
+                if "RecompileLimit" in type(e).__name__:
+                    # this function only, not the whole CPU path: it keeps running, eagerly
+                    too_many_variants = True
+                    warnings.warn(f"fp4lightning: {fn.__name__} met more than {RECOMPILE_LIMIT} input variants; "
+                                  "running it eagerly from now on (same numerics, slower)", RuntimeWarning,
+                                  stacklevel=2)
+                elif not _FAILED:  # no C++ compiler, or Inductor cannot build: same math eagerly
                     _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
                     warnings.warn(f"fp4lightning: torch.compile unavailable ({_FAILED[0][:200]}); running the "
                                   "FP4 CPU path eagerly (same numerics, slower). Install a C++ compiler (gcc) "

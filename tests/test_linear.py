@@ -292,3 +292,22 @@ def test_compile_failure_falls_back_to_eager_with_one_notice(monkeypatch):
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", "yes")
     with pytest.raises(ValueError, match="FP4LIGHTNING_COMPILE"):
         fused.compile_enabled(torch.device("cpu"))
+
+
+def test_a_fused_function_with_too_many_variants_runs_eagerly_alone(monkeypatch):
+    """Past the recompile limit one fused function falls back to eager (a warning) without
+    turning off compilation for the rest of the CPU path (it once disabled every pass)."""
+    from fp4lightning import fused
+
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
+    monkeypatch.setattr(fused, "RECOMPILE_LIMIT", 1)
+
+    def scale(x, k):
+        return x * k + 1
+
+    f = fused._fused(scale)
+    with pytest.warns(RuntimeWarning, match="input variants"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):  # a new graph per dtype
+            x = torch.randn(8, dtype=dtype)
+            assert torch.equal(f(x, 3), x * 3 + 1)
+    assert not fused._FAILED and fused.compile_enabled(torch.device("cpu"))
