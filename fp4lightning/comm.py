@@ -62,7 +62,7 @@ FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e5m2": (torch.float8_e5m2, F8E5M2_MAX),  # 57344
 }
 #: wire formats of the gradient all-reduce (FP4DDPStrategy(grad_format=...)); not the dY formats of
-#: the backward GeMMs (fp4lightning.gemm_dispatch.DY_FORMATS)
+#: the backward GeMMs (fp4lightning.constants.DY_FORMATS)
 WIRE_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
 SCHEMES = ("reduce_scatter", "all_gather", "async_all_gather")
 

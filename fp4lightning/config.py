@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .constants import DY_FORMATS
+
 __all__ = ["FP4Config", "PRESETS", "DEFAULT_SKIP_MODULES"]
 
 #: Fully qualified module-name patterns (fnmatch) left in high precision by default:
@@ -42,7 +44,7 @@ _CHOICES = {
     "act_granularity": ("per_token", "per_tensor"),
     "scale_mode": ("float", "pow2"),
     "occ_quantile": ("sample", "exact"),
-    "grad_format": ("e5m2", "e4m3", "bf16"),
+    "grad_format": DY_FORMATS,
     "block_format": ("none", "block16_e4m3", "block32_e8m0"),
 }
 #: GeMM operands that ``stochastic_rounding`` may name (block formats only)

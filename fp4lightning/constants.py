@@ -69,3 +69,6 @@ AMAX_EPS = 2.0**-124
 #: FP8 amax floor, 2^-110 ~ 7.7e-34: the largest power of two at which 57344 / amax stays finite in
 #: fp32 for both E5M2 (57344 * 2^110 < 2^126) and E4M3; every normal amax above it is scaled exactly.
 FP8_AMAX_EPS = 2.0**-110
+#: formats of the output gradient dY in the backward GeMMs (FP4Config.grad_format): the paper's FP8
+#: E5M2, E4M3, or unquantized bf16
+DY_FORMATS = ("e5m2", "e4m3", "bf16")

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from .constants import AMAX_EPS, F8E4M3_MAX, F8E5M2_MAX, FP8_AMAX_EPS
+from .constants import AMAX_EPS, DY_FORMATS, F8E4M3_MAX, F8E5M2_MAX, FP8_AMAX_EPS
 from .formats import decode_packed_fp4
 from . import fused
 from .occ import occ_clamp
@@ -53,7 +53,6 @@ __all__ = [
 
 BACKENDS = ("auto", "reference", "triton")
 #: formats of dY in the two backward GeMMs (FP4Config.grad_format)
-DY_FORMATS = ("e5m2", "e4m3", "bf16")
 
 
 @functools.lru_cache(maxsize=None)

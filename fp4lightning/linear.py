@@ -329,4 +329,13 @@ class FP4Linear(nn.Linear):
         if c.occ:
             parts.append(f"occ(alpha={c.occ_alpha}{'' if c.occ_compensation else ', no comp'})")
         parts.append(f"dY={c.grad_format}")
+        if c.block_format != "none":  # the block recipes replace the granularity / dY keys above
+            parts = [super().extra_repr(), f"block={c.block_format}" + ("(w 16x16)" if c.weight_block_2d else ""),
+                     f"dge(k={c.dge_k})" if c.dge else "ste"]
+            if c.occ:
+                parts.append(f"occ(alpha={c.occ_alpha}{'' if c.occ_compensation else ', no comp'})")
+            if c.rht_wgrad:
+                parts.append("rht(wgrad)")
+            if c.stochastic_rounding:
+                parts.append(f"sr({','.join(c.stochastic_rounding)})")
         return ", ".join(parts)

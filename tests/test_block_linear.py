@@ -188,3 +188,11 @@ def test_keep_first_and_last_blocks_in_high_precision(caplog):
     assert any(n.startswith("layers.1.") for n in names) and any(n.startswith("layers.2.") for n in names)
     with pytest.raises(ValueError, match="no nn.ModuleList"):
         positional_keep(nn.Sequential(nn.Linear(16, 16)), 1, 0)
+
+
+def test_repr_names_the_block_recipe():
+    from fp4lightning import FP4Config, FP4Linear
+
+    r = repr(FP4Linear(32, 16, config=FP4Config.from_preset("nvfp4")))
+    assert "block=block16_e4m3(w 16x16)" in r and "rht(wgrad)" in r and "sr(" in r and "dY=" not in r
+    assert "block=" not in repr(FP4Linear(32, 16, config=FP4Config.from_preset("paper")))
