@@ -114,20 +114,14 @@ def capture_output_grads(model: torch.nn.Module, inputs: list[torch.Tensor], tar
     at most ``max_rows`` rows are kept per layer. The model's parameters get gradients.
     """
     from .config import FP4Config
-    from .fidelity import _quantized_layers
+    from .fidelity import LayerRows, _quantized_layers
 
     layers = _quantized_layers(model, FP4Config())
     if not layers:
         raise ValueError("capture_output_grads: the model has no linear layers that FP4 would quantize")
-    store: dict[str, list[torch.Tensor]] = {n: [] for n, _ in layers}
-    handles = []
-    for name, layer in layers:
-        def hook(mod, grad_input, grad_output, name=name):
-            g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).float()
-            have = sum(t.shape[0] for t in store[name])
-            if have < max_rows:
-                store[name].append(g[: max_rows - have].cpu())
-        handles.append(layer.register_full_backward_hook(hook))
+    rows = LayerRows([n for n, _ in layers], max_rows)
+    handles = [layer.register_full_backward_hook(lambda mod, gin, gout, name=name: rows.add(name, gout[0]))
+               for name, layer in layers]
     was_training = model.training
     model.eval()
     try:
@@ -138,7 +132,7 @@ def capture_output_grads(model: torch.nn.Module, inputs: list[torch.Tensor], tar
         for h in handles:
             h.remove()
         model.train(was_training)
-    return {n: torch.cat(v) for n, v in store.items() if v}
+    return rows.result()
 
 
 @torch.no_grad()

@@ -53,15 +53,9 @@ def capture_linear_inputs(model: nn.Module, batches: Iterable, config: FP4Config
     layers = _quantized_layers(model, config)
     if not layers:
         raise ValueError("capture_linear_inputs: the model has no linear layers that FP4 would quantize")
-    store: dict[str, list[torch.Tensor]] = {n: [] for n, _ in layers}
-    handles = []
-    for name, layer in layers:
-        def hook(mod, args, name=name):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            have = sum(t.shape[0] for t in store[name])
-            if have < max_rows:
-                store[name].append(x[: max_rows - have].cpu())
-        handles.append(layer.register_forward_pre_hook(hook))
+    rows = LayerRows([n for n, _ in layers], max_rows)
+    handles = [layer.register_forward_pre_hook(lambda mod, args, name=name: rows.add(name, args[0]))
+               for name, layer in layers]
     was_training = model.training
     model.eval()
     try:
@@ -71,7 +65,24 @@ def capture_linear_inputs(model: nn.Module, batches: Iterable, config: FP4Config
         for h in handles:
             h.remove()
         model.train(was_training)
-    return {n: torch.cat(v) for n, v in store.items() if v}
+    return rows.result()
+
+
+class LayerRows:
+    """The first ``max_rows`` rows (last dim kept) of the tensors seen per layer, fp32 on CPU."""
+
+    def __init__(self, names: list[str], max_rows: int):
+        self.store: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self.max_rows = max_rows
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().reshape(-1, t.shape[-1]).float()
+        have = sum(x.shape[0] for x in self.store[name])
+        if have < self.max_rows:
+            self.store[name].append(t[: self.max_rows - have].cpu())
+
+    def result(self) -> dict[str, torch.Tensor]:
+        return {n: torch.cat(v) for n, v in self.store.items() if v}
 
 
 def occ_fidelity(x: torch.Tensor, alpha: float | None, compensate: bool, scale_mode: str = "float"):
