@@ -38,8 +38,10 @@ def test_exact_equals_torch_quantile_and_sample_is_close():
 def test_clamp_plus_residual_is_exact():
     x = heavy_tailed(64, 128)
     xc, r = occ_clamp(x, occ_bounds(x, 0.99))
-    # r = x - xc is exact (Sterbenz) unless |x| > 2 |bound|: allow one rounding
-    torch.testing.assert_close(xc + r, x, rtol=1e-7, atol=0)
+    # r = x - xc is exact (Sterbenz) unless |x| > 2 |bound|; then r and xc + r each round once, an
+    # error below 2 u |x| (u = 2^-24), i.e. one fp32 ulp of x. rtol 1e-7 (< 2^-23) failed on 43 of
+    # 1,000 seeds (worst seen 1.08e-7, seed 52; audit 2026-12-01); the bound below is 2 ulp.
+    torch.testing.assert_close(xc + r, x, rtol=2.0**-22, atol=0)
     assert xc.max() <= occ_bounds(x, 0.99).max()
 
 
@@ -51,18 +53,24 @@ def _fidelity(x, alpha, compensate):
     return sqnr(q + r if compensate else q, x)
 
 
+CLAMP_ONLY_MAX_LOSS_DB = 0.6  # worst over 874 seeds: 0.28 dB (margin 0.32 dB)
+
+
 def test_table1_ordering_on_heavy_tailed_activations():
     # Student-t(5) activations: heavy tails in every row. (Whether clamping alone beats
     # no clamping depends on how much of the energy sits in the tails; with t(5) it
-    # does by ~0.6 dB, as in the paper's real activations, and the margins below are
-    # stable across seeds: measured 15.4 / 16.0 / 17.8 / 20.2 / 21.6 dB.)
+    # usually does by ~0.6 dB, as in the paper's real activations: measured 15.4 / 16.0 /
+    # 17.8 / 20.2 / 21.6 dB. Not always: over 874 seeds (0-447 and 500-925, audit 2026-12-01)
+    # clamping alone lost on 2 draws, by 0.17 and 0.28 dB (seeds 18, 645), so that one comparison
+    # allows 0.6 dB; compensation beat both on every seed.)
     x = torch.distributions.StudentT(5.0).sample((1024, 1024))
     none = _fidelity(x, None, False)
     clamp_only = _fidelity(x, 0.999, False)
     comp_999 = _fidelity(x, 0.999, True)
     comp_99 = _fidelity(x, 0.99, True)
     comp_97 = _fidelity(x, 0.97, True)
-    assert none < clamp_only < comp_999, (none, clamp_only, comp_999)
+    assert none - CLAMP_ONLY_MAX_LOSS_DB < clamp_only < comp_999, (none, clamp_only, comp_999)
+    assert none < comp_999
     assert comp_999 < comp_99 < comp_97, (comp_999, comp_99, comp_97)
 
 
