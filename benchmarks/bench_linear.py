@@ -6,9 +6,8 @@ Prints, per LLaMA-like layer shape:
   * OCC's share of the FP4Linear forward (quantile + clamp + sparse residual + compensation);
   * bytes saved for backward, FP4Linear over bf16 nn.Linear (saved_tensors_hooks);
 and, once, the OCC quantile estimate's cost and error against the exact quantile.
-With ``--presets nvfp4,mxfp4,...`` it also times those presets against ``paper``, interleaved.
 
-    .venv/bin/python benchmarks/bench_linear.py [--shapes 2048x1024x2816,...] [--iters N] [--presets P,...]
+    .venv/bin/python benchmarks/bench_linear.py [--shapes 2048x1024x2816,...] [--iters N]
 """
 from __future__ import annotations
 
@@ -90,30 +89,6 @@ def bench_shape(m, k, n, dev, iters):
                 occ_share=occ_share, bytes_ratio=b_fp4 / b_bf16, fp4_mb=b_fp4 / 2**20, bf16_mb=b_bf16 / 2**20)
 
 
-def bench_presets(m, k, n, dev, iters, presets):
-    """Forward+backward time of each preset over ``paper`` (and bf16), measured interleaved."""
-    lin = nn.Linear(k, n, device=dev)
-    x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).requires_grad_(True)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-
-    def fwd_bwd(mod):
-        def run():
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                y = mod(x)
-            y.backward(dy)
-        return run
-
-    paper = FP4Linear.from_linear(lin, FP4Config.from_preset("paper"))
-    t_bf16 = _time(fwd_bwd(lin), dev, iters)
-    t_paper = _time(fwd_bwd(paper), dev, iters)
-    out = {}
-    for p in presets:
-        t = _time(fwd_bwd(FP4Linear.from_linear(lin, FP4Config.from_preset(p))), dev, iters)
-        t_paper = min(t_paper, _time(fwd_bwd(paper), dev, iters))  # paper again, right after each
-        out[p] = t
-    return t_bf16, t_paper, out
-
-
 def bench_quantile(dev, m=2048, k=1024, alpha=0.99, reps=5):
     x = torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))
     exact = occ_bounds(x, alpha, "exact")
@@ -135,7 +110,6 @@ def main():
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN (tokens x in -> out)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--presets", default="", help="also time these presets against paper (e.g. nvfp4,mxfp4)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     from fp4lightning import fused
@@ -150,16 +124,6 @@ def main():
         r = bench_shape(m, k, n, dev, args.iters)
         print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | {r['direct_ratio']:.2f}x | "
               f"{100 * r['occ_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
-    if args.presets:
-        presets = [p for p in args.presets.split(",") if p]
-        print("\n| shape (tokens x in -> out) | bf16 ms | paper ms | " + " | ".join(f"{p} ms | {p}/paper" for p in presets)
-              + " |")
-        print("|---|---|---|" + "---|---|" * len(presets))
-        for s in args.shapes.split(","):
-            m, k, n = (int(v) for v in s.split("x"))
-            t_bf16, t_paper, ts = bench_presets(m, k, n, dev, args.iters, presets)
-            print(f"| {m}x{k}->{n} | {1e3 * t_bf16:.1f} | {1e3 * t_paper:.1f} | "
-                  + " | ".join(f"{1e3 * ts[p]:.1f} | {ts[p] / t_paper:.2f}x" for p in presets) + " |", flush=True)
     q = bench_quantile(dev)
     print("\nOCC quantile on a 2048x1024 activation (alpha=0.99):")
     print(f"  exact (kthvalue selection) {q['t_exact']:.1f} ms | sampled (65,536) {q['t_sample']:.2f} ms | "

@@ -362,14 +362,15 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             last = run_dir / "checkpoints" / "last.ckpt"
             probe_path = run_dir / "dge_probe.jsonl"
             wall_file = run_dir / "compare_wall.json"  # written only when a run finished
+            usable = reuse and last.exists() and (not dge_probe or probe_path.exists())
             t0 = time.perf_counter()
-            if reuse and wall_file.exists() and last.exists() and (not dge_probe or probe_path.exists()):
+            if usable and wall_file.exists():
                 print(f"[compare] {v.name} seed {seed}: reusing {last}", flush=True)
                 wall = json.loads(wall_file.read_text())["wall_s"]
             else:
                 # --reuse continues a run that was cut off (bit-exact resume from its last.ckpt)
                 # instead of counting it as finished or starting it over
-                resume = reuse and last.exists() and not wall_file.exists() and (not dge_probe or probe_path.exists())
+                resume = usable
                 print(f"[compare] {'resuming' if resume else 'training'} {v.name} seed {seed} "
                       f"({' '.join(v.overrides())})", flush=True)
                 callbacks = []

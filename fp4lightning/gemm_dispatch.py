@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "triton")
-#: formats of dY in the two backward GeMMs (FP4Config.grad_format)
 
 
 @functools.lru_cache(maxsize=None)

@@ -324,18 +324,19 @@ class FP4Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         c = self.config
-        parts = [super().extra_repr(), f"w={c.weight_granularity}", f"a={c.act_granularity}"]
+        block = c.block_format != "none"  # the block recipes replace the granularity and dY keys
+        parts = [super().extra_repr()]
+        if block:
+            parts.append(f"block={c.block_format}" + ("(w 16x16)" if c.weight_block_2d else ""))
+        else:
+            parts += [f"w={c.weight_granularity}", f"a={c.act_granularity}"]
         parts.append(f"dge(k={c.dge_k})" if c.dge else "ste")
         if c.occ:
             parts.append(f"occ(alpha={c.occ_alpha}{'' if c.occ_compensation else ', no comp'})")
-        parts.append(f"dY={c.grad_format}")
-        if c.block_format != "none":  # the block recipes replace the granularity / dY keys above
-            parts = [super().extra_repr(), f"block={c.block_format}" + ("(w 16x16)" if c.weight_block_2d else ""),
-                     f"dge(k={c.dge_k})" if c.dge else "ste"]
-            if c.occ:
-                parts.append(f"occ(alpha={c.occ_alpha}{'' if c.occ_compensation else ', no comp'})")
-            if c.rht_wgrad:
-                parts.append("rht(wgrad)")
-            if c.stochastic_rounding:
-                parts.append(f"sr({','.join(c.stochastic_rounding)})")
+        if not block:
+            parts.append(f"dY={c.grad_format}")
+        if block and c.rht_wgrad:
+            parts.append("rht(wgrad)")
+        if block and c.stochastic_rounding:
+            parts.append(f"sr({','.join(c.stochastic_rounding)})")
         return ", ".join(parts)
