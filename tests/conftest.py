@@ -32,7 +32,8 @@ import torch  # noqa: E402
 #: and ``--seed-sweep N`` (scripts/seed_sweep.sh; not part of CI) runs each of their tests under
 #: N fixed seeds to measure that every threshold holds across draws (tests/README.md).
 NUMERIC_MODULES = ("test_formats", "test_quantize", "test_dge", "test_occ", "test_linear", "test_kernels",
-                   "test_optim", "test_block_formats")
+                   "test_optim", "test_block_formats", "test_block_linear", "test_block_kernels",
+                   "test_block_analysis")
 
 
 def pytest_addoption(parser):

@@ -5,7 +5,7 @@ from fp4lightning.fidelity import capture_linear_inputs
 from fp4lightning.block_analysis import (ACT_FORMATS, GRAD_FORMATS, WEIGHT_FORMATS, block_fidelity_report,
                                          capture_output_grads, format_block_table)
 from fp4lightning.models.llama import Llama, llama_config
-from tests._numerics import heavy_tailed
+from tests._numerics import close, heavy_tailed
 
 
 def test_report_on_model_activations_and_weights():
@@ -47,7 +47,7 @@ def test_gradient_rows_score_the_real_output_gradients():
         lin = layers[name]
         assert dy.shape == (64, lin.out_features)
         # the captured dY is the layer's real output gradient: dW = dY^T X (no bias in LLaMA)
-        torch.testing.assert_close(lin.weight.grad, dy.t() @ acts[name], rtol=1e-4, atol=1e-7)
+        close(lin.weight.grad, dy.t() @ acts[name], rtol=1e-4, atol=1e-7, what=name)
     rows = block_fidelity_report(grads, GRAD_FORMATS)
     assert [r["format"] for r in rows] == [label for label, _ in GRAD_FORMATS]
     db = {r["format"]: r["sqnr_db"] for r in rows}
