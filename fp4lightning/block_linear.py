@@ -22,9 +22,19 @@ before it is quantized and adds the residual's products in high precision (fprop
 wgrad); DGE multiplies the weight gradient by ``f'(W * s)`` with ``s`` each weight
 element's block encode scale.
 
-This is the reference (PyTorch) path: each operand is quantized and decoded in one pass to
-``e2m1 * block_scale`` (exact in bf16 and fp32; nothing is packed), each GeMM is one dense
-matmul, and the per-tensor factors (NVFP4's global scale) are applied in the epilogue.
+Two GeMM paths, picked per device like the paper recipe's (``gemm_dispatch.backend_for``:
+CUDA tensors, or ``FP4LIGHTNING_BACKEND=triton``):
+
+* reference (PyTorch): each operand is quantized and decoded in one pass to
+  ``e2m1 * block_scale`` (exact in bf16 and fp32; nothing is packed), each GeMM is one dense
+  matmul in the compute dtype, and the per-tensor factors (NVFP4's global scale) are applied
+  in the epilogue;
+* Triton: each operand is quantized to packed codes and block scales (``quantize_block``,
+  the same codes and the same stochastic draws as the reference's), and each GeMM is
+  ``kernels/block.py``'s block-scaled kernel, which decodes a tile, applies its block scales
+  exactly and accumulates in fp32. OCC's residual product and DGE run in PyTorch around it.
+  The two paths compute the same products; they differ only in accumulation order and in the
+  reference's bf16 output rounding under bf16 autocast.
 """
 from __future__ import annotations
 
@@ -77,6 +87,50 @@ def _gemm(a, b, a_extra: torch.Tensor | None = None) -> torch.Tensor:
     return y if isinstance(g, float) and g == 1.0 else y.mul_(g)
 
 
+# --------------------------------------------------------------------------- Triton path
+def _use_triton(t: torch.Tensor) -> bool:
+    from . import gemm_dispatch
+
+    return gemm_dispatch.backend_for(t.device) == "triton"
+
+
+def _quant_packed(t: torch.Tensor, fmt: str, cfg, operand: str, block_2d: bool = False):
+    """One operand as packed block FP4 (``BlockFP4``), drawing what ``_quant`` draws."""
+    from .block_formats import quantize_block
+
+    rounding, gen = _rounding(cfg, operand, t)
+    return quantize_block(t, fmt, rounding, gen, block_2d=block_2d)
+
+
+def _row_scales(q) -> torch.Tensor:
+    """Block scales with one row per tensor row (2-D tiles: each tile row repeated)."""
+    return q.scales.repeat_interleave(q.block, dim=0)[: q.shape[0]] if q.block_2d else q.scales
+
+
+def _factor(q):
+    g = q.post_scale
+    return g if q.global_scale is None else q.global_scale * g
+
+
+def _gemm_triton(a, b) -> torch.Tensor:
+    """fp32 ``A B^T`` of two ``BlockFP4`` operands through the Triton block GeMM."""
+    from .kernels import block as kb
+
+    factor = _factor(a) * _factor(b)
+    if isinstance(factor, torch.Tensor):
+        factor = factor.to(torch.float32).reshape(())
+    return kb.triton_block_gemm(a.codes, _row_scales(a).contiguous(), b.codes, _row_scales(b).contiguous(),
+                                a.fmt, factor)
+
+
+def _values_of(q) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
+    """``(values, factor, block decode scales)`` of a ``BlockFP4``: ``_quant``'s triple (fp32)."""
+    from .block_formats import _operand
+
+    vals, g = _operand(q, torch.float32)
+    return vals, g, q.block_scales_fp32()
+
+
 def _element_decode(q, shape, block_2d: bool, b: int) -> torch.Tensor:
     """(N, K) fp32 decode scale of every element of a fake-quantized weight (for DGE)."""
     _, factor, dec = q
@@ -115,16 +169,26 @@ class _BlockFP4LinearFn(torch.autograd.Function):
         fmt = BLOCK_FORMAT_NAMES[cfg.block_format]
         n, k = weight.shape
         x2d = x.reshape(-1, k)
+        triton = _use_triton(x)
         with torch.autocast(x.device.type, enabled=False):
             xc, r, bounds = _occ(x2d, cfg)
-            qa = _quant(xc, fmt, cfg, "fprop.a", cd)
-            qw = _quant(weight.detach(), fmt, cfg, "fprop.w", cd, block_2d=cfg.weight_block_2d)
-            y = _gemm(qa, qw, r)
+            if triton:
+                pw = _quant_packed(weight.detach(), fmt, cfg, "fprop.w", block_2d=cfg.weight_block_2d)
+                y = _gemm_triton(_quant_packed(xc, fmt, cfg, "fprop.a"), pw)
+                qw = _values_of(pw) if cfg.weight_block_2d else None
+                if r is not None:  # OCC compensation R W_q^T, in fp32
+                    wv, gw, _ = _values_of(pw) if qw is None else qw
+                    y.add_((r.float() @ wv.t()).mul_(gw))
+            else:
+                qa = _quant(xc, fmt, cfg, "fprop.a", cd)
+                qw = _quant(weight.detach(), fmt, cfg, "fprop.w", cd, block_2d=cfg.weight_block_2d)
+                y = _gemm(qa, qw, r)
             if bias is not None:
                 y.add_(bias.float())
         ctx.save_for_backward(x2d, weight)
-        # 2-D tiles: W^T's quantization is W's, transposed - keep it for dgrad
+        # 2-D tiles: W^T's quantization is W's, transposed - keep it for dgrad (reference) and DGE
         ctx.cfg, ctx.fmt, ctx.bounds, ctx.qw = cfg, fmt, bounds, (qw if cfg.weight_block_2d else None)
+        ctx.triton = triton
         ctx.has_bias, ctx.cd, ctx.x_dtype, ctx.x_shape = bias is not None, cd, x.dtype, x.shape
         return y.to(out_dtype).reshape(*x.shape[:-1], n)
 
@@ -136,7 +200,12 @@ class _BlockFP4LinearFn(torch.autograd.Function):
         dyf = dy.reshape(-1, n).float()
         grad_x = grad_w = grad_b = None
         with torch.autocast(dy.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
+            if ctx.needs_input_grad[0] and ctx.triton:
+                # dgrad: reduction over N (2-D tiles quantize W^T to W's codes, transposed)
+                pwt = _quant_packed(weight.detach().t(), fmt, cfg, "dgrad.w", block_2d=cfg.weight_block_2d)
+                grad_x = _gemm_triton(_quant_packed(dyf, fmt, cfg, "dgrad.g"), pwt)
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+            elif ctx.needs_input_grad[0]:
                 # dgrad: reduction over N
                 qg = _quant(dyf, fmt, cfg, "dgrad.g", cd)
                 if ctx.qw is not None and "dgrad.w" not in cfg.stochastic_rounding:
@@ -152,9 +221,13 @@ class _BlockFP4LinearFn(torch.autograd.Function):
                 if cfg.rht_wgrad:
                     q = rht_matrix(cfg.rht_seed, device=dyf.device)
                     g_op, a_op = apply_rht(g_op, q, 0), apply_rht(a_op, q, 0)
-                qg = _quant(g_op.t(), fmt, cfg, "wgrad.g", cd)
-                qa = _quant(a_op.t(), fmt, cfg, "wgrad.a", cd)
-                grad_w = _gemm(qg, qa)
+                if ctx.triton:
+                    grad_w = _gemm_triton(_quant_packed(g_op.t().contiguous(), fmt, cfg, "wgrad.g"),
+                                          _quant_packed(a_op.t().contiguous(), fmt, cfg, "wgrad.a"))
+                else:
+                    qg = _quant(g_op.t(), fmt, cfg, "wgrad.g", cd)
+                    qa = _quant(a_op.t(), fmt, cfg, "wgrad.a", cd)
+                    grad_w = _gemm(qg, qa)
                 if r is not None:  # OCC compensation's share dY^T R, in high precision
                     grad_w.add_(dyf.t() @ r.float())
                 if cfg.dge:
@@ -163,6 +236,7 @@ class _BlockFP4LinearFn(torch.autograd.Function):
                     qw = ctx.qw
                     if qw is None:  # re-derive fprop's (round-to-nearest) weight scales
                         qw = _quant(weight.detach(), fmt, cfg.replace(stochastic_rounding=()), "fprop.w", cd)
+                        # (the decode scales are the same on both paths: only they are used here)
                     dec = _element_decode(qw, (n, k), cfg.weight_block_2d, BLOCK_SIZES[fmt])
                     grad_w.mul_(dge_derivative(weight.detach().float() / dec, cfg.dge_k, cfg.dge_clamp))
                 grad_w = grad_w.to(weight.dtype)

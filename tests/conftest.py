@@ -1,5 +1,6 @@
 """Test-session set-up: offline, CPU Triton interpreter, deterministic threads."""
 import os
+import zlib
 
 # Nothing may download at test time (packages from the registries excepted).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,14 +68,21 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    """Fresh random inputs each run, but reproducible from the printed seed on failure."""
+    """The seed policy (tests/README.md, "Threshold policy"). The numeric modules draw fresh random
+    inputs each run, reproducible from the printed seed on failure: every seeded threshold in them
+    is audited over 1,000 seeds (scripts/seed_sweep.py). Every other module (training runs, DDP and
+    FSDP ranks, lm-eval, model parity) is too slow to audit that way, so each of its tests runs on
+    a fixed seed of its own (a hash of its node id): its thresholds are reproducible checks, never
+    a rare draw. FP4_TEST_SEED overrides both."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and "sweep_seed" in callspec.params:
         seed = callspec.params["sweep_seed"]
-    elif os.environ.get("FP4_TEST_SEED") is None:
+    elif os.environ.get("FP4_TEST_SEED") is not None:
+        seed = int(os.environ["FP4_TEST_SEED"])
+    elif _is_numeric(request.module.__name__):
         seed = int.from_bytes(os.urandom(4), "little")
     else:
-        seed = int(os.environ["FP4_TEST_SEED"])
+        seed = zlib.crc32(request.node.nodeid.encode("utf-8"))
     torch.manual_seed(seed)
     request.node.user_properties.append(("seed", seed))
     yield
