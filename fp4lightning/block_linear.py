@@ -102,25 +102,11 @@ def _quant_packed(t: torch.Tensor, fmt: str, cfg, operand: str, block_2d: bool =
     return quantize_block(t, fmt, rounding, gen, block_2d=block_2d)
 
 
-def _row_scales(q) -> torch.Tensor:
-    """Block scales with one row per tensor row (2-D tiles: each tile row repeated)."""
-    return q.scales.repeat_interleave(q.block, dim=0)[: q.shape[0]] if q.block_2d else q.scales
-
-
-def _factor(q):
-    g = q.post_scale
-    return g if q.global_scale is None else q.global_scale * g
-
-
 def _gemm_triton(a, b) -> torch.Tensor:
     """fp32 ``A B^T`` of two ``BlockFP4`` operands through the Triton block GeMM."""
-    from .kernels import block as kb
+    from . import gemm_dispatch
 
-    factor = _factor(a) * _factor(b)
-    if isinstance(factor, torch.Tensor):
-        factor = factor.to(torch.float32).reshape(())
-    return kb.triton_block_gemm(a.codes, _row_scales(a).contiguous(), b.codes, _row_scales(b).contiguous(),
-                                a.fmt, factor)
+    return gemm_dispatch.block_gemm(a, b)
 
 
 def _values_of(q) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ __all__ = [
     "fp4_gemm",
     "fp4_dgrad",
     "fp4_wgrad",
+    "block_gemm",
     "fp4_gemm_reference",
     "fp4_dgrad_reference",
     "fp4_wgrad_reference",
@@ -272,3 +273,30 @@ def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None,
         )
     return fp4_wgrad_reference(g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp,
                                addend, gemm_dtype)
+
+
+# --------------------------------------------------------------------------- block-scaled GeMM
+def block_gemm(a, b) -> torch.Tensor:
+    """fp32 ``A B^T`` of two ``BlockFP4`` operands (fp4lightning.block_formats) sharing their
+    reduction dimension: the Triton block-scaled kernel (kernels/block.py) on the Triton backend,
+    else ``block_gemm_reference``. 2-D (16 x 16) tiles are handed to the kernel as per-row
+    scales; the tensor-wide factors (NVFP4 global scale, MXFP4 SR post-scale) go to its epilogue."""
+    from .block_formats import block_gemm_reference
+
+    if a.shape[1] != b.shape[1] or a.fmt != b.fmt:
+        raise ValueError(f"block_gemm: operands differ ({a.fmt} {a.shape} vs {b.fmt} {b.shape}); "
+                         "they must share the format and the reduction (last) dimension")
+    if backend_for(a.codes.device) != "triton":
+        return block_gemm_reference(a, b, torch.float32)
+    from .kernels import block as kb
+
+    def rows(q):  # one scale row per tensor row
+        return q.scales.repeat_interleave(q.block, dim=0)[: q.shape[0]].contiguous() if q.block_2d else q.scales
+
+    def factor(q):
+        return q.post_scale if q.global_scale is None else q.global_scale * q.post_scale
+
+    f = factor(a) * factor(b)
+    if isinstance(f, torch.Tensor):
+        f = f.to(torch.float32).reshape(())
+    return kb.triton_block_gemm(a.codes, rows(a), b.codes, rows(b), a.fmt, f)

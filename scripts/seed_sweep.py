@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: a new temporary folder)")
     ap.add_argument("--modules", nargs="*", default=None,
                     help="test modules to sweep (default: every numeric module, tests/conftest.py)")
+    ap.add_argument("-k", dest="keyword", default=None, help="pytest -k expression to narrow the tests")
     ap.add_argument("--report", type=Path, default=None, metavar="OUT", help="only print the report of OUT")
     args = ap.parse_args(argv)
     if args.report is not None:
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     modules = args.modules or [f"tests/{m}.py" for m in NUMERIC_MODULES]
     t0 = time.time()
-    rc = _pytest(modules + ["-x"], out / "discovery.jsonl", out / "discovery.txt")
+    narrow = ["-k", args.keyword] if args.keyword else []
+    rc = _pytest(modules + narrow + ["-x"], out / "discovery.jsonl", out / "discovery.txt")
     tests = sorted({r["test"].split("[", 1)[0] for r in map(json.loads, (out / "discovery.jsonl").read_text().splitlines())}) \
         if (out / "discovery.jsonl").exists() else []
     if rc != 0 or not tests:
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
     def chunk(s: int) -> int:
         n = min(args.chunk, args.start + args.n - s)
         t = time.time()
-        rc = _pytest(tests + ["--seed-sweep", str(n), "--seed-sweep-start", str(s)],
+        rc = _pytest(tests + narrow + ["--seed-sweep", str(n), "--seed-sweep-start", str(s)],
                      out / f"margins-{s:07d}.jsonl", out / f"pytest-{s:07d}.txt")
         tail = (out / f"pytest-{s:07d}.txt").read_text(encoding="utf-8").strip().splitlines()[-1:]
         print(f"seeds {s}..{s + n - 1}: rc {rc}, {time.time() - t:.0f} s, {tail[0] if tail else ''}", flush=True)
