@@ -8,6 +8,7 @@ threshold appending its measured value to a log. The report gives, per threshold
 line, what), the number of seeds, the bound, the worst value seen, its seed and the margin.
 
     python scripts/seed_sweep.py 1000 --jobs 2 --out /tmp/sweep     # the audit
+    python scripts/seed_sweep.py 1000 --out /tmp/sweep --resume      # go on after an interruption
     python scripts/seed_sweep.py --report /tmp/sweep                # re-print a finished one
 
 A failure prints its seed; reproduce it with FP4_TEST_SEED=<seed> bash scripts/test.sh -k <test>.
@@ -90,6 +91,19 @@ def report(out_dir: Path) -> int:
     text = "\n".join(lines) + "\n"
     (out_dir / "report.md").write_text(text, encoding="utf-8")
     print(text)
+    # one row per test function: its tightest threshold (smallest margin relative to the bound's size)
+    by_fn: dict[str, list] = defaultdict(list)
+    for r in rows:
+        by_fn[r["test"].split("[", 1)[0]].append(r)
+    short = ["| test | thresholds | seeds | tightest threshold | worst (seed) | margin |", "|---|---|---|---|---|---|"]
+    for fn, rs in sorted(by_fn.items()):
+        t = min(rs, key=lambda r: r["margin"] / max(abs(r["bound"]), 1.0))
+        name = fn.split("::", 1)[1]
+        case = t["test"].split("[", 1)[1].rstrip("]") if "[" in t["test"] else ""
+        short.append(f"| `{fn.rsplit('/', 1)[-1].split('::')[0]}::{name}` | {len(rs)} | {min(r['seeds'] for r in rs)} | "
+                     f"{t['what']} {t['op']} {t['bound']:.4g}{f' [{case}]' if case else ''} | "
+                     f"{t['worst']:.4g} ({t['worst_seed']}) | {t['margin']:.3g} |")
+    (out_dir / "summary.md").write_text("\n".join(short) + "\n", encoding="utf-8")
     seeds = sorted({s for g in groups.values() for s in g["seeds"]})
     print(f"{len(rows)} thresholds, {len(seeds)} seeds ({seeds[0] if seeds else '-'}..{seeds[-1] if seeds else '-'}), "
           f"{n_fail} with failures; {out_dir / 'margins.json'}")
@@ -106,6 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--modules", nargs="*", default=None,
                     help="test modules to sweep (default: every numeric module, tests/conftest.py)")
     ap.add_argument("-k", dest="keyword", default=None, help="pytest -k expression to narrow the tests")
+    ap.add_argument("--tag", default="", help="name this run's files in OUT (several sweeps, e.g. of different "
+                    "--modules, can share one OUT and one report)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse OUT's discovery pass and skip the chunks OUT already finished")
     ap.add_argument("--report", type=Path, default=None, metavar="OUT", help="only print the report of OUT")
     args = ap.parse_args(argv)
     if args.report is not None:
@@ -119,11 +137,17 @@ def main(argv=None) -> int:
     modules = args.modules or [f"tests/{m}.py" for m in NUMERIC_MODULES]
     t0 = time.time()
     narrow = ["-k", args.keyword] if args.keyword else []
-    rc = _pytest(modules + narrow + ["-x"], out / "discovery.jsonl", out / "discovery.txt")
-    tests = sorted({r["test"].split("[", 1)[0] for r in map(json.loads, (out / "discovery.jsonl").read_text().splitlines())}) \
-        if (out / "discovery.jsonl").exists() else []
+    tag = f"{args.tag}-" if args.tag else ""
+    disc = out / f"discovery{'-' + args.tag if args.tag else ''}.jsonl"
+    if args.resume and disc.exists():
+        rc = 0
+    else:
+        disc.unlink(missing_ok=True)
+        rc = _pytest(modules + narrow + ["-x"], disc, disc.with_suffix(".txt"))
+    tests = sorted({r["test"].split("[", 1)[0] for r in map(json.loads, disc.read_text().splitlines())}) \
+        if disc.exists() else []
     if rc != 0 or not tests:
-        print(f"discovery pass failed (rc {rc}); see {out / 'discovery.txt'}", file=sys.stderr)
+        print(f"discovery pass failed (rc {rc}); see {disc.with_suffix('.txt')}", file=sys.stderr)
         return 2
     print(f"{len(tests)} tests check a seeded threshold (discovery {time.time() - t0:.0f} s); sweeping seeds "
           f"{args.start}..{args.start + args.n - 1} into {out}", flush=True)
@@ -131,10 +155,15 @@ def main(argv=None) -> int:
 
     def chunk(s: int) -> int:
         n = min(args.chunk, args.start + args.n - s)
+        done = out / f"pytest-{tag}{s:07d}.txt"
+        if args.resume and done.exists() and re.search(r"\d+ (passed|failed).* in [0-9.]+s", done.read_text()):
+            print(f"seeds {s}..{s + n - 1}: done before, kept", flush=True)
+            return 0 if " failed" not in done.read_text().splitlines()[-1] else 1
+        (out / f"margins-{tag}{s:07d}.jsonl").unlink(missing_ok=True)  # a cut-off chunk starts over
         t = time.time()
         rc = _pytest(tests + narrow + ["--seed-sweep", str(n), "--seed-sweep-start", str(s)],
-                     out / f"margins-{s:07d}.jsonl", out / f"pytest-{s:07d}.txt")
-        tail = (out / f"pytest-{s:07d}.txt").read_text(encoding="utf-8").strip().splitlines()[-1:]
+                     out / f"margins-{tag}{s:07d}.jsonl", done)
+        tail = done.read_text(encoding="utf-8").strip().splitlines()[-1:]
         print(f"seeds {s}..{s + n - 1}: rc {rc}, {time.time() - t:.0f} s, {tail[0] if tail else ''}", flush=True)
         return rc
 
