@@ -38,6 +38,10 @@ def _pytest(args: list[str], log: Path, out: Path) -> int:
     env = dict(os.environ, FP4_MARGIN_LOG=str(log), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
     env.pop("FP4_TEST_SEED", None)
+    # --jobs processes side by side on small tensors: one intra-op thread each (two threads per
+    # process on a 2-core machine made the sweep several times slower through spin-waiting)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
     with open(out, "w", encoding="utf-8") as f:
         return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
