@@ -7,9 +7,11 @@ from fp4lightning.quantize import fake_quantize
 
 from ._numerics import above, below, close, heavy_tailed, sqnr
 
-# Sampled quantiles (65,536 samples) move the clamped fraction by ~0.05 points at
-# alpha=0.99 (standard error); allow 4 sigma.
-CLAMP_FRACTION_TOL = 0.003
+# Sampled quantiles (65,536 samples) move the clamped fraction: over seeds 0-999 (threshold audit
+# 2026-12-01) its error had an RMS of 0.00041 at alpha=0.99 and 0.00082 at alpha=0.97, worst 0.00292
+# (alpha 0.97, seed 976), which came within 0.00008 of the old bound 0.003. Now about 5 RMS of the
+# alpha=0.97 case.
+CLAMP_FRACTION_TOL = 0.004
 
 
 @pytest.mark.parametrize("method", ["sample", "exact"])
