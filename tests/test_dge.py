@@ -112,3 +112,22 @@ def test_nonfinite_inputs_get_zero():
     d = dge_derivative(torch.tensor([float("nan"), float("inf"), -float("inf"), 6.0, 6.5]))
     assert d.tolist()[:3] == [0.0, 0.0, 0.0]
     assert torch.equal(d[3:], torch.full((2,), 1.0 / 5.0))
+
+
+def test_derivative_equals_the_interval_formula_bit_for_bit():
+    """dge_derivative computes the offset in the interval as u - floor(u), u = a / delta (exact for
+    a power-of-two delta); it must give the bits of the direct (a - left) / delta formula."""
+    from fp4lightning.dge import _interval
+
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    edges = torch.cat([grid, grid + 0.25, grid - 0.25, torch.tensor([2.0, 4.0, 6.0])])
+    x = torch.cat([torch.randn(200000) * 3, torch.rand(100000) * 13 - 6.5, edges,
+                   torch.nextafter(edges, torch.full_like(edges, 10.0)),
+                   torch.nextafter(edges, torch.full_like(edges, -10.0))])
+    x = torch.cat([x, -x])
+    for k, clamp in ((5.0, 3.0), (3.0, 2.0)):
+        a = x.abs().clamp(max=6.0)
+        left, delta = _interval(a)
+        t = (2.0 * (a - left) / delta - 1.0).abs()
+        want = ((1.0 / k) * t.pow(1.0 / k - 1.0)).clamp(max=clamp)
+        assert torch.equal(dge_derivative(x, k, clamp), want)

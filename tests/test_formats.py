@@ -118,9 +118,13 @@ def test_round_is_nearest_on_random_values():
 @pytest.mark.parametrize("k", [1, 6, 33])
 def test_decode_packed_equals_unpack_then_decode(k):
     codes = torch.randint(0, 16, (4, k), dtype=torch.uint8)
+    codes[0, : min(k, 16)] = torch.arange(min(k, 16), dtype=torch.uint8)  # every code, -0 included
     packed = pack_fp4(codes)
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(decode_packed_fp4(packed, k, dtype), decode_e2m1(unpack_fp4(packed, k), dtype))
+    # 2- and 4-byte dtypes gather each byte's pair as one word, float64 as a row of two
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        got, want = decode_packed_fp4(packed, k, dtype), decode_e2m1(unpack_fp4(packed, k), dtype)
+        assert got.dtype == dtype and got.shape == (4, k)
+        assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))  # bits, sign of zero too
 
 
 def test_float64_rounds_in_its_own_precision():
