@@ -100,12 +100,12 @@ def occ_bounds(
         raise ValueError(f"occ alpha must be in (0.5, 1), got {alpha}")
     if method not in QUANTILE_METHODS:
         raise ValueError(f"unknown quantile method {method!r}; choose one of {QUANTILE_METHODS}")
-    flat = x.detach().reshape(-1).float()
+    flat = x.detach().reshape(-1)
     if flat.numel() == 0:
         raise ValueError("occ_bounds: empty tensor")
     if method == "sample" and flat.numel() > sample_size:
-        flat = flat[_sample_index(flat.numel(), sample_size, flat.device)]
-    return _kth_quantiles(flat, (1.0 - alpha, alpha))
+        flat = flat[_sample_index(flat.numel(), sample_size, flat.device)]  # sample, then convert: same values
+    return _kth_quantiles(flat.float(), (1.0 - alpha, alpha))
 
 
 def occ_clamp(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
