@@ -182,6 +182,23 @@ def _round_e5m2(y: torch.Tensor) -> torch.Tensor:
     return torch.where(y.abs() < 2.0**-14, torch.round(y * 65536.0) / 65536.0, normal)
 
 
+def _round_e5m2_float(y: torch.Tensor) -> torch.Tensor:
+    """``_round_e5m2`` with float operations only: the same bits (``tests/test_formats.py``).
+
+    ``p``, the largest power of two <= |y| but at least 2^-14 (the E5M2 subnormal step is then
+    p / 4 = 2^-16, so one formula covers both ranges), comes from five compare-and-double steps;
+    ``round(y * 4 / p) * (p / 4)`` then rounds to 2 mantissa bits, ties to even, exactly
+    (every factor is a power of two). Inductor turns this into vector code, while the bit
+    reinterpretation in ``_round_e5m2`` compiles to a scalar loop.
+    """
+    a = y.abs()
+    p = torch.full_like(a, 2.0**-14)
+    for step in (16, 8, 4, 2, 1):  # finds p in [2^-14, 2^17): |y| <= 57344 < 2^16
+        up = p * float(2**step)
+        p = torch.where(a >= up, up, p)
+    return torch.round(y * (4.0 / p)) * (p * 0.25)
+
+
 def pow2_floor(x: torch.Tensor) -> torch.Tensor:
     """``2^floor(log2 x)`` of a positive normal fp32 / fp64 ``x``, exactly: keep the exponent
     bits, zero the mantissa (``log2`` can round up just below a power of two; masking cannot).

@@ -168,9 +168,13 @@ def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
     g = grid.sort().values
     ties = (g[:-1] + g[1:]) / 2  # every mid-point between neighbouring E5M2 values
     x = torch.cat([x, grid, ties, torch.tensor([0.0, -0.0, 2.0**-17, -(2.0**-17), 2.0**-14])])
-    got = _round_e5m2(x)
-    want = x.to(torch.float8_e5m2).float()
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    want = x.to(torch.float8_e5m2).float().view(torch.int32)
+    assert torch.equal(_round_e5m2(x).view(torch.int32), want)
+    # the float-only variant the compiled FP8 cast uses, eager and compiled
+    from fp4lightning.formats import _round_e5m2_float
+    assert torch.equal(_round_e5m2_float(x).view(torch.int32), want)
+    compiled = torch.compile(_round_e5m2_float, dynamic=True, fullgraph=True)
+    assert torch.equal(compiled(x).view(torch.int32), want)
 
 
 def test_pow2_floor_is_exact_floor_of_log2():
