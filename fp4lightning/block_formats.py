@@ -124,8 +124,8 @@ def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | N
     ``u`` (same number of elements as ``y``) replaces the uniform draw from ``generator``.
     """
     a = y.abs()
-    # step = 2**(exponent of clamp(a, 1, 4)) / 2, read off the fp32 bits: 0.5, 1 or 2
-    step = (a.clamp(1.0, 4.0).view(torch.int32) & 0x7F800000).sub_(1 << 23).view(torch.float32)
+    # step 0.5, 1 or 2 by comparisons (compiled, a bit reinterpretation would be a scalar loop)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
     if rounding == "nearest":
         return torch.round(y / step).mul_(step)
     if rounding == "stochastic":
