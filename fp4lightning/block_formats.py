@@ -196,11 +196,24 @@ def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(b == E8M0_NAN, torch.full_like(s, float("nan")), s)
 
 
+def _blocked(x: torch.Tensor, b: int, block_2d: bool) -> torch.Tensor:
+    """``x`` (M, K) zero-padded and viewed as blocks: (M, Kp/b, b), or (Mp/16, 16, Kp/16, 16)."""
+    xp = _pad_to(x, 1, b)
+    if block_2d:
+        xp = _pad_to(xp, 0, b)
+    mp, kp = xp.shape
+    xp = xp.contiguous()
+    return xp.reshape(mp // b, b, kp // b, b) if block_2d else xp.reshape(mp, kp // b, b)
+
+
 def _mx_prepare(x: torch.Tensor, rounding: str):
     """Scaled blocks ``(M, Kp/32, 32)`` clamped to [-6, 6], biased E8M0 exponents, fp32 block scales, post scale."""
-    m, _ = x.shape
-    b = BLOCK_SIZES["mxfp4"]
-    xb = _pad_to(x.float(), 1, b).contiguous().reshape(m, -1, b)  # (M, Kp/32, 32)
+    return _mx_prepare_blocked(_blocked(x, BLOCK_SIZES["mxfp4"], False), rounding)
+
+
+def _mx_prepare_blocked(xb: torch.Tensor, rounding: str):
+    """``_mx_prepare`` of blocks already laid out as (M, Kp/32, 32)."""
+    xb = xb.float()
     amax = xb.abs().amax(-1, keepdim=True)
     # floor(log2(amax)) read off the fp32 exponent bits (exact; a subnormal amax gives -127)
     e = (torch.bitwise_right_shift(amax.view(torch.int32), 23) & 0xFF) - E8M0_BIAS
@@ -240,16 +253,16 @@ def _nv_prepare(x: torch.Tensor, block_2d: bool, global_scale):
 
     The scaled tensor is ``(M, Kp/16, 16)``, or ``(Mp/16, 16, Kp/16, 16)`` with 2-D tiles.
     """
-    b = BLOCK_SIZES["nvfp4"]
-    xf = _pad_to(x.float(), 1, b).contiguous()
-    if block_2d:
-        xf = _pad_to(xf, 0, b)
-    mp, kp = xf.shape
+    return _nv_prepare_blocked(_blocked(x, BLOCK_SIZES["nvfp4"], block_2d), block_2d, global_scale)
+
+
+def _nv_prepare_blocked(xb: torch.Tensor, block_2d: bool, global_scale):
+    """``_nv_prepare`` of blocks already laid out as (M, Kp/16, 16) or (Mp/16, 16, Kp/16, 16)."""
+    xb = xb.float()
     if global_scale is True:
-        global_scale = nvfp4_global_scale(torch.linalg.vector_norm(xf, float("inf")))
+        global_scale = nvfp4_global_scale(xb.abs().amax())
     elif global_scale is False:
         global_scale = None
-    xb = xf.reshape(mp // b, b, kp // b, b) if block_2d else xf.reshape(mp, kp // b, b)
     bmax = xb.abs().amax(dim=(1, 3)) if block_2d else xb.abs().amax(-1)  # (Mp/16 or M, Kp/16)
     block_scale = bmax / E2M1_MAX
     if global_scale is None:
@@ -305,34 +318,38 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
                          "with block32_e8m0")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+    b = BLOCK_SIZES[fmt]
+    m, k = x.shape
+    # the blocked view is made here, outside the fused pass: inside it, symbolic block counts
+    # hide the unit stride of the block's elements and the compiled loops turn scalar
+    xb = _blocked(x.detach(), b, block_2d)  # detached: never differentiated (and no extra graphs)
     u = None
     if rounding == "stochastic":
-        b = BLOCK_SIZES[fmt]
-        m, k = x.shape
         rows = -(-m // b) * b if block_2d else m
         u = torch.rand((rows, -(-k // b) * b), generator=generator, device=x.device, dtype=torch.float32)
+        u = u.reshape(xb.shape)
     from .fused import fake_quantize_block_pass
 
-    # detached: the pass is never differentiated, and requires_grad would double its compiled graphs
-    return fake_quantize_block_pass(x.detach(), fmt, rounding, u, block_2d, dtype)
+    vals, factor, dec = fake_quantize_block_pass(xb, fmt, rounding, u, block_2d, dtype)
+    mp = xb.shape[0] * xb.shape[1] if block_2d else xb.shape[0]
+    return vals.reshape(mp, -1)[:m, :k], factor, dec
 
 
-def _fake_quantize_block_eager(x: torch.Tensor, fmt: str, rounding: str, u: torch.Tensor | None, block_2d: bool,
+def _fake_quantize_block_eager(xb: torch.Tensor, fmt: str, rounding: str, u: torch.Tensor | None, block_2d: bool,
                                dtype: torch.dtype):
-    """The body of :func:`fake_quantize_block` (``fused.fake_quantize_block_pass`` compiles it)."""
-    m, k = x.shape
+    """The body of :func:`fake_quantize_block` on the blocked input (``fused.fake_quantize_block_pass``
+    compiles it): values in the blocked layout, the tensor-wide factor, the block decode scales."""
     if fmt == "mxfp4":
-        y, biased, _, factor = _mx_prepare(x, rounding)
+        y, biased, _, factor = _mx_prepare_blocked(xb, rounding)
         dec = e8m0_to_float(biased)
         bshape = dec.unsqueeze(-1)
     else:
-        y, s8, g = _nv_prepare(x, block_2d, True)
+        y, s8, g = _nv_prepare_blocked(xb, block_2d, True)
         dec = s8.float()
         bshape = dec[:, None, :, None] if block_2d else dec.unsqueeze(-1)
         factor = g
     vals = _round_values(y, rounding, None, u)
-    vals = vals.mul_(bshape).reshape(_rows(y, block_2d), -1)[:m, :k]
-    return vals.to(dtype), factor, dec
+    return vals.mul_(bshape).to(dtype), factor, dec
 
 
 def quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator: torch.Generator | None = None,
