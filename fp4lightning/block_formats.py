@@ -113,6 +113,31 @@ class BlockFP4:
 
 
 # --------------------------------------------------------------------------- rounding
+_M32 = 0xFFFFFFFF
+
+
+def sr_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One draw from ``generator``: the 0-dim int64 seed of a stochastic-rounding stream."""
+    dev = generator.device if generator is not None else device
+    draw = torch.randint(0, 2**31, (), generator=generator, device=dev, dtype=torch.int64)
+    return ((draw * 0x9E3779B1) & _M32).to(device)
+
+
+def hash_uniform(n: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``n`` fp32 uniforms in [0, 1) (24 random bits each): element ``i`` is a hash of ``i``
+    and ``seed`` (Wellons' ``lowbias32`` integer hash). Counter-based: no generator state,
+    so the draws fuse into the quantizer's pass and cost a few integer operations each,
+    where ``torch.rand`` with a CPU generator costs ~9 ns per element; the same seed gives
+    the same draws on every run and device."""
+    x = (torch.arange(n, device=device, dtype=torch.int64) ^ seed) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) * (2.0**-24)
+
+
 def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | None,
                   u: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``y`` in [-6, 6] rounded onto the E2M1 grid (values, sign kept; NaN stays NaN).
@@ -121,7 +146,9 @@ def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | N
     ``round(y / step) * step``. ``torch.round`` breaks ties to the even integer, which is
     exactly the even-mantissa E2M1 neighbour (0.25 -> 0, 2.5 -> 2, 5 -> 4). Stochastic:
     ``floor(|y| / step) + (u < frac)``, so ``E[q] = y`` and q is one of y's two neighbours.
-    ``u`` (same number of elements as ``y``) replaces the uniform draw from ``generator``.
+    The uniforms are ``hash_uniform`` of a seed drawn from ``generator`` (``sr_seed``), over the
+    elements in ``y``'s row-major order. ``u`` replaces them: fp32 uniforms with as many elements
+    as ``y``, or a 0-dim int64 seed from ``sr_seed``.
     """
     a = y.abs()
     # step 0.5, 1 or 2 by comparisons (compiled, a bit reinterpretation would be a scalar loop)
@@ -132,9 +159,10 @@ def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | N
         t = a / step
         lo = torch.floor(t)
         if u is None:
-            u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
-        else:
-            u = u.reshape(y.shape)
+            u = sr_seed(generator, y.device)
+        if not u.is_floating_point():  # a seed
+            u = hash_uniform(y.numel(), u, y.device)
+        u = u.reshape(y.shape)
         q = lo.add_((u < t.sub_(lo)).float()).mul_(step)
         return torch.copysign(q, y)
     raise ValueError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
@@ -307,8 +335,8 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
     block, (M, Kp/b) or (Mp/16, Kp/16). No packing: this is what the reference GeMMs use.
 
     The elementwise work runs as one fused pass (``fp4lightning.fused``: ``torch.compile`` on
-    CPU, bit for bit equal to eager); stochastic rounding draws its uniforms from
-    ``generator`` first, in the same order as ``quantize_block``.
+    CPU, bit for bit equal to eager); stochastic rounding takes one seed from ``generator`` and
+    uses the same uniforms as ``quantize_block`` with the generator in the same state.
     """
     x = _check_2d(x, "fake_quantize_block")
     if fmt not in BLOCK_SIZES:
@@ -323,11 +351,8 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
     # the blocked view is made here, outside the fused pass: inside it, symbolic block counts
     # hide the unit stride of the block's elements and the compiled loops turn scalar
     xb = _blocked(x.detach(), b, block_2d)  # detached: never differentiated (and no extra graphs)
-    u = None
-    if rounding == "stochastic":
-        rows = -(-m // b) * b if block_2d else m
-        u = torch.rand((rows, -(-k // b) * b), generator=generator, device=x.device, dtype=torch.float32)
-        u = u.reshape(xb.shape)
+    # stochastic rounding: one seed from the generator; the pass hashes it into its uniforms
+    u = sr_seed(generator, x.device) if rounding == "stochastic" else None
     from .fused import fake_quantize_block_pass
 
     vals, factor, dec = fake_quantize_block_pass(xb, fmt, rounding, u, block_2d, dtype)

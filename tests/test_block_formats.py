@@ -316,3 +316,27 @@ def test_fake_quantize_block_compiled_is_bitwise_equal_to_eager(monkeypatch, fmt
     q = quantize_block(x, fmt, rounding, torch.Generator().manual_seed(7), block_2d=block_2d)
     v, factor, _ = out["1"]
     close(v.float() * factor, q.dequantize(), rtol=2.0**-22, atol=0.0, what="values x factor")
+
+
+def test_hash_uniform_is_uniform_independent_and_reproducible():
+    """The counter-based uniforms behind stochastic rounding (block_formats.hash_uniform): moments,
+    a 64-bin histogram, neighbour and cross-seed correlation; same seed, same draws."""
+    from fp4lightning.block_formats import hash_uniform, sr_seed
+
+    n = 1 << 20
+    s1 = sr_seed(torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item()), torch.device("cpu"))
+    s2 = sr_seed(torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item()), torch.device("cpu"))
+    u, v = hash_uniform(n, s1, torch.device("cpu")), hash_uniform(n, s2, torch.device("cpu"))
+    assert torch.equal(u, hash_uniform(n, s1, torch.device("cpu")))
+    assert u.dtype == torch.float32 and u.min() >= 0 and u.max() < 1
+    assert torch.equal(u * 2**24, (u * 2**24).round())  # 24-bit grid
+    sd = (1 / 12) ** 0.5 / n ** 0.5  # standard error of a mean of n uniforms
+    below(abs(u.mean().item() - 0.5), 6 * sd, "mean - 1/2")
+    below(abs(u.var().item() - 1 / 12), 6 * 0.0745 / n ** 0.5, "variance - 1/12")  # sd(var) ~ 0.0745/sqrt(n)
+    counts = torch.bincount((u * 64).long(), minlength=64).double()
+    chi2 = ((counts - n / 64) ** 2 / (n / 64)).sum().item()
+    below(chi2, 63 + 6 * (2 * 63) ** 0.5, "chi-square, 63 degrees of freedom")
+    c = u - 0.5
+    for what, other in (("neighbour", torch.roll(c, 1)), ("other seed", v - 0.5)):
+        corr = (c * other).mean().item() / (1 / 12)
+        below(abs(corr), 6 / n ** 0.5, f"correlation with {what}")
