@@ -58,7 +58,9 @@ def _checksum(t: torch.Tensor) -> int:
     if t.dtype == torch.float64:
         t = t.float()
     ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-    return int(ints.sum(dtype=torch.int64))
+    from .fused import bits_sum
+
+    return int(bits_sum(ints))
 
 
 def _rounding(cfg, operand: str, t: torch.Tensor):
