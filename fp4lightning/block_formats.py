@@ -356,8 +356,7 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
     from .fused import fake_quantize_block_pass
 
     vals, factor, dec = fake_quantize_block_pass(xb, fmt, rounding, u, block_2d, dtype)
-    mp = xb.shape[0] * xb.shape[1] if block_2d else xb.shape[0]
-    return vals.reshape(mp, -1)[:m, :k], factor, dec
+    return vals.reshape(_rows(xb, block_2d), -1)[:m, :k], factor, dec
 
 
 def _fake_quantize_block_eager(xb: torch.Tensor, fmt: str, rounding: str, u: torch.Tensor | None, block_2d: bool,

@@ -170,26 +170,15 @@ def decode_packed_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.f
 
 def _round_e5m2(y: torch.Tensor) -> torch.Tensor:
     """fp32 ``y`` (finite, |y| <= 57344) rounded to the nearest FP8 E5M2 value, ties to even,
-    returned in fp32: the values of ``y.to(torch.float8_e5m2)``, bit for bit (-0.0 included).
-
-    Normal range: round the fp32 mantissa to 2 bits by integer arithmetic on the bit
-    pattern (add half an ulp minus one plus the kept lowest bit, then truncate); below
-    2^-14 (E5M2 subnormals, step 2^-16) round on the fixed grid. Elementwise arithmetic
-    that a compiler vectorizes, unlike the scalar FP8 conversion on CPU.
-    """
-    b = y.view(torch.int32)
-    normal = ((b + 0xFFFFF + ((b >> 21) & 1)) & -0x200000).view(torch.float32)  # -0x200000 == 0xFFE00000
-    return torch.where(y.abs() < 2.0**-14, torch.round(y * 65536.0) / 65536.0, normal)
-
-
-def _round_e5m2_float(y: torch.Tensor) -> torch.Tensor:
-    """``_round_e5m2`` with float operations only: the same bits (``tests/test_formats.py``).
+    returned in fp32: the values of ``y.to(torch.float8_e5m2)``, bit for bit (-0.0 included;
+    ``tests/test_formats.py``).
 
     ``p``, the largest power of two <= |y| but at least 2^-14 (the E5M2 subnormal step is then
     p / 4 = 2^-16, so one formula covers both ranges), comes from five compare-and-double steps;
     ``round(y * 4 / p) * (p / 4)`` then rounds to 2 mantissa bits, ties to even, exactly
-    (every factor is a power of two). Inductor turns this into vector code, while the bit
-    reinterpretation in ``_round_e5m2`` compiles to a scalar loop.
+    (every factor is a power of two). Float operations only: compiled, Inductor turns them into
+    vector code, where a reinterpretation of the fp32 bits becomes a scalar loop, and the FP8
+    cast itself does not vectorize.
     """
     a = y.abs()
     p = torch.full_like(a, 2.0**-14)

@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from .constants import E2M1_MAX
-from .formats import pow2_floor, _round_e5m2_float, _round_index, _round_magnitude
+from .formats import pow2_floor, _round_e5m2, _round_index, _round_magnitude
 
 __all__ = ["compile_enabled", "fp4_rows", "fp8_scaled", "gemm_epilogue", "wgrad_epilogue"]
 
@@ -159,7 +159,7 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     scaled = scaled.clamp(-fmax, fmax)
     if carrier is not None and fp8_dtype == torch.float8_e5m2 and torch.compiler.is_compiling():
         # same values as the FP8 cast; compiled, the arithmetic vectorizes and the cast does not
-        out = _round_e5m2_float(scaled).to(carrier)
+        out = _round_e5m2(scaled).to(carrier)
     else:
         g8 = scaled.to(fp8_dtype)
         out = g8 if carrier is None else g8.to(carrier)
