@@ -3,9 +3,11 @@
 One run, one process group, the same model and batches for every format (arXiv 2501.17116, section 3.2):
   * fp32: PyTorch's ``allreduce_hook`` (what DDP does without a hook);
   * bf16: PyTorch's ``bf16_compress_hook``;
-  * e4m3: ``fp4lightning.comm.fp8_compress_hook`` (amax MAX-reduce, all_to_all + all_gather of FP8 bytes);
+  * e4m3: ``fp4lightning.comm.fp8_compress_hook`` (amax MAX-reduce, all_to_all + all_gather of FP8 bytes;
+    the default scheme at W > 2);
   * e4m3-async: ``fp4lightning.comm.fp8_async_gather_hook`` (one asynchronous all_gather of FP8 bytes plus
-    the senders' scales per bucket, decoded in the future's callback while backward continues);
+    the senders' scales per bucket, decoded in the future's callback while backward continues; the default
+    scheme at W = 2);
   * none: ``DDP.no_sync()``, no communication at all, to separate the sync cost from compute.
 Prints, per model (the project's LLaMA ``tiny`` and a mid-size one), bytes each rank sent per step
 (counted by the hooks, see docs/distributed.md) and median time per training step (forward,
@@ -124,8 +126,8 @@ def _print_table(rows, world: int, args) -> None:
         t_none = res["none"][0]
         for fmt in FORMATS:
             t, b, _ = res[fmt]
-            label = {"fp32": "fp32 all-reduce", "bf16": "bf16_compress_hook", "e4m3": "FP8 E4M3 hook",
-                     "e4m3-async": "FP8 E4M3 async all_gather hook",
+            label = {"fp32": "fp32 all-reduce", "bf16": "bf16_compress_hook", "e4m3": "FP8 E4M3 reduce-scatter hook",
+                     "e4m3-async": "FP8 E4M3 async all_gather hook (default at W = 2)",
                      "none": "no sync (no_sync)"}[fmt]
             print(f"| {name} | {numel / 1e6:.1f}M | {label} | {b:,} | {b / b32:.3f} | {t * 1e3:.1f} "
                   f"| {t / t32:.2f} | {(t - t_none) * 1e3:.1f} |")

@@ -22,9 +22,15 @@ a quarter of an fp32 ring all-reduce and half of a bf16 one, plus the small amax
 Where the backend lacks ``all_to_all`` the hook falls back (once, with a log line) to an
 ``all_gather`` of the whole FP8 payload and an fp32 sum on every rank (``N (W-1)`` bytes).
 
-The hooks complete their collectives synchronously and return an already completed future:
-issuing collectives from future callbacks on background threads could interleave buckets
-differently on different ranks.
+This reduce-scatter hook completes its collectives synchronously and returns an already completed
+future: issuing collectives from future callbacks on background threads could interleave buckets
+differently on different ranks. :func:`fp8_async_gather_hook` needs one collective per bucket, so it
+issues it asynchronously and overlaps it with the rest of backward; at W = 2 its bytes equal the
+reduce-scatter's and it is the default there (``scheme="auto"``, :func:`resolve_scheme`).
+
+The per-element passes (FP8 encode, decode-and-sum, mean-and-requantise) are one loop each, compiled on
+CPU through :mod:`fp4lightning.fused` (torch's eager CPU float8 casts are scalar code); the compiled and
+the eager evaluation give the same bits (``tests/test_ddp.py``).
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook checks that the
@@ -40,7 +46,8 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from fp4lightning.constants import F8E4M3_MAX, F8E5M2_MAX
-from fp4lightning.formats import pow2_floor, saturating_cast_
+from fp4lightning.formats import pow2_floor
+from fp4lightning.fused import _fused
 
 __all__ = [
     "FP8_FORMATS",
@@ -50,6 +57,7 @@ __all__ = [
     "fp8_async_gather_hook",
     "allreduce_counting_hook",
     "hook_for_format",
+    "resolve_scheme",
     "fp8_all_reduce_mean_",
     "ring_all_reduce_bytes",
 ]
@@ -64,7 +72,7 @@ FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
 #: wire formats of the gradient all-reduce (FP4DDPStrategy(grad_format=...)); not the dY formats of
 #: the backward GeMMs (fp4lightning.constants.DY_FORMATS)
 WIRE_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
-SCHEMES = ("reduce_scatter", "all_gather", "async_all_gather")
+SCHEMES = ("auto", "reduce_scatter", "all_gather", "async_all_gather")
 
 # 2^126 keeps the scale finite in fp32 even for an amax of a few subnormals.
 _MAX_SCALE_EXP = 126
@@ -81,7 +89,9 @@ class CommState:
         grad_format: wire format of the gradients: ``"e4m3"`` (default, the paper's), ``"e5m2"``,
             ``"bf16"`` (PyTorch's ``bf16_compress_hook``) or ``"fp32"`` (plain all-reduce).
         process_group: group to reduce over; ``None`` means the default (world) group.
-        scheme: FP8 exchange, ``"reduce_scatter"`` (all_to_all + all_gather, default),
+        scheme: FP8 exchange, ``"auto"`` (default: ``"async_all_gather"`` at W = 2, where its bytes equal
+            the reduce-scatter's and it overlaps with backward, else ``"reduce_scatter"``; resolved by
+            :func:`resolve_scheme` when the hook is chosen), ``"reduce_scatter"`` (all_to_all + all_gather),
             ``"all_gather"`` (the fallback: all_gather of the whole FP8 payload) or
             ``"async_all_gather"`` (:func:`fp8_async_gather_hook`: one asynchronous all_gather per bucket,
             each rank's own scales in the payload, overlapped with backward; ``N (W-1)`` bytes, which
@@ -97,7 +107,7 @@ class CommState:
 
     grad_format: str = "e4m3"
     process_group: Optional[dist.ProcessGroup] = None
-    scheme: str = "reduce_scatter"
+    scheme: str = "auto"
     check_finite: bool = True
     step_bytes: int = 0
     step_nonfinite: bool = False
@@ -176,20 +186,49 @@ def _decode_fp8_raw_into(codes: Tensor, fmt: str, out: Tensor) -> float:
     return 1.0
 
 
-def _decode_fp8_exact_view(codes: Tensor, fmt: str) -> tuple[Tensor, float]:
-    """FP8 ``codes`` (uint8) as a tensor that holds the values exactly up to the returned power-of-two
-    factor and that fp32 arithmetic accepts: fp16 on CPU for e4m3 (the bit trick of
-    :func:`_decode_fp8_raw_into` without its final fp32 copy), else fp32."""
-    if fmt == "e4m3" and codes.device.type == "cpu":
-        bits = codes.view(torch.int8).to(torch.int16)
-        return bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16), 256.0
-    return codes.view(FP8_FORMATS[fmt][0]).float(), 1.0
-
-
 def _decode_fp8_into(codes: Tensor, fmt: str, out: Tensor) -> Tensor:
     """Exact fp32 values of the FP8 ``codes`` (uint8) written into ``out``."""
     factor = _decode_fp8_raw_into(codes, fmt, out)
     return out.mul_(factor) if factor != 1.0 else out
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-element passes, each one loop over memory: compiled on CPU (fp4lightning.fused, where
+# torch's eager float8 casts are scalar code), the same math eagerly elsewhere
+
+
+@_fused
+def _encode_fp8_into(x: Tensor, scale: Tensor, out: Tensor, fmax: float, dtype8: torch.dtype) -> Tensor:
+    """``out`` (uint8) <- the FP8 codes of ``x * scale`` in fp32, saturated to +-``fmax``, round to nearest
+    even (``saturating_cast_``'s result). ``scale`` is a power of two, so the product is exact."""
+    out.copy_((x.float() * scale).clamp(-fmax, fmax).to(dtype8).view(torch.uint8))
+    return out
+
+
+def _decoded_sum(rows: Tensor, mult: Tensor, dtype8: torch.dtype) -> Tensor:
+    acc = rows[0].view(dtype8).float() * mult[0]
+    for r in range(1, rows.shape[0]):  # rank order, the same on every rank
+        acc = acc + rows[r].view(dtype8).float() * mult[r]
+    return acc
+
+
+@_fused
+def _decode_sum_into(rows: Tensor, mult: Tensor, out: Tensor, dtype8: torch.dtype, divisor: int) -> Tensor:
+    """``out`` <- ``(sum_r decode(rows[r]) * mult[r]) / divisor`` in fp32, summed in row (rank) order;
+    ``rows`` is (R, n) uint8 FP8 codes, ``mult`` (R,) fp32 powers of two (so every product is exact).
+    ``out`` may be any float dtype (one rounding into it)."""
+    out.copy_(_decoded_sum(rows, mult, dtype8) / divisor)
+    return out
+
+
+@_fused
+def _mean_requantize_into(rows: Tensor, out: Tensor, fmax: float, dtype8: torch.dtype) -> Tensor:
+    """``out`` (uint8) <- FP8 codes of the mean over rows of the decoded (R, n) codes ``rows``: fp32 sum
+    in row order, divided by R, saturating cast (|mean| <= max |row|, so nothing saturates)."""
+    ones = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
+    mean = _decoded_sum(rows, ones, dtype8) / rows.shape[0]
+    out.copy_(mean.clamp(-fmax, fmax).to(dtype8).view(torch.uint8))
+    return out
 
 
 def fp8_all_reduce_mean_(
@@ -216,10 +255,7 @@ def fp8_all_reduce_mean_(
     sizes = [n] if sizes is None or sum(sizes) != n else list(sizes)
     state.buckets += 1
     dtype8, fmax = FP8_FORMATS[fmt]
-
-    # x is scratch from here on: the bucket buffer itself (overwritten with the result anyway) or an fp32 copy
-    x = flat if flat.dtype == torch.float32 else flat.float()
-    segs = x.split(sizes)
+    segs = flat.split(sizes)
 
     # ---- 1. agree on per-tensor amax and on finiteness
     amax = torch.stack([_abs_max(seg) for seg in segs])  # (T,)
@@ -232,20 +268,19 @@ def fp8_all_reduce_mean_(
         return flat.fill_(float("nan"))
 
     # ---- 2. common power-of-two scale per tensor (identical on every rank), quantise
-    scales = _pow2_scales(stats[:-1], fmax).tolist()
-    for seg, s in zip(segs, scales):
-        seg.mul_(s)  # exact: s is a power of two
-    use_rs = state.scheme == "reduce_scatter" and world > 1
+    scales = _pow2_scales(stats[:-1], fmax)
+    use_rs = state.scheme in ("reduce_scatter", "auto") and world > 1  # this function is synchronous
     chunk = math.ceil(n / world)
-    codes8 = torch.empty(chunk * world if use_rs else n, dtype=dtype8, device=x.device)
-    codes8.view(torch.uint8)[n:].zero_()  # byte 0 is +0.0 in both FP8 formats: padding adds nothing
-    saturating_cast_(x, codes8[:n])
-    codes = codes8.view(torch.uint8)
+    codes = torch.empty(chunk * world if use_rs else n, dtype=torch.uint8, device=flat.device)
+    codes[n:].zero_()  # byte 0 is +0.0 in both FP8 formats: padding adds nothing
+    for seg, s, c in zip(segs, scales, codes[:n].split(sizes)):
+        _encode_fp8_into(seg, s, c, fmax, dtype8)
 
-    # ---- 3. exchange and reduce in fp32; the mean (scaled domain, up to `factor`) lands in x
+    # ---- 3. exchange: the mean's FP8 codes (reduce-scatter) or every rank's codes (all-gather)
+    rows = None
     if use_rs:
         try:
-            factor = _reduce_scatter_all_gather(codes, n, fmt, world, group, state, out=x)
+            rows = _reduce_scatter_all_gather(codes, fmt, world, group, state)[:n].view(1, n)
         except _MissingCollective as err:
             if not state._fallback_logged:
                 log.warning(
@@ -256,18 +291,15 @@ def fp8_all_reduce_mean_(
                 )
                 state._fallback_logged = True
             state.scheme = "all_gather"
-            factor = _all_gather_sum(codes[:n], fmt, world, group, state, out=x)
-    else:
-        factor = _all_gather_sum(codes, fmt, world, group, state, out=x)
+            codes = codes[:n]
+    if rows is None:
+        rows = _all_gather_rows(codes, world, group, state)
 
-    for seg, s in zip(segs, scales):
-        m = factor / s  # a power of two: exact
-        if m < 2.0**127:
-            seg.mul_(m)
-        else:  # amax near fp32's max: m would overflow as an fp32 scalar
-            seg.mul_(factor).mul_(1.0 / s)
-    if x is not flat:
-        flat.copy_(x)
+    # ---- 4. decode (and, after an all-gather, sum in rank order), undo the scale, into the bucket
+    divisor = 1 if rows.shape[0] == 1 else world
+    inv = (1.0 / scales.double()).float()  # powers of two: exact
+    for out, r, m in zip(segs, rows.split(sizes, dim=1), inv):
+        _decode_sum_into(r, m.expand(rows.shape[0]), out, dtype8, divisor)
     return flat
 
 
@@ -276,8 +308,13 @@ class _MissingCollective(RuntimeError):
 
 
 def _reduce_scatter_all_gather(
-    codes: Tensor, n: int, fmt: str, world: int, group: dist.ProcessGroup, state: CommState, out: Tensor
-) -> float:
+    codes: Tensor, fmt: str, world: int, group: dist.ProcessGroup, state: CommState
+) -> Tensor:
+    """Reduce-scatter (all_to_all, then each rank averages its chunk and re-quantises it with the same
+    scale) and all-gather of FP8 ``codes`` (uint8, a multiple of ``world`` long); returns the gathered
+    codes of the mean. |mean| <= the common amax * scale <= FP8_MAX, so the re-quantisation cannot
+    saturate."""
+    dtype8, fmax = FP8_FORMATS[fmt]
     chunk = codes.numel() // world
     received = torch.empty_like(codes)
     try:
@@ -286,39 +323,23 @@ def _reduce_scatter_all_gather(
         # only this first collective may be missing; later failures are real errors
         raise _MissingCollective(str(err)) from err
     state.add_bytes((world - 1) * chunk)
-    rows = received.view(world, chunk)
-    mean = torch.empty(chunk, device=codes.device)
-    factor = _decode_fp8_raw_into(rows[0], fmt, mean)
-    tmp = torch.empty_like(mean)
-    for j in range(1, world):
-        _decode_fp8_raw_into(rows[j], fmt, tmp)
-        mean += tmp
-    mean.mul_(factor).div_(world)
-    # |mean| <= common amax * scale <= FP8_MAX, so re-quantising with the same scale cannot overflow
-    reduced = saturating_cast_(mean, torch.empty(chunk, dtype=FP8_FORMATS[fmt][0], device=codes.device))
+    reduced = _mean_requantize_into(received.view(world, chunk), torch.empty(chunk, dtype=torch.uint8,
+                                    device=codes.device), fmax, dtype8)
     gathered = torch.empty_like(codes)
-    _all_gather_single(gathered, reduced.view(torch.uint8), group=group)
+    _all_gather_single(gathered, reduced, group=group)
     state.add_bytes((world - 1) * chunk)
-    return _decode_fp8_raw_into(gathered[:n], fmt, out)
+    return gathered
 
 
-def _all_gather_sum(
-    codes: Tensor, fmt: str, world: int, group: dist.ProcessGroup, state: CommState, out: Tensor
-) -> float:
+def _all_gather_rows(codes: Tensor, world: int, group: dist.ProcessGroup, state: CommState) -> Tensor:
+    """Every rank's ``codes`` (uint8, n) as a (world, n) tensor, row r from rank r."""
     n = codes.numel()
     if world == 1:
-        return _decode_fp8_raw_into(codes, fmt, out)
-    parts = [torch.empty_like(codes) for _ in range(world)]
-    dist.all_gather(parts, codes, group=group)
+        return codes.view(1, n)
+    rows = torch.empty(world, n, dtype=torch.uint8, device=codes.device)
+    _all_gather_single(rows.view(-1), codes, group=group)
     state.add_bytes((world - 1) * n)
-    # every rank sums the same bytes in the same (rank) order: bit-identical results
-    factor = _decode_fp8_raw_into(parts[0], fmt, out)
-    tmp = torch.empty(n, device=codes.device)
-    for p in parts[1:]:
-        _decode_fp8_raw_into(p, fmt, tmp)
-        out += tmp
-    out.div_(world)
-    return factor
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +388,7 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
     state.buckets += 1
     dtype8, fmax = FP8_FORMATS[fmt]
 
-    x = buf if buf.dtype == torch.float32 else buf.float()
-    segs = x.split(sizes)
+    segs = buf.split(sizes)
     amax = torch.stack([_abs_max(seg) for seg in segs])
     finite = torch.isfinite(amax)
     scales = torch.where(finite, _pow2_scales(torch.nan_to_num(amax, nan=0.0, posinf=0.0), fmax),
@@ -376,9 +396,8 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
     payload = torch.empty(n + 4 * t, dtype=torch.uint8, device=buf.device)
     payload[n:].view(torch.float32).copy_(scales)
     if bool(finite.all()):
-        for seg, sc in zip(segs, scales.tolist()):
-            seg.mul_(sc)  # exact: a power of two (x is scratch: the bucket is overwritten with the mean)
-        saturating_cast_(x, payload[:n].view(dtype8))
+        for seg, sc, c in zip(segs, scales, payload[:n].split(sizes)):
+            _encode_fp8_into(seg, sc, c, fmax, dtype8)
     else:
         payload[:n].zero_()
     flat_gathered = torch.empty(world * (n + 4 * t), dtype=torch.uint8, device=buf.device)
@@ -392,17 +411,9 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
         if not bool(torch.isfinite(all_scales).all()):
             state.step_nonfinite = True
             return buf.fill_(float("nan"))
-        out = x  # fp32 scratch (the bucket itself for fp32 gradients)
-        mult = (1.0 / world) / all_scales.double()  # powers of two when W is one: exact
-        for r in range(world):
-            vals, factor = _decode_fp8_exact_view(gathered[r, :n], fmt)
-            for seg_out, seg_in, m in zip(out.split(sizes), vals.split(sizes), (mult[r] * factor).tolist()):
-                if r == 0:
-                    torch.mul(seg_in, m, out=seg_out)
-                else:
-                    seg_out.add_(seg_in, alpha=m)
-        if out is not buf:
-            buf.copy_(out)
+        inv = (1.0 / all_scales.double()).float().t()  # (t, world), powers of two: exact
+        for out, rows, m in zip(segs, gathered[:, :n].split(sizes, dim=1), inv):
+            _decode_sum_into(rows, m, out, dtype8, world)  # rank order, then / W
         return buf
 
     return work.get_future().then(_reduce)
@@ -441,11 +452,27 @@ def allreduce_counting_hook(state: CommState, bucket: dist.GradBucket) -> torch.
     return fut.then(_record)
 
 
+def resolve_scheme(scheme: str, world_size: int) -> str:
+    """``"auto"`` -> ``"async_all_gather"`` at ``world_size == 2`` (the same bytes as the reduce-scatter,
+    ``N``, one collective per bucket overlapped with backward, one FP8 rounding instead of two), else
+    ``"reduce_scatter"`` (``2N(W-1)/W`` bytes against the all-gather's ``N(W-1)``); other schemes as given."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r} is not supported; choose one of {SCHEMES}.")
+    if scheme != "auto":
+        return scheme
+    return "async_all_gather" if world_size == 2 else "reduce_scatter"
+
+
 def hook_for_format(
-    grad_format: str, scheme: str = "reduce_scatter"
+    grad_format: str, scheme: str = "reduce_scatter", world_size: Optional[int] = None
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future]:
-    """The communication hook that implements ``grad_format`` (one of :data:`WIRE_FORMATS`) and ``scheme``."""
+    """The communication hook that implements ``grad_format`` (one of :data:`WIRE_FORMATS`) and ``scheme``
+    (``"auto"`` needs ``world_size``, see :func:`resolve_scheme`)."""
     if grad_format in FP8_FORMATS:
+        if scheme == "auto":
+            if world_size is None:
+                raise ValueError("scheme='auto' depends on the world size; pass world_size= or name a scheme.")
+            scheme = resolve_scheme(scheme, world_size)
         return fp8_async_gather_hook if scheme == "async_all_gather" else fp8_compress_hook
     if grad_format in ("bf16", "fp32"):
         return allreduce_counting_hook

@@ -33,7 +33,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from fp4lightning.comm import CommState, hook_for_format
+from fp4lightning.comm import CommState, hook_for_format, resolve_scheme
 
 __all__ = ["FP4DDPStrategy", "FP4FSDPStrategy", "is_fsdp"]
 
@@ -48,7 +48,8 @@ class FP4DDPStrategy(DDPStrategy):
     Args:
         grad_format: gradient wire format: ``"e4m3"`` (default; the paper's), ``"e5m2"``, ``"bf16"``
             (PyTorch's ``bf16_compress_hook``) or ``"fp32"`` (plain DDP all-reduce, the baseline).
-        scheme: FP8 exchange: ``"reduce_scatter"`` (all_to_all + all_gather, ``2N(W-1)/W`` bytes) or
+        scheme: FP8 exchange: ``"auto"`` (default: ``"async_all_gather"`` at W = 2, else
+            ``"reduce_scatter"``), ``"reduce_scatter"`` (all_to_all + all_gather, ``2N(W-1)/W`` bytes) or
             ``"all_gather"`` (``N(W-1)`` bytes; used automatically where all_to_all is missing) or
             ``"async_all_gather"`` (one overlapped all_gather per bucket, ``N(W-1)`` bytes: the fastest
             at W = 2, where its bytes equal the reduce-scatter's; see docs/distributed.md).
@@ -74,7 +75,7 @@ class FP4DDPStrategy(DDPStrategy):
         self,
         grad_format: str = "e4m3",
         *,
-        scheme: Literal["reduce_scatter", "all_gather", "async_all_gather"] = "reduce_scatter",
+        scheme: Literal["auto", "reduce_scatter", "all_gather", "async_all_gather"] = "auto",
         nonfinite: Literal["skip", "propagate"] = "skip",
         log_bytes: bool = True,
         accelerator: Any = None,
@@ -126,6 +127,7 @@ class FP4DDPStrategy(DDPStrategy):
         # DDPStrategy registers comm hooks only on CUDA; the hook below is device-agnostic (gloo and NCCL).
         assert isinstance(self.model, DistributedDataParallel)
         self.comm_state.process_group = None  # default group: the one Lightning initialised
+        self.comm_state.scheme = resolve_scheme(self.comm_state.scheme, self.world_size)
         self.model.register_comm_hook(self.comm_state, hook_for_format(self.grad_format, self.comm_state.scheme))
         self._hook_registered = True
         log.debug("FP4DDPStrategy: registered %s gradient communication hook", self.grad_format)

@@ -357,9 +357,11 @@ def _trainer_checks(rank: int, seed: int) -> dict:
     steps = 50
     out: dict = {}
     runs = {}
-    for fmt in ("e4m3", "fp32", "bf16"):
-        model, trainer = _fit(FP4DDPStrategy(fmt), seed, steps if fmt != "bf16" else 3)
+    for fmt in ("e4m3", "e4m3_rs", "fp32", "bf16"):  # e4m3: the default scheme, "auto" (async all-gather at W=2)
+        strategy = FP4DDPStrategy("e4m3", scheme="reduce_scatter") if fmt == "e4m3_rs" else FP4DDPStrategy(fmt)
+        model, trainer = _fit(strategy, seed, steps if fmt != "bf16" else 3)
         runs[fmt] = model
+        out[f"{fmt}_scheme"] = trainer.strategy.comm_state.scheme
         out[f"{fmt}_bytes"] = model.step_bytes
         out[f"{fmt}_logged_bytes"] = model.logged_bytes
         out[f"{fmt}_param_digest"] = _digest(list(model.parameters()))
@@ -410,8 +412,9 @@ def test_strategy_trainer_fp8_vs_fp32_bytes_and_nonfinite(tmp_path):
     print(json.dumps({k: v for k, v in r0.items() if "bytes" not in k and "digest" not in k}, indent=1))
 
     # every rank holds bit-identical parameters after 50 FP8-synchronised steps (and the baselines)
-    for fmt in ("e4m3", "fp32", "bf16"):
+    for fmt in ("e4m3", "e4m3_rs", "fp32", "bf16"):
         assert r0[f"{fmt}_param_digest"] == r1[f"{fmt}_param_digest"], f"{fmt}: replicas drifted apart"
+    assert r0["e4m3_scheme"] == "async_all_gather" and r0["e4m3_rs_scheme"] == "reduce_scatter"
 
     # FP8 sync tracks fp32 sync
     for r in (r0, r1):
@@ -419,15 +422,20 @@ def test_strategy_trainer_fp8_vs_fp32_bytes_and_nonfinite(tmp_path):
         assert r["loss_max_rel_diff"] < LOSS_TRACK_RTOL, r["loss_max_rel_diff"]
         assert r["param_rel_l2"] < PARAM_TRACK_RTOL, r["param_rel_l2"]
 
-    # bytes counted (and logged) per step match 2 N (W-1)/W for FP8, 4x that for fp32, 2x for bf16
+    # bytes counted (and logged) per step match 2 N (W-1)/W for FP8 (reduce-scatter: plus the amax vector;
+    # async all-gather: (N + 4T)(W-1), the same N at W = 2 plus the senders' scales), 4x that for fp32,
+    # 2x for bf16
     n, t = r0["numel"], r0["n_tensors"]
-    assert r0["e4m3_buckets"] == 50  # one bucket per step for this small model
+    assert r0["e4m3_buckets"] == r0["e4m3_rs_buckets"] == 50  # one bucket per step for this small model
     amax_bytes = 2 * (W - 1) * math.ceil((t + 1) / W) * 4
-    fp8_expected = 2 * math.ceil(n / W) * (W - 1) + amax_bytes
+    rs_expected = 2 * math.ceil(n / W) * (W - 1) + amax_bytes
+    fp8_expected = (n + 4 * t) * (W - 1)
     for r in (r0, r1):
+        assert r["e4m3_rs_bytes"] == [rs_expected] * 50
+        assert r["e4m3_rs_total_bytes"] == 50 * rs_expected
+        assert abs(rs_expected - 2 * n * (W - 1) / W) <= amax_bytes + 2 * (W - 1)
         assert r["e4m3_bytes"] == [fp8_expected] * 50
         assert r["e4m3_logged_bytes"] == [float(fp8_expected)] * 50
-        assert abs(fp8_expected - 2 * n * (W - 1) / W) <= amax_bytes + 2 * (W - 1)
         assert r["e4m3_total_bytes"] == 50 * fp8_expected
         assert r["fp32_bytes"] == [2 * math.ceil(n / W) * (W - 1) * 4] * 50
         assert r["bf16_bytes"] == [2 * math.ceil(n / W) * (W - 1) * 2] * 3
@@ -465,6 +473,39 @@ def test_fp8_decode_is_exact_for_every_code():
         assert torch.equal(got[finite], want[finite]), fmt
 
 
+def test_fp8_comm_passes_compiled_match_eager_bitwise():
+    """The hooks' per-element passes run compiled on CPU (fp4lightning.fused); they must give the bits of
+    the same math run eagerly (torch's own float8 casts): every FP8 code's value, each midpoint between
+    neighbouring codes (ties to even), values beyond the range (saturation), fp32 and bf16 buckets."""
+    from fp4lightning.comm import FP8_FORMATS, _decode_sum_into, _encode_fp8_into, _mean_requantize_into
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for fmt, (dtype8, fmax) in FP8_FORMATS.items():
+        vals = torch.arange(256, dtype=torch.uint8).view(dtype8).float()
+        vals = vals[torch.isfinite(vals)].unique()
+        mids = (vals[1:] + vals[:-1]) / 2
+        x = torch.cat([vals, mids, torch.tensor([fmax * 1.5, -fmax * 3, 1e-12]),
+                       torch.randn(4093, generator=gen) * 10.0 ** torch.randint(-6, 3, (4093,), generator=gen)])
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = x.to(dtype)
+            for scale in (1.0, 2.0**-3, 2.0**5):
+                s = torch.tensor(scale)
+                got = _encode_fp8_into(xs, s, torch.empty(xs.numel(), dtype=torch.uint8), fmax, dtype8)
+                want = _encode_fp8_into.eager(xs, s, torch.empty(xs.numel(), dtype=torch.uint8), fmax, dtype8)
+                ref = (xs.float() * scale).clamp(-fmax, fmax).to(dtype8).view(torch.uint8)
+                assert torch.equal(got, want) and torch.equal(got, ref), (fmt, dtype, scale)
+        codes = torch.randint(0, 256, (3, 5000), dtype=torch.uint8, generator=gen)
+        codes[~codes.view(dtype8).float().isfinite()] = 0  # inf/NaN codes never travel (finite, saturated)
+        mult = torch.tensor([2.0**-4, 1.0, 2.0**3])
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got = _decode_sum_into(codes, mult, torch.empty(5000, dtype=out_dtype), dtype8, 3)
+            want = _decode_sum_into.eager(codes, mult, torch.empty(5000, dtype=out_dtype), dtype8, 3)
+            assert torch.equal(got, want), (fmt, out_dtype)
+        got = _mean_requantize_into(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
+        want = _mean_requantize_into.eager(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
+        assert torch.equal(got, want), fmt
+
+
 def test_pow2_scales_use_the_fp8_range():
     from fp4lightning.comm import FP8_FORMATS, _pow2_scales
 
@@ -479,7 +520,7 @@ def test_pow2_scales_use_the_fp8_range():
 
 
 def test_bad_configuration_is_refused_with_the_choices():
-    from fp4lightning.comm import CommState
+    from fp4lightning.comm import CommState, hook_for_format
     from fp4lightning.strategy import FP4DDPStrategy
 
     with pytest.raises(ValueError, match="e4m3"):
@@ -490,6 +531,18 @@ def test_bad_configuration_is_refused_with_the_choices():
         FP4DDPStrategy("e4m3", nonfinite="ignore")
     with pytest.raises(ValueError, match="ddp_comm_hook"):
         FP4DDPStrategy("e4m3", ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(ValueError, match="world_size"):
+        hook_for_format("e4m3", "auto")
+
+
+def test_auto_scheme_is_the_async_gather_at_two_ranks_only():
+    from fp4lightning.comm import fp8_async_gather_hook, fp8_compress_hook, hook_for_format, resolve_scheme
+
+    assert hook_for_format("e4m3", "auto", world_size=2) is fp8_async_gather_hook
+    for w in (1, 3, 4, 8):
+        assert hook_for_format("e4m3", "auto", world_size=w) is fp8_compress_hook
+    assert resolve_scheme("auto", 2) == "async_all_gather" and resolve_scheme("auto", 8) == "reduce_scatter"
+    assert resolve_scheme("all_gather", 2) == "all_gather"
 
 
 def test_strategy_is_registered_by_name():
