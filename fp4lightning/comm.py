@@ -170,28 +170,6 @@ def _abs_max(seg: Tensor) -> Tensor:
     return torch.maximum(hi, lo.neg()).float()
 
 
-def _decode_fp8_raw_into(codes: Tensor, fmt: str, out: Tensor) -> float:
-    """Write the FP8 ``codes`` (uint8) into fp32 ``out`` up to a power-of-two factor, which is
-    returned: the exact values are ``out * factor`` (the caller folds it into its own scaling)."""
-    if fmt == "e4m3" and codes.device.type == "cpu":
-        # torch's CPU float8->float cast is scalar code (~6 ns/element). The e4m3 bits s.eeee.mmm placed
-        # as fp16 bits s.0eeee.mmm0000000 are the value / 2^8 (subnormals line up too), and fp16->fp32 is
-        # vectorised. Sign-extending int8 -> int16 and shifting by 7 puts the sign in bit 15 but also
-        # sets bit 14, which the mask clears. Code 0x7F (NaN) never occurs: the input was finite, saturated.
-        bits = codes.view(torch.int8).to(torch.int16)
-        bits.bitwise_left_shift_(7).bitwise_and_(~0x4000)
-        out.copy_(bits.view(torch.float16))
-        return 256.0
-    out.copy_(codes.view(FP8_FORMATS[fmt][0]))
-    return 1.0
-
-
-def _decode_fp8_into(codes: Tensor, fmt: str, out: Tensor) -> Tensor:
-    """Exact fp32 values of the FP8 ``codes`` (uint8) written into ``out``."""
-    factor = _decode_fp8_raw_into(codes, fmt, out)
-    return out.mul_(factor) if factor != 1.0 else out
-
-
 # ---------------------------------------------------------------------------------------------
 # the per-element passes, each one loop over memory: compiled on CPU (fp4lightning.fused, where
 # torch's eager float8 casts are scalar code), the same math eagerly elsewhere
