@@ -54,7 +54,7 @@ _MASK63 = (1 << 63) - 1
 
 def _checksum(t: torch.Tensor) -> int:
     """Sum of the tensor's raw bits: identical tensors (e.g. after a resume) give identical seeds."""
-    t = t.detach().contiguous().reshape(-1)
+    t = t.detach()  # any layout: the sum does not depend on the order (no copy of a transposed operand)
     if t.dtype == torch.float64:
         t = t.float()
     ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
