@@ -30,6 +30,10 @@ LR = 0.5  # SGD: the update is linear in the gradient, so differences are not am
 # equal in exact arithmetic. Measured relative L2 difference of the first step's gradients (4 seeds):
 # 5.5e-8 to 5.7e-8, i.e. fp32 rounding; later steps then differ where a weight sits on an FP4 rounding edge.
 DGE_GRAD_RTOL = 1e-6
+# The losses of that run: the first is bitwise the unsharded one (same forward); the later ones follow
+# parameters that differ by that rounding, so they may differ in the last bits. Measured 2026-12-01 on an
+# AMD EPYC VM: step 2 differed by 1 ulp (8.6e-8 relative), steps 3-4 were equal; elsewhere all four were equal.
+DGE_LOSS_RTOL = 1e-5
 # First-step gradient of every parameter after the FP8 E4M3 reduce-scatter (one power-of-two scale per
 # parameter) against the unsharded fp32 gradient, worst parameter: measured 29.7-30.8 dB (4 seeds).
 SQNR_FP8_RS_DB = 25.0
@@ -168,7 +172,8 @@ def test_fsdp2_fp4_training_matches_unsharded(tmp_path):
     # FP4 all-gather with DGE: DGE's factor is applied after the sum (see DGE_GRAD_RTOL)
     dge = r0["paper/fp4"]
     assert dge["grad_rel"] < DGE_GRAD_RTOL, dge
-    assert dge["losses"][:2] == dge["ref_losses"][:2], dge
+    assert dge["losses"][0] == dge["ref_losses"][0], dge
+    assert all(abs(a - b) <= DGE_LOSS_RTOL * abs(b) for a, b in zip(dge["losses"], dge["ref_losses"])), dge
     assert r0["paper/fp4"]["stats"] == r1["paper/fp4"]["stats"]
     assert r0["paper/bf16"]["stats"]["gathers"] == 0
     # FP8 (E4M3) gradient reduce-scatter: a quarter of fp32's payload bytes, plus the amax all-reduce
