@@ -3,6 +3,10 @@
 Prints, per LLaMA-like layer shape:
   * forward+backward time of FP4Linear (``paper`` and ``w4a4-direct`` presets) over
     bf16-autocast nn.Linear, interleaved in one run;
+  * the same ratio for a peer that simulates less: torchao's float8 training with
+    ``Float8LinearConfig(emulate=True)`` (tensorwise E4M3 activations and weights, E5M2 output
+    gradients; no DGE, no OCC), when torchao imports (scripts/setup_venv.sh installs it as the
+    test-only ``oracle`` extra; otherwise the column reads n/a);
   * OCC's share of the FP4Linear forward (quantile + clamp + sparse residual + compensation);
   * bytes saved for backward, FP4Linear over bf16 nn.Linear (saved_tensors_hooks);
 and, once, the OCC quantile estimate's cost and error against the exact quantile.
@@ -54,8 +58,24 @@ def saved_bytes(module, x, dev):
     return saved_tensor_bytes(module, run)
 
 
+def torchao_float8_peer(lin: nn.Linear):
+    """A copy of ``lin`` as torchao's emulated float8 training layer, or None without torchao."""
+    import copy
+    import logging
+    try:
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA extensions do not load on CPU
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as e:  # noqa: BLE001 - any import failure means: no peer row
+        print(f"# torchao float8 peer: not available ({type(e).__name__}: {e})")
+        return None
+    wrapper = nn.Sequential(copy.deepcopy(lin))
+    convert_to_float8_training(wrapper, config=Float8LinearConfig(emulate=True))
+    return wrapper
+
+
 def bench_shape(m, k, n, dev, iters):
     lin = nn.Linear(k, n, device=dev)
+    peer = torchao_float8_peer(lin)
     fp4 = FP4Linear.from_linear(lin, FP4Config())
     fp4_noocc = FP4Linear.from_linear(lin, FP4Config(occ=False))
     fp4_direct = FP4Linear.from_linear(lin, FP4Config.from_preset("w4a4-direct"))
@@ -81,11 +101,16 @@ def bench_shape(m, k, n, dev, iters):
     t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
     t_direct = _time(fwd_bwd(fp4_direct), dev, iters)
     t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
+    t_peer = None
+    if peer is not None:
+        t_peer = _time(fwd_bwd(peer), dev, iters)
+        t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
     t_fwd = _time(fwd(fp4), dev, iters)
     t_fwd_noocc = _time(fwd(fp4_noocc), dev, iters)
     occ_share = max(0.0, (t_fwd - t_fwd_noocc) / t_fwd)
     b_fp4, b_bf16 = saved_bytes(fp4, x, dev), saved_bytes(lin, x, dev)
     return dict(shape=f"{m}x{k}->{n}", bf16_ms=t_bf16 * 1e3, fp4_ms=t_fp4 * 1e3, ratio=t_fp4 / t_bf16, direct_ratio=t_direct / t_bf16,
+                peer_ratio=None if t_peer is None else t_peer / t_bf16,
                 occ_share=occ_share, bytes_ratio=b_fp4 / b_bf16, fp4_mb=b_fp4 / 2**20, bf16_mb=b_bf16 / 2**20)
 
 
@@ -117,16 +142,16 @@ def main():
     print(f"# device={dev} torch={torch.__version__} threads={torch.get_num_threads()} "
           f"backend={os.environ.get('FP4LIGHTNING_BACKEND', 'auto')} compiled={fused.compile_enabled(dev)}")
     print("| shape (tokens x in -> out) | bf16 fwd+bwd ms | FP4 fwd+bwd ms | FP4/bf16 time | w4a4-direct/bf16 time "
-          "| OCC share of FP4 fwd | saved MB bf16 | saved MB FP4 | FP4/bf16 saved bytes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| torchao float8 emulate/bf16 time | OCC share of FP4 fwd | saved MB bf16 | saved MB FP4 | FP4/bf16 saved bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in args.shapes.split(","):
         m, k, n = (int(v) for v in s.split("x"))
         r = bench_shape(m, k, n, dev, args.iters)
         print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | {r['direct_ratio']:.2f}x | "
-              f"{100 * r['occ_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
+              f"{'n/a' if r['peer_ratio'] is None else format(r['peer_ratio'], '.2f') + 'x'} | {100 * r['occ_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
     q = bench_quantile(dev)
     print("\nOCC quantile on a 2048x1024 activation (alpha=0.99):")
-    print(f"  exact (kthvalue selection) {q['t_exact']:.1f} ms | sampled (65,536) {q['t_sample']:.2f} ms | "
+    print(f"  exact (two partial sorts, topk) {q['t_exact']:.1f} ms | sampled (65,536) {q['t_sample']:.2f} ms | "
           f"full sort {q['t_sort']:.1f} ms")
     print(f"  sampled bound max relative error {100 * q['max_rel_err']:.2f}% over 20 draws; clamped fraction "
           f"{100 * q['frac_mean']:.3f}% +/- {100 * q['frac_sd']:.3f}% (target 2.000%)")
