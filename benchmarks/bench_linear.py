@@ -27,6 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning import FP4Config, FP4Linear  # noqa: E402
+from fp4lightning.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
 from fp4lightning.fidelity import saved_tensor_bytes  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 
@@ -76,6 +77,9 @@ def torchao_float8_peer(lin: nn.Linear):
 def bench_shape(m, k, n, dev, iters):
     lin = nn.Linear(k, n, device=dev)
     peer = torchao_float8_peer(lin)
+    # the bf16 baseline as training runs it: on CPUs without native bf16 GeMMs, fp32 kernels on
+    # bf16-rounded operands (fp4lightning.cpu_bf16; the FP4 layers' GeMMs do the same)
+    emulate_bf16_linears(lin, dev)
     fp4 = FP4Linear.from_linear(lin, FP4Config())
     fp4_noocc = FP4Linear.from_linear(lin, FP4Config(occ=False))
     fp4_direct = FP4Linear.from_linear(lin, FP4Config.from_preset("w4a4-direct"))
@@ -140,7 +144,8 @@ def main():
     from fp4lightning import fused
 
     print(f"# device={dev} torch={torch.__version__} threads={torch.get_num_threads()} "
-          f"backend={os.environ.get('FP4LIGHTNING_BACKEND', 'auto')} compiled={fused.compile_enabled(dev)}")
+          f"backend={os.environ.get('FP4LIGHTNING_BACKEND', 'auto')} compiled={fused.compile_enabled(dev)} "
+          f"bf16_gemm={'emulated (fp32 kernels)' if emulate_bf16_gemm(dev) else 'native'}")
     print("| shape (tokens x in -> out) | bf16 fwd+bwd ms | FP4 fwd+bwd ms | FP4/bf16 time | w4a4-direct/bf16 time "
           "| torchao float8 emulate/bf16 time | OCC share of FP4 fwd | saved MB bf16 | saved MB FP4 | FP4/bf16 saved bytes |")
     print("|---|---|---|---|---|---|---|---|---|---|")

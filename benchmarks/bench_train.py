@@ -24,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning import FP4Config, LowPrecisionAdamW, convert_to_fp4  # noqa: E402
+from fp4lightning.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
 from fp4lightning.fidelity import saved_tensor_bytes  # noqa: E402
 from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
 from fp4lightning.optim import state_bytes_per_param  # noqa: E402
@@ -59,6 +60,9 @@ def main():
     torch.manual_seed(0)
     cfg = llama_config("tiny")
     base = Llama(cfg).to(dev)
+    # as in training (LlamaLightningModule, FP4Precision): on CPUs without native bf16 GeMMs the
+    # high-precision layers' bf16 GeMMs run on fp32 kernels (fp4lightning.cpu_bf16)
+    emulate_bf16_linears(base, dev)
     fp4 = convert_to_fp4(copy.deepcopy(base), FP4Config())
     x, src = _batch(cfg.vocab_size, args.batch, args.seq, dev)
     models = {"bf16": base, "fp4": fp4}
@@ -100,7 +104,8 @@ def main():
     }
     tok = args.batch * args.seq
     print(f"# device={dev} torch={torch.__version__} threads={torch.get_num_threads()} model=tiny "
-          f"({n_params / 1e6:.2f}M params) batch={args.batch}x{args.seq} ({src}) iters={args.iters}")
+          f"({n_params / 1e6:.2f}M params) batch={args.batch}x{args.seq} ({src}) iters={args.iters} "
+          f"bf16_gemm={'emulated (fp32 kernels)' if emulate_bf16_gemm(dev) else 'native'}")
     print("| quantity | BF16 | FP4 | FP4 / BF16 |")
     print("|---|---|---|---|")
     print(f"| step time (fwd+bwd+AdamW), ms | {1e3 * med['bf16']:.0f} | {1e3 * med['fp4']:.0f} | "

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_bf16
 from .constants import (E2M1_MAX, E2M1_MAX_POW2, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, F8E4M3_MAX,
                         F8E4M3_MIN_NORMAL, F32_MIN_NORMAL)
 from .formats import _lut, _magnitude_index
@@ -429,7 +430,7 @@ def block_gemm_reference(a: BlockFP4, b: BlockFP4, out_dtype: torch.dtype = torc
     cd = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     av, ga = _operand(a, cd)
     bv, gb = _operand(b, cd)
-    y = (av @ bv.t()).float()
+    y = cpu_bf16.mm(av, bv.t()).float()
     g = ga * gb
     if not (isinstance(g, float) and g == 1.0):
         y = y * g

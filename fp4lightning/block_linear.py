@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import cpu_bf16
 from .config import SR_OPERANDS  # the six GeMM operands SR can apply to (GeMM.operand)
 from .block_formats import BLOCK_SIZES, fake_quantize_block
 from .hadamard import apply_rht, rht_matrix
@@ -84,7 +85,7 @@ def _gemm(a, b, a_extra: torch.Tensor | None = None) -> torch.Tensor:
     bv, gb, _ = b
     if a_extra is not None:
         av = av.float().add_(a_extra.float() / ga).to(av.dtype)
-    y = (av @ bv.t()).float()
+    y = cpu_bf16.mm(av, bv.t()).float()
     g = ga * gb
     return y if isinstance(g, float) and g == 1.0 else y.mul_(g)
 

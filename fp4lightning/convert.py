@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .config import FP4Config
+from .cpu_bf16 import EmulatedBF16Linear
 from .linear import FP4Linear, check_fp4_shape
 
 __all__ = ["convert_to_fp4", "fp4_modules", "matches_skip"]
@@ -100,7 +101,9 @@ def convert_to_fp4(
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             fqn = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is not nn.Linear:  # exact type: subclasses (and FP4Linear) are left alone
+            # exact type: subclasses (and FP4Linear) are left alone, except fp4lightning's own
+            # EmulatedBF16Linear, which is nn.Linear with its bf16 GeMMs computed in fp32
+            if type(child) not in (nn.Linear, EmulatedBF16Linear):
                 why = None if isinstance(child, FP4Linear) else _linear_like_reason(child, parent)
                 if why:
                     skipped.append(f"{fqn} ({why})")

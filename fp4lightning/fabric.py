@@ -30,6 +30,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
 from .loss_scaler import DynamicLossScaler
@@ -79,6 +80,8 @@ class FP4FabricPrecision(FabricPrecision):
         if self.weights_dtype is not None:
             module.to(dtype=self.weights_dtype)
         convert_to_fp4(module, self.config, self.module_filter_fn)
+        if self.compute_dtype == torch.bfloat16:  # the layers kept in high precision (the output head)
+            emulate_bf16_linears(module)
         n = len(fp4_modules(module))
         if n == 0:
             rank_zero_warn("FP4FabricPrecision: the model has no Linear layer that can run in FP4; training runs in "

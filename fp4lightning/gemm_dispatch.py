@@ -31,7 +31,7 @@ import torch
 
 from .constants import AMAX_EPS, DY_FORMATS, F8E4M3_MAX, F8E5M2_MAX, FP8_AMAX_EPS
 from .formats import decode_packed_fp4
-from . import fused
+from . import cpu_bf16, fused
 from .occ import occ_clamp
 from .quantize import quantize_rows_reference
 
@@ -211,7 +211,7 @@ def fp4_gemm_reference(
     cd = _compute_dtype(out_dtype, a_packed.device)
     a = a_values.to(cd) if a_values is not None else _fp4_values(a_packed, k, cd)
     w = w_values.to(cd) if w_values is not None else _fp4_values(w_packed, k, cd)
-    return fused.gemm_epilogue(a @ w.t(), a_scale, w_scale, bias, out_dtype)
+    return fused.gemm_epilogue(cpu_bf16.mm(a, w.t()), a_scale, w_scale, bias, out_dtype)
 
 
 def fp4_dgrad_reference(
@@ -219,7 +219,7 @@ def fp4_dgrad_reference(
 ) -> torch.Tensor:
     """``dA = (G1_q W_q) / s_g1[:, None]``; ``g`` (M x N) FP8 or bf16, W packed along K."""
     cd = _compute_dtype(out_dtype, g.device)
-    return fused.gemm_epilogue(g.to(cd) @ _fp4_values(w_packed, k, cd), g_scale, None, None, out_dtype)
+    return fused.gemm_epilogue(cpu_bf16.mm(g.to(cd), _fp4_values(w_packed, k, cd)), g_scale, None, None, out_dtype)
 
 
 def fp4_wgrad_reference(
@@ -245,7 +245,7 @@ def fp4_wgrad_reference(
     output to bf16 (fp32 accumulation), as in bf16 ``nn.Linear``.
     """
     cd = gemm_dtype or _compute_dtype(out_dtype, g.device)
-    acc = g.to(cd).t() @ _fp4_values(a_packed, k, cd)
+    acc = cpu_bf16.mm(g.to(cd).t(), _fp4_values(a_packed, k, cd))
     return fused.wgrad_epilogue(acc, g_scale, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
                                 dge_k, dge_clamp, out_dtype)
 

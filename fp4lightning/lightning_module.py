@@ -96,6 +96,13 @@ class LlamaLightningModule(L.LightningModule):
             from fp4lightning.convert import convert_to_fp4
 
             convert_to_fp4(model, self.fp4_config)  # the head is kept quietly; shape skips warn
+        if self.hparams.fp4 is None or self.hparams.fp4_in_module:
+            # bf16 baselines (and the FSDP path's high-precision head) on CPUs without native bf16
+            # GeMMs: the same bf16 GeMMs computed with fp32 kernels (fp4lightning.cpu_bf16); FP4Precision
+            # does this itself for the layers it keeps in high precision
+            from fp4lightning.cpu_bf16 import emulate_bf16_linears
+
+            emulate_bf16_linears(model)
         if getattr(self, "_device_mesh", None) is not None:  # ModelParallelStrategy: FSDP2 (docs/distributed.md)
             from fp4lightning.fsdp import fully_shard_fp4
 

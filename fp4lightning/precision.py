@@ -41,6 +41,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, all_ranks_any, grads_nonfinite
@@ -138,6 +139,8 @@ class FP4Precision(Precision):
         if self.weights_dtype is not None:
             module.to(dtype=self.weights_dtype)
         convert_to_fp4(module, self.config, self.module_filter_fn)
+        if self.compute_dtype == torch.bfloat16:  # the layers kept in high precision (the output head)
+            emulate_bf16_linears(module)
         n = len(fp4_modules(module))
         if n == 0:
             rank_zero_warn("FP4Precision: the model has no Linear layer that can run in FP4 (feature sizes must be "

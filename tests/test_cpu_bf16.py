@@ -1,0 +1,130 @@
+"""bf16 GeMMs emulated with fp32 kernels on CPUs without native bf16 matrix kernels (fp4lightning.cpu_bf16).
+
+Each test forces the mode it needs through ``FP4LIGHTNING_CPU_BF16_GEMM``, so the emulation and torch's
+own bf16 kernels are both exercised whatever the machine's CPU is.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp4lightning import FP4Config, FP4Linear, cpu_bf16
+from fp4lightning.convert import convert_to_fp4
+from fp4lightning.models.llama import Llama, llama_config
+
+ENV = "FP4LIGHTNING_CPU_BF16_GEMM"
+# A native bf16 kernel and the emulation round the same fp32 products; only the order of the fp32
+# additions differs, so an output can land on the other side of a bf16 rounding boundary. Measured
+# (128 x 192 -> 320, 2026-12-01): 0.007% of Y and 0.012% of dX one bf16 ulp apart, dW and db equal.
+MAX_DIFFERING_FRACTION = 0.01
+
+
+def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    e = torch.floor(torch.log2(v.abs().clamp(min=2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
+def _assert_within_one_ulp(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    a, b = a.float(), b.float()
+    assert a.shape == b.shape, what
+    diff = (a - b).abs()
+    ulp = _bf16_ulp(torch.maximum(a.abs(), b.abs()))
+    assert bool((diff <= ulp).all()), (what, (diff / ulp).max().item())
+    assert (diff != 0).float().mean().item() <= MAX_DIFFERING_FRACTION, what
+
+
+def _linear_run(layer: nn.Linear, x: torch.Tensor, dy: torch.Tensor):
+    x = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("shape", [(128, 192, 320), (37, 64, 48)])
+def test_emulated_linear_matches_native_bf16_autocast(monkeypatch, shape):
+    m, k, n = shape
+    ref = nn.Linear(k, n)
+    emu = nn.Linear(k, n)
+    emu.load_state_dict(ref.state_dict())
+    monkeypatch.setenv(ENV, "emulate")
+    assert cpu_bf16.emulate_bf16_linears(emu) == 1
+    assert type(emu) is cpu_bf16.EmulatedBF16Linear and list(emu.state_dict()) == list(ref.state_dict())
+    x = torch.randn(m, k)
+    dy = torch.randn(m, n).bfloat16()
+    got = _linear_run(emu, x, dy)
+    monkeypatch.setenv(ENV, "native")
+    want = _linear_run(ref, x, dy)
+    for name, g, w in zip(("y", "dx", "dw", "db"), got, want):
+        assert g.dtype == w.dtype, name
+        _assert_within_one_ulp(g, w, name)
+    # and against float64: the emulation is as accurate as the native kernel
+    y64 = x.double() @ ref.weight.double().t() + ref.bias.double()
+    err_emu = (got[0].double() - y64).norm()
+    err_nat = (want[0].double() - y64).norm()
+    assert err_emu <= 1.01 * err_nat, (err_emu.item(), err_nat.item())
+
+
+def test_emulated_linear_outside_bf16_is_plain_linear(monkeypatch):
+    monkeypatch.setenv(ENV, "emulate")
+    ref = nn.Linear(16, 8)
+    emu = nn.Linear(16, 8)
+    emu.load_state_dict(ref.state_dict())
+    cpu_bf16.emulate_bf16_linears(emu)
+    x = torch.randn(4, 16)
+    assert torch.equal(emu(x), ref(x))  # fp32, no autocast: nn.Linear's own forward
+
+
+def test_mm_emulation_matches_native(monkeypatch):
+    a = torch.randn(96, 200).bfloat16()
+    b = torch.randn(200, 72).bfloat16()
+    monkeypatch.setenv(ENV, "native")
+    want = cpu_bf16.mm(a, b)
+    monkeypatch.setenv(ENV, "emulate")
+    got = cpu_bf16.mm(a, b)
+    assert got.dtype == torch.bfloat16
+    _assert_within_one_ulp(got, want, "mm")
+    f = torch.randn(8, 8)
+    assert torch.equal(cpu_bf16.mm(f, f), f @ f)  # fp32 operands: untouched
+
+
+def test_mode_parsing(monkeypatch):
+    monkeypatch.setenv(ENV, "sometimes")
+    with pytest.raises(ValueError, match=ENV):
+        cpu_bf16.emulate_bf16_gemm("cpu")
+    monkeypatch.setenv(ENV, "emulate")
+    assert cpu_bf16.emulate_bf16_gemm("cpu") and not cpu_bf16.emulate_bf16_gemm("meta")
+    monkeypatch.setenv(ENV, "native")
+    assert not cpu_bf16.emulate_bf16_gemm("cpu")
+    monkeypatch.setenv(ENV, "auto")
+    assert cpu_bf16.emulate_bf16_gemm("cpu") == (not cpu_bf16._cpu_has_native_bf16_gemm())
+
+
+def test_swap_only_plain_linears_and_fp4_conversion_still_applies(monkeypatch):
+    monkeypatch.setenv(ENV, "emulate")
+    model = Llama(llama_config("tiny", vocab_size=256))
+    keys = list(model.state_dict())
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert cpu_bf16.emulate_bf16_linears(model) == n_linear
+    assert list(model.state_dict()) == keys
+    convert_to_fp4(model, FP4Config())
+    # every decoder projection became FP4Linear, the head stays an (emulated) high-precision Linear
+    assert isinstance(model.lm_head, cpu_bf16.EmulatedBF16Linear) and not isinstance(model.lm_head, FP4Linear)
+    assert sum(isinstance(m, FP4Linear) for m in model.modules()) == n_linear - 1
+    monkeypatch.setenv(ENV, "native")
+    assert cpu_bf16.emulate_bf16_linears(nn.Sequential(nn.Linear(4, 4))) == 0
+
+
+def test_fp4linear_gemms_emulated_match_native(monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96)
+    x = torch.randn(48, 64)
+    dy = torch.randn(48, 96).bfloat16()
+    outs = {}
+    for mode in ("native", "emulate"):
+        monkeypatch.setenv(ENV, mode)
+        layer = FP4Linear.from_linear(lin, FP4Config())
+        outs[mode] = _linear_run(layer, x, dy)
+    for name, g, w in zip(("y", "dx", "dw", "db"), outs["emulate"], outs["native"]):
+        _assert_within_one_ulp(g, w, name)
