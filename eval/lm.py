@@ -220,6 +220,10 @@ class FP4LightningLM(TemplateLM):
         elif fp4_preset is not None:
             log.warning("fp4_preset=%s ignored: it only applies to linear=fp4 on a model trained in high precision",
                         fp4_preset)
+        if self._autocast_dtype == torch.bfloat16 and self._device.type == "cpu":
+            from fp4lightning.cpu_bf16 import emulate_bf16_linears
+
+            emulate_bf16_linears(model)  # CPUs without native bf16 GeMMs (docs/lightning.md)
         fp4_cfg = _fp4_config_of(model)
         self.linear = "fp4" if fp4_cfg is not None else "high"
         self.fp4_config = dataclasses.asdict(fp4_cfg) if fp4_cfg is not None else None

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .config import FP4Config
-from .cpu_bf16 import EmulatedBF16Linear
+from .cpu_bf16 import is_plain_linear
 from .linear import FP4Linear, check_fp4_shape
 
 __all__ = ["convert_to_fp4", "fp4_modules", "matches_skip"]
@@ -103,7 +103,7 @@ def convert_to_fp4(
             fqn = f"{parent_name}.{child_name}" if parent_name else child_name
             # exact type: subclasses (and FP4Linear) are left alone, except fp4lightning's own
             # EmulatedBF16Linear, which is nn.Linear with its bf16 GeMMs computed in fp32
-            if type(child) not in (nn.Linear, EmulatedBF16Linear):
+            if not is_plain_linear(child):
                 why = None if isinstance(child, FP4Linear) else _linear_like_reason(child, parent)
                 if why:
                     skipped.append(f"{fqn} ({why})")

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["emulate_bf16_gemm", "mm", "EmulatedBF16Linear", "emulate_bf16_linears", "notice_once"]
+__all__ = ["emulate_bf16_gemm", "mm", "EmulatedBF16Linear", "emulate_bf16_linears", "is_plain_linear",
+           "high_precision_linear_type", "notice_once"]
 
 _ENV = "FP4LIGHTNING_CPU_BF16_GEMM"
 _MODES = ("auto", "native", "emulate")
@@ -150,3 +151,13 @@ def emulate_bf16_linears(module: nn.Module, device: torch.device | str = "cpu") 
     if n:
         notice_once()
     return n
+
+
+def is_plain_linear(m: nn.Module) -> bool:
+    """``nn.Linear`` itself or :class:`EmulatedBF16Linear` (the same layer with emulated bf16 GeMMs)."""
+    return type(m) in (nn.Linear, EmulatedBF16Linear)
+
+
+def high_precision_linear_type(device: torch.device | str = "cpu") -> type:
+    """The class :func:`emulate_bf16_linears` leaves a plain ``nn.Linear`` with on ``device``."""
+    return EmulatedBF16Linear if emulate_bf16_gemm(device) else nn.Linear

@@ -102,8 +102,9 @@ def _probed_layers(model: nn.Module, cfg: FP4Config) -> list[tuple[str, nn.Linea
     if out:
         return out
     from .convert import matches_skip  # lazily: convert -> linear -> dge_probe
+    from .cpu_bf16 import is_plain_linear
 
-    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not matches_skip(n, cfg)]
+    return [(n, m) for n, m in model.named_modules() if is_plain_linear(m) and not matches_skip(n, cfg)]
 
 
 def model_weight_stats(model: nn.Module, cfg: FP4Config | None = None, bins: int = POSITION_BINS) -> dict:

@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import FP4Config
 from .convert import matches_skip
+from .cpu_bf16 import is_plain_linear
 from .linear import FP4Linear
 from .occ import occ_bounds, occ_clamp
 from .quantize import fake_quantize
@@ -37,7 +38,7 @@ def _quantized_layers(model: nn.Module, config: FP4Config) -> list[tuple[str, nn
     for name, m in model.named_modules():
         if isinstance(m, FP4Linear):
             out.append((name, m))
-        elif type(m) is nn.Linear and not matches_skip(name, config):
+        elif is_plain_linear(m) and not matches_skip(name, config):
             out.append((name, m))
     return out
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Linear
+from fp4lightning.cpu_bf16 import high_precision_linear_type
 from fp4lightning.precision import FP4Precision
 from fp4lightning.strategy import FP4DDPStrategy
 
@@ -46,7 +47,7 @@ def test_plain_ddp_says_gradients_travel_in_fp32():
     grad = [m for m in msgs if "all-reduces gradients" in m]
     assert len(grad) == 1 and "DDPStrategy all-reduces gradients in float32 (plain DDP)" in grad[0], msgs
     assert "FP4DDPStrategy" in grad[0]
-    assert isinstance(model.body[0], FP4Linear) and type(model.decoder) is nn.Linear
+    assert isinstance(model.body[0], FP4Linear) and type(model.decoder) is high_precision_linear_type()
     assert not any("keeping decoder (output head" in m for m in msgs)  # the head is kept quietly (INFO)
 
 

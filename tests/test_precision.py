@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fp4lightning.trainer as fp4_trainer
+from fp4lightning.cpu_bf16 import high_precision_linear_type
 from fp4lightning.linear import FP4Linear
 from fp4lightning.optim import LowPrecisionAdamW, to_torch_adamw_state_dict
 from fp4lightning.loss_scaler import DynamicLossScaler
@@ -74,9 +75,10 @@ def _data(n: int = 640, batch_size: int = 32) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def _assert_fp4_layout(model: Classifier) -> None:
+def _assert_fp4_layout(model: Classifier, compute: str = "bf16") -> None:
     assert type(model.body[0]) is FP4Linear and type(model.body[3]) is FP4Linear
-    assert type(model.head) is nn.Linear  # the output head stays in high precision
+    # the output head stays in high precision (under bf16, its GeMMs emulated on CPUs without native ones)
+    assert type(model.head) is (high_precision_linear_type() if compute == "bf16" else nn.Linear)
     assert type(model.body[2]) is nn.LayerNorm
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
@@ -98,7 +100,7 @@ def test_fp4_trainer_precision_string_trains(precision):
     assert isinstance(trainer.precision_plugin, FP4Precision)
     assert trainer.precision == ("fp4-fp16" if precision == "fp4-fp16" else "fp4-bf16")
     trainer.fit(model, _data())
-    _assert_fp4_layout(model)
+    _assert_fp4_layout(model, "fp16" if precision == "fp4-fp16" else "bf16")
     _assert_learned(model)
     if precision == "fp4-fp16":
         assert trainer.precision_plugin.scaler.skipped_steps == 0
@@ -249,7 +251,7 @@ def test_fp16_manual_optimization_scales_and_unscales():
     model = Manual()
     plugin = FP4Precision(compute_dtype="fp16")
     L.Trainer(plugins=[plugin], max_steps=40, **QUIET).fit(model, _data())
-    _assert_fp4_layout(model)
+    _assert_fp4_layout(model, "fp16")
     _assert_learned(model)
     # manual_backward went through the scaler: the gradient seen right after it was still scaled
     assert model.grad_norm > 1e3 and plugin.scaler.skipped_steps == 0
@@ -359,7 +361,7 @@ def test_meta_device_init_then_convert():
         model = Classifier()
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
     plugin.convert_module(model)
-    assert type(model.body[0]) is FP4Linear and type(model.head) is nn.Linear
+    assert type(model.body[0]) is FP4Linear and type(model.head) is high_precision_linear_type()
     assert model.body[0].weight.is_meta  # nothing was materialised
     model.to_empty(device="cpu")
     for m in model.modules():
