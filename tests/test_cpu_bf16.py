@@ -15,8 +15,10 @@ from fp4lightning.models.llama import Llama, llama_config
 
 ENV = "FP4LIGHTNING_CPU_BF16_GEMM"
 # A native bf16 kernel and the emulation round the same fp32 products; only the order of the fp32
-# additions differs, so an output can land on the other side of a bf16 rounding boundary. Measured
-# (128 x 192 -> 320, 2026-12-01): 0.007% of Y and 0.012% of dX one bf16 ulp apart, dW and db equal.
+# additions differs. Each output may therefore differ by one bf16 ulp (it lands on the other side of
+# a rounding boundary) plus what reordering K fp32 additions can change, K * 2^-24 * sum |a_i b_i|
+# (which matters where the sum nearly cancels). Measured (128 x 192 -> 320, 2026-12-01): 0.007% of
+# Y and 0.012% of dX differ, by one ulp; over 200 seeds a few near-cancelling outputs by up to 3 ulp.
 MAX_DIFFERING_FRACTION = 0.01
 
 
@@ -25,13 +27,18 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e - 7)
 
 
-def _assert_within_one_ulp(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def _assert_same_bf16_gemm(a: torch.Tensor, b: torch.Tensor, abs_sum: torch.Tensor | float, k: int, what: str) -> None:
+    """``a`` and ``b``: one bf16 GeMM output from two kernels; ``abs_sum``: sum |a_i b_i| per output."""
     a, b = a.float(), b.float()
     assert a.shape == b.shape, what
     diff = (a - b).abs()
-    ulp = _bf16_ulp(torch.maximum(a.abs(), b.abs()))
-    assert bool((diff <= ulp).all()), (what, (diff / ulp).max().item())
+    tol = _bf16_ulp(torch.maximum(a.abs(), b.abs())) + k * 2.0 ** -24 * abs_sum
+    assert bool((diff <= tol).all()), (what, (diff / tol).max().item())
     assert (diff != 0).float().mean().item() <= MAX_DIFFERING_FRACTION, what
+
+
+def _bf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().bfloat16().double().abs()
 
 
 def _linear_run(layer: nn.Linear, x: torch.Tensor, dy: torch.Tensor):
@@ -56,9 +63,11 @@ def test_emulated_linear_matches_native_bf16_autocast(monkeypatch, shape):
     got = _linear_run(emu, x, dy)
     monkeypatch.setenv(ENV, "native")
     want = _linear_run(ref, x, dy)
+    xa, wa, ba, ga = _bf(x), _bf(ref.weight), _bf(ref.bias), dy.double().abs()
+    sums = {"y": ((xa @ wa.t()) + ba, k), "dx": (ga @ wa, n), "dw": (ga.t() @ xa, m), "db": (ga.sum(0), m)}
     for name, g, w in zip(("y", "dx", "dw", "db"), got, want):
         assert g.dtype == w.dtype, name
-        _assert_within_one_ulp(g, w, name)
+        _assert_same_bf16_gemm(g, w, sums[name][0].float(), sums[name][1], name)
     # and against float64: the emulation is as accurate as the native kernel
     y64 = x.double() @ ref.weight.double().t() + ref.bias.double()
     err_emu = (got[0].double() - y64).norm()
@@ -84,7 +93,7 @@ def test_mm_emulation_matches_native(monkeypatch):
     monkeypatch.setenv(ENV, "emulate")
     got = cpu_bf16.mm(a, b)
     assert got.dtype == torch.bfloat16
-    _assert_within_one_ulp(got, want, "mm")
+    _assert_same_bf16_gemm(got, want, (a.double().abs() @ b.double().abs()).float(), 200, "mm")
     f = torch.randn(8, 8)
     assert torch.equal(cpu_bf16.mm(f, f), f @ f)  # fp32 operands: untouched
 
@@ -126,5 +135,7 @@ def test_fp4linear_gemms_emulated_match_native(monkeypatch):
         monkeypatch.setenv(ENV, mode)
         layer = FP4Linear.from_linear(lin, FP4Config())
         outs[mode] = _linear_run(layer, x, dy)
+    # the GeMMs run on E2M1/E5M2 operands inside FP4Linear; bound the reordering term by the largest
+    # output (every |a_i b_i| sum is within a few times it at these sizes)
     for name, g, w in zip(("y", "dx", "dw", "db"), outs["emulate"], outs["native"]):
-        _assert_within_one_ulp(g, w, name)
+        _assert_same_bf16_gemm(g, w, 4 * w.float().abs().max(), 96, name)
