@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["emulate_bf16_gemm", "mm", "EmulatedBF16Linear", "emulate_bf16_linears", "is_plain_linear",
+__all__ = ["emulate_bf16_gemm", "mm", "emulated_mm", "EmulatedBF16Linear", "emulate_bf16_linears", "is_plain_linear",
            "high_precision_linear_type", "notice_once"]
 
 _ENV = "FP4LIGHTNING_CPU_BF16_GEMM"
@@ -77,11 +77,16 @@ def notice_once() -> None:
               f"output rounded to bf16 (same rounding points; {_ENV}=native to turn this off)", file=sys.stderr)
 
 
+def emulated_mm(a: Tensor, b: Tensor) -> Tensor:
+    """The bf16 GeMM of two bf16 tensors on fp32 kernels: fp32 products and sums, one rounding to bf16."""
+    return (a.float() @ b.float()).to(torch.bfloat16)
+
+
 def mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b``; for bf16 CPU operands where :func:`emulate_bf16_gemm` says so, computed in fp32 and
-    rounded to bf16 once (what a native bf16 kernel with fp32 accumulation returns)."""
+    """``a @ b``; for bf16 CPU operands where :func:`emulate_bf16_gemm` says so, :func:`emulated_mm`
+    (what a native bf16 kernel with fp32 accumulation returns)."""
     if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and emulate_bf16_gemm(a.device):
-        return (a.float() @ b.float()).to(torch.bfloat16)
+        return emulated_mm(a, b)
     return a @ b
 
 

@@ -96,7 +96,9 @@ class LlamaLightningModule(L.LightningModule):
             from fp4lightning.convert import convert_to_fp4
 
             convert_to_fp4(model, self.fp4_config)  # the head is kept quietly; shape skips warn
-        if self.hparams.fp4 is None or self.hparams.fp4_in_module:
+        trainer = getattr(self, "_trainer", None)
+        bf16 = trainer is None or "bf16" in str(trainer.precision)
+        if bf16 and (self.hparams.fp4 is None or self.hparams.fp4_in_module):
             # bf16 baselines (and the FSDP path's high-precision head) on CPUs without native bf16
             # GeMMs: the same bf16 GeMMs computed with fp32 kernels (fp4lightning.cpu_bf16); FP4Precision
             # does this itself for the layers it keeps in high precision

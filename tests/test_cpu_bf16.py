@@ -94,6 +94,10 @@ def test_mm_emulation_matches_native(monkeypatch):
     got = cpu_bf16.mm(a, b)
     assert got.dtype == torch.bfloat16
     _assert_same_bf16_gemm(got, want, (a.double().abs() @ b.double().abs()).float(), 200, "mm")
+    # and each mode is the computation it names, bit for bit
+    assert torch.equal(got, (a.float() @ b.float()).bfloat16())
+    monkeypatch.setenv(ENV, "native")
+    assert torch.equal(cpu_bf16.mm(a, b), a @ b)
     f = torch.randn(8, 8)
     assert torch.equal(cpu_bf16.mm(f, f), f @ f)  # fp32 operands: untouched
 
@@ -126,16 +130,38 @@ def test_swap_only_plain_linears_and_fp4_conversion_still_applies(monkeypatch):
 
 
 def test_fp4linear_gemms_emulated_match_native(monkeypatch):
-    torch.manual_seed(0)
     lin = nn.Linear(64, 96)
     x = torch.randn(48, 64)
     dy = torch.randn(48, 96).bfloat16()
+    emulated = []  # bf16 GeMMs that FP4Linear's reference path sent to the fp32 kernels
+    real = cpu_bf16.emulated_mm
+    monkeypatch.setattr(cpu_bf16, "emulated_mm", lambda a, b: emulated.append(a.shape) or real(a, b))
     outs = {}
     for mode in ("native", "emulate"):
         monkeypatch.setenv(ENV, mode)
         layer = FP4Linear.from_linear(lin, FP4Config())
         outs[mode] = _linear_run(layer, x, dy)
+        # none under native; fprop, dgrad and wgrad under emulate
+        assert len(emulated) == (0 if mode == "native" else 3), (mode, emulated)
     # the GeMMs run on E2M1/E5M2 operands inside FP4Linear; bound the reordering term by the largest
     # output (every |a_i b_i| sum is within a few times it at these sizes)
     for name, g, w in zip(("y", "dx", "dw", "db"), outs["emulate"], outs["native"]):
         _assert_same_bf16_gemm(g, w, 4 * w.float().abs().max(), 96, name)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_recipe_baseline_module_emulates_only_under_bf16(monkeypatch, precision):
+    import lightning.pytorch as L
+
+    from fp4lightning.pretrain import make_module
+    from fp4lightning.recipe import load_recipe
+
+    monkeypatch.setenv(ENV, "emulate")
+    cfg = load_recipe(None, [f"trainer.precision={precision}", "model.vocab_size=256"])
+    module = make_module(cfg)
+    module.trainer = L.Trainer(accelerator="cpu", precision=precision, logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    module.configure_model()
+    want = cpu_bf16.EmulatedBF16Linear if precision == "bf16-mixed" else nn.Linear
+    linears = [m for m in module.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is want for m in linears), {type(m).__name__ for m in linears}
