@@ -7,7 +7,8 @@ Prints, per LLaMA-like layer shape:
     ``Float8LinearConfig(emulate=True)`` (tensorwise E4M3 activations and weights, E5M2 output
     gradients; no DGE, no OCC), when torchao imports (scripts/setup_venv.sh installs it as the
     test-only ``oracle`` extra; otherwise the column reads n/a);
-  * OCC's share of the FP4Linear forward (quantile + clamp + sparse residual + compensation);
+  * OCC's share of the FP4Linear forward as training runs it (with grad: quantile + clamp +
+    compensation + the residual kept for backward), the two forwards alternated call by call;
   * bytes saved for backward, FP4Linear over bf16 nn.Linear (saved_tensors_hooks);
 and, once, the OCC quantile estimate's cost and error against the exact quantile.
 
@@ -52,6 +53,22 @@ def _time(fn, dev, iters, warmup=2):
     return statistics.median(ts)
 
 
+def _time_pair(fn_a, fn_b, dev, iters, warmup=2):
+    """Medians of ``fn_a`` and ``fn_b`` timed alternately, one call each per round."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    ta, tb = [], []
+    for _ in range(iters):
+        for fn, ts in ((fn_a, ta), (fn_b, tb)):
+            _sync(dev)
+            t = time.perf_counter()
+            fn()
+            _sync(dev)
+            ts.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def saved_bytes(module, x, dev):
     def run():
         with torch.autocast(dev.type, dtype=torch.bfloat16):
@@ -94,8 +111,8 @@ def bench_shape(m, k, n, dev, iters):
         return run
 
     def fwd(mod):
-        def run():
-            with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+        def run():  # as training runs it: with grad, so the residual for backward is built too
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
                 mod(x)
         return run
 
@@ -109,8 +126,9 @@ def bench_shape(m, k, n, dev, iters):
     if peer is not None:
         t_peer = _time(fwd_bwd(peer), dev, iters)
         t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
-    t_fwd = _time(fwd(fp4), dev, iters)
-    t_fwd_noocc = _time(fwd(fp4_noocc), dev, iters)
+    # OCC's share: forwards with and without OCC alternated call by call (a difference of two
+    # medians taken minutes apart was noise-bound on a shared VM), 3x the iterations
+    t_fwd, t_fwd_noocc = _time_pair(fwd(fp4), fwd(fp4_noocc), dev, 3 * iters)
     occ_share = max(0.0, (t_fwd - t_fwd_noocc) / t_fwd)
     b_fp4, b_bf16 = saved_bytes(fp4, x, dev), saved_bytes(lin, x, dev)
     return dict(shape=f"{m}x{k}->{n}", bf16_ms=t_bf16 * 1e3, fp4_ms=t_fp4 * 1e3, ratio=t_fp4 / t_bf16, direct_ratio=t_direct / t_bf16,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from fp4lightning.cpu_bf16 import emulate_bf16_linears  # noqa: E402
 
 
 def import_revision(rev: str, into: str):
@@ -79,6 +80,9 @@ def bench_layer(new, old, shape: str, iters: int) -> None:
     for pre in ("paper", "w4a4-direct"):
         mods[f"old {pre}"] = old.FP4Linear.from_linear(lin, old.FP4Config.from_preset(pre))
         mods[f"new {pre}"] = new.FP4Linear.from_linear(lin, new.FP4Config.from_preset(pre))
+    # the yardstick as training runs it: on CPUs without native bf16 GeMMs, fp32 kernels on
+    # bf16-rounded operands (fp4lightning.cpu_bf16; a class swap, the FP4 layers share its weights)
+    emulate_bf16_linears(lin)
     x = (torch.randn(m, k) * (1 + 9 * (torch.rand(m, k) < 0.01))).requires_grad_(True)
     dy = torch.randn(m, n, dtype=torch.bfloat16)
 
@@ -103,6 +107,8 @@ def bench_step(new, old, iters: int) -> None:
     base = Llama(cfg)
     models = {"bf16": base, "old fp4": old.convert_to_fp4(copy.deepcopy(base), old.FP4Config()),
               "new fp4": new.convert_to_fp4(copy.deepcopy(base), new.FP4Config())}
+    for mod in models.values():  # the bf16 model and the FP4 models' kept head, as FP4Precision does
+        emulate_bf16_linears(mod)
     x = torch.randint(0, cfg.vocab_size, (16, 257))
     opts = {name: torch.optim.AdamW(mod.parameters(), lr=1e-3) for name, mod in models.items()}
 

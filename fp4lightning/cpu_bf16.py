@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["emulate_bf16_gemm", "mm", "emulated_mm", "EmulatedBF16Linear", "emulate_bf16_linears", "is_plain_linear",
+__all__ = ["emulate_bf16_gemm", "mm", "emulated_mm", "emulated_mm_f32", "gemm_plan", "EmulatedBF16Linear", "emulate_bf16_linears", "is_plain_linear",
            "high_precision_linear_type", "notice_once"]
 
 _ENV = "FP4LIGHTNING_CPU_BF16_GEMM"
@@ -77,9 +77,32 @@ def notice_once() -> None:
               f"output rounded to bf16 (same rounding points; {_ENV}=native to turn this off)", file=sys.stderr)
 
 
+def emulated_mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """The emulated bf16 GeMM before its output rounding: ``a @ b`` on fp32 kernels, for fp32 operands
+    that hold bf16 values. The caller rounds the fp32 result to bf16 (:func:`gemm_plan`)."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        raise TypeError(f"emulated_mm_f32 takes fp32 operands holding bf16 values, got {a.dtype} and {b.dtype}")
+    return a @ b
+
+
 def emulated_mm(a: Tensor, b: Tensor) -> Tensor:
     """The bf16 GeMM of two bf16 tensors on fp32 kernels: fp32 products and sums, one rounding to bf16."""
-    return (a.float() @ b.float()).to(torch.bfloat16)
+    return emulated_mm_f32(a.float(), b.float()).to(torch.bfloat16)
+
+
+def gemm_plan(dtype: torch.dtype, device: torch.device | str) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(operand dtype, output rounding)`` of a GeMM meant to run in ``dtype`` on ``device``.
+
+    ``(dtype, None)`` normally. For bf16 where :func:`emulate_bf16_gemm` says so, ``(float32,
+    bfloat16)``: the caller writes its operands in fp32 (they hold bf16 values: FP4/FP8 codes are
+    exact, anything else it rounds to bf16 first), multiplies them with :func:`emulated_mm_f32`
+    and rounds the product to bf16 where it next reads it (a fused epilogue). The same bits as
+    :func:`emulated_mm` on bf16 operands, without the two upcast passes and the separate rounding
+    pass (fp4lightning.gemm_dispatch's reference GeMMs do this).
+    """
+    if dtype == torch.bfloat16 and emulate_bf16_gemm(device):
+        return torch.float32, torch.bfloat16
+    return dtype, None
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:

@@ -57,7 +57,10 @@ def _fused(fn):
         nonlocal compiled, too_many_variants
         if compile_enabled(x.device) and not too_many_variants:
             if compiled is None:
-                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+                # emulate_precision_casts: keep every cast eager makes (a .to(bf16).float() round
+                # trip is a rounding here, e.g. cpu_bf16.gemm_plan's; Inductor would drop it)
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True,
+                                         options={"emulate_precision_casts": True})
             try:
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     return compiled(x, *args, **kwargs)
@@ -90,7 +93,7 @@ def scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> 
 
 
 def fp4_rows(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_dtype: torch.dtype,
-             bounds: torch.Tensor | None = None, fold: bool = False):
+             bounds: torch.Tensor | None = None, fold: bool = False, values_round: torch.dtype | None = None):
     """Row-wise FP4 quantization of a 2-D ``x`` with an even number of columns.
 
     Returns ``(packed codes uint8 (M, K/2), scale fp32 (M,), values, residual)``: ``values``
@@ -98,20 +101,22 @@ def fp4_rows(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_d
     ``x`` is first clamped (OCC, section 3.3) and ``residual = x - clamp(x)`` in x's dtype is
     returned; with ``fold`` it is also folded into the values as ``q + s * residual`` (fp32,
     then cast), which is how the reference GeMM adds the compensation ``R W^T``. Without
-    bounds residual is None.
+    bounds residual is None. ``values_round`` (e.g. bf16 with fp32 ``values_dtype``): the values
+    are rounded to it first, then held in ``values_dtype`` (only the folded values are not already
+    exact in every float dtype).
 
     The fused pass writes one code per byte; the pairs are then packed through an int16 view
     (code 2i in the low byte: every torch device is little-endian). Packing inside the fused
     pass read x at stride 2, which compiles to scalar gathers (1.5x the time of the whole pass).
     """
-    codes, scale, q, resid = fp4_rows_unpacked(x, eps, pow2, per_tensor, values_dtype, bounds, fold)
+    codes, scale, q, resid = fp4_rows_unpacked(x, eps, pow2, per_tensor, values_dtype, bounds, fold, values_round)
     pairs = codes.contiguous().view(torch.int16)  # (a transposed x gives transposed codes)
     return ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8), scale, q, resid
 
 
 @_fused
 def fp4_rows_unpacked(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_dtype: torch.dtype,
-                      bounds: torch.Tensor | None = None, fold: bool = False):
+                      bounds: torch.Tensor | None = None, fold: bool = False, values_round: torch.dtype | None = None):
     """``fp4_rows`` with the codes unpacked: uint8 (M, K), one code ``sign << 3 | index`` per byte."""
     resid = None
     if bounds is not None:
@@ -131,6 +136,8 @@ def fp4_rows_unpacked(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool,
     q = torch.copysign(_round_magnitude(a), y)
     if fold:
         q = q + resid.float() * scale[:, None]
+    if values_round is not None:
+        q = q.to(values_round)
     return code.to(torch.uint8), scale, q.to(values_dtype), resid
 
 
@@ -144,11 +151,15 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     scale and zero codes. With ``carrier`` (bf16/fp32) the FP8 values come back held in that
     dtype (exactly: FP8 values are bf16 values), ready for a GeMM that runs in it.
     """
-    # With a carrier, per-column scales (dim=0) are computed on the transposed view and the
-    # values written column-major: the wgrad GeMM then reads G^T row-major (on CPU the
-    # transposed-operand GeMM costs about twice the plain one) and the column reduction
-    # becomes a row reduction (half the time). Same values and scales, bit for bit.
-    transposed = carrier is not None and dim == 0
+    # With a bf16/fp16 carrier, per-column scales (dim=0) are computed on the transposed view and
+    # the values written column-major: the wgrad GeMM then reads G^T row-major (oneDNN's bf16
+    # GeMM with a transposed operand costs about twice the plain one) and the column reduction
+    # becomes a row reduction. An fp32 carrier (fp32 training, or bf16 GeMMs emulated on fp32
+    # kernels, fp4lightning.cpu_bf16) stays row-major: MKL's fp32 GeMM takes the transposed view
+    # at no cost, and the strided pass over the transposed view cost 22 ms against 9 ms at
+    # 2048 x 2816 (2 threads, AVX2, 2026-12-01; the wgrad GeMM plus this pass: median 142 against
+    # 160 ms). Same values and scales either way, bit for bit.
+    transposed = carrier is not None and dim == 0 and carrier != torch.float32
     if transposed:
         x, dim = x.t(), 1
     g = x.float() / (div[None, :] if dim == 1 else div[:, None])
@@ -168,8 +179,12 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
 
 @_fused
 def gemm_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor | None,
-                  bias: torch.Tensor | None, out_dtype: torch.dtype):
-    """``(acc / row_scale[:, None] / col_scale[None, :] + bias)`` in fp32, cast to ``out_dtype``."""
+                  bias: torch.Tensor | None, out_dtype: torch.dtype, acc_round: torch.dtype | None = None):
+    """``(acc / row_scale[:, None] / col_scale[None, :] + bias)`` in fp32, cast to ``out_dtype``;
+    ``acc`` rounded to ``acc_round`` first when given (the output rounding of an emulated bf16
+    GeMM, fp4lightning.cpu_bf16.gemm_plan)."""
+    if acc_round is not None:
+        acc = acc.to(acc_round)
     y = acc.float() / row_scale[:, None]
     if col_scale is not None:
         y = y / col_scale[None, :]
@@ -181,11 +196,14 @@ def gemm_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.T
 @_fused
 def wgrad_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, addend: torch.Tensor | None,
                    weight: torch.Tensor | None, weight_scale: torch.Tensor | None, dge_k: float,
-                   dge_clamp: float, out_dtype: torch.dtype):
+                   dge_clamp: float, out_dtype: torch.dtype, acc_round: torch.dtype | None = None):
     """``(acc / row_scale[:, None] + addend) * f'(W s_w)`` in fp32 (DGE factor when ``weight``
-    is given, section 3.2; ``fp4lightning.dge.dge_derivative``), cast to ``out_dtype``."""
+    is given, section 3.2; ``fp4lightning.dge.dge_derivative``), cast to ``out_dtype``; ``acc``
+    rounded to ``acc_round`` first when given (as in :func:`gemm_epilogue`)."""
     from .dge import dge_derivative
 
+    if acc_round is not None:
+        acc = acc.to(acc_round)
     dw = acc.float() / row_scale[:, None]
     if addend is not None:
         dw = dw + addend.float()

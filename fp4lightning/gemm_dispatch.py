@@ -98,6 +98,15 @@ def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
+def operand_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(held in, rounded to)`` for the operands of a reference GeMM computing in ``dtype``'s compute
+    dtype: ``(compute dtype, None)``, or ``(float32, bfloat16)`` where bf16 GeMMs are emulated
+    (``cpu_bf16.gemm_plan``): values that are not already exact in bf16 are rounded to it."""
+    cd = _compute_dtype(dtype, device)
+    od, _ = cpu_bf16.gemm_plan(cd, device)
+    return od, (cd if od != cd else None)
+
+
 # --------------------------------------------------------------------------- FP4 quantize
 def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False,
                  values_dtype: torch.dtype = torch.float32):
@@ -114,14 +123,16 @@ def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool 
 
 
 def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
-                         per_tensor: bool = False, fold: bool = False, values_dtype: torch.dtype = torch.float32):
+                         per_tensor: bool = False, fold: bool = False, values_dtype: torch.dtype = torch.float32,
+                         values_round: torch.dtype | None = None):
     """OCC clamp + row-wise FP4 quantization -> ``(packed, scale, values, residual)``.
 
     Same results as ``occ_clamp(x2d, bounds)`` then ``quantize_fp4`` on the clamped
     tensor (section 3.3): ``residual = x - clamp(x)`` is dense in x's dtype, ``values``
     as in ``quantize_fp4``. With ``fold`` the reference path returns the values with the
-    residual folded in, ``q + s * residual`` (fp32, then ``values_dtype``): the forward
-    GeMM on them adds the compensation ``R W^T`` (values is None on the Triton path).
+    residual folded in, ``q + s * residual`` (fp32, then ``values_dtype``, rounded to
+    ``values_round`` on the way when given): the forward GeMM on them adds the compensation
+    ``R W^T`` (values is None on the Triton path).
     The Triton backend and the compiled reference do it in one fused pass over x.
     """
     if backend_for(x2d.device) == "triton":
@@ -129,11 +140,13 @@ def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: st
                                                                       per_tensor=per_tensor)
         return codes, scale, None, resid
     if x2d.dtype != torch.float64 and x2d.shape[1] % 2 == 0 and scale_mode in ("float", "pow2"):
-        return fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype, bounds, fold)
+        return fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype, bounds, fold, values_round)
     xc, resid = occ_clamp(x2d, bounds)
     codes, scale, values = quantize_rows_reference(xc, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
     if fold:
         values = values + resid.float() * scale[:, None]
+    if values_round is not None:
+        values = values.to(values_round)
     return codes, scale, values.to(values_dtype), resid
 
 
@@ -186,6 +199,12 @@ def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 
 # --------------------------------------------------------------------------- GeMMs (reference)
+def _mm(a: torch.Tensor, b: torch.Tensor, acc_round: torch.dtype | None) -> torch.Tensor:
+    """``a @ b`` of a reference GeMM planned by ``cpu_bf16.gemm_plan``: with ``acc_round`` the
+    operands are fp32 holding bf16 values and the fp32 product is rounded by the epilogue."""
+    return cpu_bf16.emulated_mm_f32(a, b) if acc_round is not None else a @ b
+
+
 def _fp4_values(packed: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     # a 256-entry byte table gather: measured faster on CPU than a compiled arithmetic
     # decode, whose interleaving store does not vectorize
@@ -206,20 +225,23 @@ def fp4_gemm_reference(
     """``Y = (A_q W_q^T) / (s_a s_w^T) + bias`` on E2M1 values in ``out_dtype``'s compute dtype.
 
     ``a_values`` / ``w_values`` (the decoded operands, when the caller still has them)
-    skip a decode of the packed codes.
+    skip a decode of the packed codes. Where bf16 GeMMs are emulated (``cpu_bf16.gemm_plan``) the
+    operands are fp32 and the product is rounded to bf16 in the epilogue: the same bits as a bf16
+    GeMM with fp32 accumulation; callers can hand fp32 ``a_values``/``w_values`` to skip a cast.
     """
-    cd = _compute_dtype(out_dtype, a_packed.device)
-    a = a_values.to(cd) if a_values is not None else _fp4_values(a_packed, k, cd)
-    w = w_values.to(cd) if w_values is not None else _fp4_values(w_packed, k, cd)
-    return fused.gemm_epilogue(cpu_bf16.mm(a, w.t()), a_scale, w_scale, bias, out_dtype)
+    od, acc_round = cpu_bf16.gemm_plan(_compute_dtype(out_dtype, a_packed.device), a_packed.device)
+    a = a_values.to(od) if a_values is not None else _fp4_values(a_packed, k, od)
+    w = w_values.to(od) if w_values is not None else _fp4_values(w_packed, k, od)
+    return fused.gemm_epilogue(_mm(a, w.t(), acc_round), a_scale, w_scale, bias, out_dtype, acc_round)
 
 
 def fp4_dgrad_reference(
     g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k: int, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``dA = (G1_q W_q) / s_g1[:, None]``; ``g`` (M x N) FP8 or bf16, W packed along K."""
-    cd = _compute_dtype(out_dtype, g.device)
-    return fused.gemm_epilogue(cpu_bf16.mm(g.to(cd), _fp4_values(w_packed, k, cd)), g_scale, None, None, out_dtype)
+    od, acc_round = cpu_bf16.gemm_plan(_compute_dtype(out_dtype, g.device), g.device)
+    acc = _mm(g.to(od), _fp4_values(w_packed, k, od), acc_round)
+    return fused.gemm_epilogue(acc, g_scale, None, None, out_dtype, acc_round)
 
 
 def fp4_wgrad_reference(
@@ -244,10 +266,10 @@ def fp4_wgrad_reference(
     bf16 (E5M2/E4M3 and E2M1 values), so bf16 changes only the rounding of the GeMM's
     output to bf16 (fp32 accumulation), as in bf16 ``nn.Linear``.
     """
-    cd = gemm_dtype or _compute_dtype(out_dtype, g.device)
-    acc = cpu_bf16.mm(g.to(cd).t(), _fp4_values(a_packed, k, cd))
+    od, acc_round = cpu_bf16.gemm_plan(gemm_dtype or _compute_dtype(out_dtype, g.device), g.device)
+    acc = _mm(g.to(od).t(), _fp4_values(a_packed, k, od), acc_round)
     return fused.wgrad_epilogue(acc, g_scale, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
-                                dge_k, dge_clamp, out_dtype)
+                                dge_k, dge_clamp, out_dtype, acc_round)
 
 
 # --------------------------------------------------------------------------- GeMMs (dispatch)

@@ -134,8 +134,8 @@ def test_fp4linear_gemms_emulated_match_native(monkeypatch):
     x = torch.randn(48, 64)
     dy = torch.randn(48, 96).bfloat16()
     emulated = []  # bf16 GeMMs that FP4Linear's reference path sent to the fp32 kernels
-    real = cpu_bf16.emulated_mm
-    monkeypatch.setattr(cpu_bf16, "emulated_mm", lambda a, b: emulated.append(a.shape) or real(a, b))
+    real = cpu_bf16.emulated_mm_f32
+    monkeypatch.setattr(cpu_bf16, "emulated_mm_f32", lambda a, b: emulated.append(a.shape) or real(a, b))
     outs = {}
     for mode in ("native", "emulate"):
         monkeypatch.setenv(ENV, mode)
@@ -165,3 +165,60 @@ def test_recipe_baseline_module_emulates_only_under_bf16(monkeypatch, precision)
     want = cpu_bf16.EmulatedBF16Linear if precision == "bf16-mixed" else nn.Linear
     linears = [m for m in module.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is want for m in linears), {type(m).__name__ for m in linears}
+
+
+@pytest.mark.parametrize("compiled", ["0", "1"])
+def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, compiled):
+    """Under emulation FP4Linear's GeMMs take fp32 operands and round the product in the epilogue
+    (cpu_bf16.gemm_plan): Y and dA must be, bit for bit, the bf16 GeMMs of the bf16 operands
+    (``emulated_mm``) followed by the same epilogues; dW within fp32 rounding of that. Compiled
+    too: Inductor drops a ``.to(bf16).float()`` round trip unless told to keep casts."""
+    from fp4lightning import fused, gemm_dispatch as gd
+    from fp4lightning.formats import decode_packed_fp4
+    from fp4lightning.occ import occ_bounds
+
+    monkeypatch.setenv(ENV, "emulate")
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", compiled)
+    m, k, n = 96, 128, 80
+    lin = nn.Linear(k, n)
+    x = torch.randn(m, k) * (1 + 9 * (torch.rand(m, k) < 0.02))
+    dy = torch.randn(m, n).bfloat16()
+    layer = FP4Linear.from_linear(lin, FP4Config())
+    y, dx, dw, _ = _linear_run(layer, x, dy)
+    assert not fused._FAILED, fused._FAILED  # compiled where asked (CI has a C++ compiler)
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "0")  # the reference below runs eagerly
+    cfg = layer.config
+    bf = torch.bfloat16
+    # the forward as bf16 GeMMs: OCC-folded activation values and weight values in bf16
+    bounds = occ_bounds(x, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
+    a_codes, a_scale, a_vals, r = gd.quantize_fp4_clamped(x, bounds, cfg.scale_mode, False, fold=True, values_dtype=bf)
+    w_codes, w_scale, w_vals = gd.quantize_fp4(lin.weight.detach(), cfg.scale_mode, False, values_dtype=bf)
+    y_ref = fused.gemm_epilogue(cpu_bf16.emulated_mm(a_vals, w_vals.t()), a_scale, w_scale, lin.bias.detach(), bf)
+    assert torch.equal(y, y_ref)
+    g1, s1 = gd.quantize_fp8_divided(dy, w_scale, dim=1, fmt=cfg.grad_format, carrier=bf)
+    dx_ref = fused.gemm_epilogue(cpu_bf16.emulated_mm(g1, decode_packed_fp4(w_codes, k, bf)), s1, None, None, bf)
+    assert torch.equal(dx, dx_ref.float())
+    g2, s2 = gd.quantize_fp8_divided(dy, a_scale, dim=0, fmt=cfg.grad_format, carrier=bf)
+    acc = cpu_bf16.emulated_mm(g2.t(), decode_packed_fp4(a_codes, k, bf))
+    comp = (dy.double().t() @ r.double()).float()  # OCC's share dY^T R, in float64 then fp32
+    dw_ref = fused.wgrad_epilogue(acc, s2, comp, lin.weight.detach(), w_scale, cfg.dge_k, cfg.dge_clamp, torch.float32)
+    torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-6 * dw_ref.abs().max().item())
+
+
+def test_sparse_compensation_product_in_chunks_is_the_whole_product(monkeypatch):
+    """OCC's weight-gradient share ``dY^T R``, taken in column chunks of dY (fp4lightning.linear), equals
+    the float64 product to fp32 rounding, and the unchunked fp32 sparse product bit for bit."""
+    from fp4lightning import linear as fl
+
+    m, k, n = 256, 64, 200  # n not a multiple of the chunk: a short last chunk
+    r = torch.randn(m, k) * (torch.rand(m, k) < 0.03)
+    rt = fl._sparse_residual(r, transpose=True)
+    dy = torch.randn(m, n).bfloat16()
+    whole = torch.sparse.mm(rt, dy.float()).t()
+    assert torch.equal(fl._sparse_wgrad(rt, dy), whole)  # one chunk at this size
+    monkeypatch.setattr(fl, "SPARSE_CHUNK_BYTES", 4 * m * 48)  # 48 columns a chunk
+    chunked = fl._sparse_wgrad(rt, dy)
+    assert chunked.shape == (n, k) and chunked.is_contiguous()
+    assert torch.equal(chunked, whole)
+    ref = dy.double().t() @ r.double()
+    torch.testing.assert_close(chunked.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
