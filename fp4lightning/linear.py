@@ -99,7 +99,7 @@ class _FP4LinearFn(torch.autograd.Function):
                     # Triton path: R in the compute dtype (bf16 under autocast, as the reference
                     # path's folded operand and nn.Linear's operands), kept for backward in a
                     # fixed-capacity compact form built without a host sync
-                    r = r.to(vals_dtype)
+                    r = r.to(vals_round or vals_dtype)  # the compute dtype, never its fp32 carrier
                     resid = _compact_residual(r, cfg.occ_alpha)
                 elif cfg.occ_compensation:
                     # what backward keeps: ~2% non-zeros; R^T in CSR form for the CPU sparse kernels
