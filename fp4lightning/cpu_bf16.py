@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["emulate_bf16_gemm", "mm", "emulated_mm", "emulated_mm_f32", "gemm_plan", "EmulatedBF16Linear", "emulate_bf16_linears", "is_plain_linear",
-           "high_precision_linear_type", "notice_once"]
+__all__ = ["emulate_bf16_gemm", "mm", "emulated_mm", "emulated_mm_f32", "gemm_plan", "EmulatedBF16Linear",
+           "emulate_bf16_linears", "is_plain_linear", "high_precision_linear_type", "notice_once"]
 
 _ENV = "FP4LIGHTNING_CPU_BF16_GEMM"
 _MODES = ("auto", "native", "emulate")

@@ -38,7 +38,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import cpu_bf16, gemm_dispatch
+from . import gemm_dispatch
 from .config import FP4Config
 from .occ import occ_bounds
 
@@ -151,7 +151,7 @@ class _FP4LinearFn(torch.autograd.Function):
                 # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
                 gemm_dtype = torch.bfloat16 if cd == torch.bfloat16 else torch.float32
                 g2, s_g2 = gemm_dispatch.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
-                                                    carrier=cpu_bf16.gemm_plan(gemm_dtype, dy.device)[0])
+                                                    carrier=gemm_dispatch.operand_dtype(gemm_dtype, dy.device)[0])
                 # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
                 # factor: DGE multiplies the whole dL/dW_q
                 comp = None
