@@ -2,13 +2,15 @@
 
 Prints, per LLaMA-like layer shape:
   * forward+backward time of FP4Linear (``paper`` and ``w4a4-direct`` presets) over
-    bf16-autocast nn.Linear, interleaved in one run;
+    bf16-autocast nn.Linear, all layers timed round-robin (one call each per round) in one run;
   * the same ratio for a peer that simulates less: torchao's float8 training with
     ``Float8LinearConfig(emulate=True)`` (tensorwise E4M3 activations and weights, E5M2 output
     gradients; no DGE, no OCC), when torchao imports (scripts/setup_venv.sh installs it as the
     test-only ``oracle`` extra; otherwise the column reads n/a);
   * OCC's share of the FP4Linear forward as training runs it (with grad: quantile + clamp +
     compensation + the residual kept for backward), the two forwards alternated call by call;
+  * DGE's share of the ``paper`` forward+backward (``paper`` against ``paper`` with STE, timed in
+    the same rounds): an upper bound on what caching the DGE factor could save;
   * bytes saved for backward, FP4Linear over bf16 nn.Linear (saved_tensors_hooks);
 and, once, the OCC quantile estimate's cost and error against the exact quantile.
 
@@ -53,20 +55,28 @@ def _time(fn, dev, iters, warmup=2):
     return statistics.median(ts)
 
 
-def _time_pair(fn_a, fn_b, dev, iters, warmup=2):
-    """Medians of ``fn_a`` and ``fn_b`` timed alternately, one call each per round."""
+def _time_rounds(fns, dev, iters, warmup=2, raw=False):
+    """Medians of each of ``fns`` timed round-robin: one call of each per round, so that the
+    machine's drift (this project's 2-core VM moves 15% between minutes) hits all of them alike.
+    ``raw``: the per-round times instead (lists, one per function)."""
     for _ in range(warmup):
-        fn_a()
-        fn_b()
-    ta, tb = [], []
+        for fn in fns:
+            fn()
+    ts = [[] for _ in fns]
     for _ in range(iters):
-        for fn, ts in ((fn_a, ta), (fn_b, tb)):
+        for fn, t_fn in zip(fns, ts):
             _sync(dev)
             t = time.perf_counter()
             fn()
             _sync(dev)
-            ts.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
+            t_fn.append(time.perf_counter() - t)
+    return ts if raw else [statistics.median(t_fn) for t_fn in ts]
+
+
+def _paired_share(t_with, t_without):
+    """Median over rounds of ``(with - without) / with``, each round's pair timed back to back
+    (a difference of two medians is noise-bound when the part is ~10% of the whole)."""
+    return max(0.0, statistics.median((a - b) / a for a, b in zip(t_with, t_without)))
 
 
 def saved_bytes(module, x, dev):
@@ -100,6 +110,7 @@ def bench_shape(m, k, n, dev, iters):
     fp4 = FP4Linear.from_linear(lin, FP4Config())
     fp4_noocc = FP4Linear.from_linear(lin, FP4Config(occ=False))
     fp4_direct = FP4Linear.from_linear(lin, FP4Config.from_preset("w4a4-direct"))
+    fp4_nodge = FP4Linear.from_linear(lin, FP4Config(dge=False))
     x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).requires_grad_(True)
     dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
 
@@ -116,22 +127,18 @@ def bench_shape(m, k, n, dev, iters):
                 mod(x)
         return run
 
-    # interleave the two so machine noise hits both alike
-    t_bf16 = _time(fwd_bwd(lin), dev, iters)
-    t_fp4 = _time(fwd_bwd(fp4), dev, iters)
-    t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
-    t_direct = _time(fwd_bwd(fp4_direct), dev, iters)
-    t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
-    t_peer = None
-    if peer is not None:
-        t_peer = _time(fwd_bwd(peer), dev, iters)
-        t_bf16 = min(t_bf16, _time(fwd_bwd(lin), dev, iters))
-    # OCC's share: forwards with and without OCC alternated call by call (a difference of two
-    # medians taken minutes apart was noise-bound on a shared VM), 3x the iterations
-    t_fwd, t_fwd_noocc = _time_pair(fwd(fp4), fwd(fp4_noocc), dev, 3 * iters)
-    occ_share = max(0.0, (t_fwd - t_fwd_noocc) / t_fwd)
+    # every layer timed round-robin, one call each per round, so machine noise hits all alike;
+    # `paper` without DGE bounds what DGE costs (and so what caching its factor could save)
+    mods = [lin, fp4, fp4_direct, fp4_nodge] + ([peer] if peer is not None else [])
+    t_all = _time_rounds([fwd_bwd(mod) for mod in mods], dev, iters, raw=True)
+    t_bf16, t_fp4, t_direct, t_nodge, *t_peer = (statistics.median(t) for t in t_all)
+    t_peer = t_peer[0] if t_peer else None
+    dge_share = _paired_share(t_all[1], t_all[3])
+    # OCC's share: forwards with and without OCC alternated call by call, 3x the iterations
+    occ_share = _paired_share(*_time_rounds([fwd(fp4), fwd(fp4_noocc)], dev, 3 * iters, raw=True))
     b_fp4, b_bf16 = saved_bytes(fp4, x, dev), saved_bytes(lin, x, dev)
     return dict(shape=f"{m}x{k}->{n}", bf16_ms=t_bf16 * 1e3, fp4_ms=t_fp4 * 1e3, ratio=t_fp4 / t_bf16, direct_ratio=t_direct / t_bf16,
+                dge_share=dge_share,
                 peer_ratio=None if t_peer is None else t_peer / t_bf16,
                 occ_share=occ_share, bytes_ratio=b_fp4 / b_bf16, fp4_mb=b_fp4 / 2**20, bf16_mb=b_bf16 / 2**20)
 
@@ -165,13 +172,13 @@ def main():
           f"backend={os.environ.get('FP4LIGHTNING_BACKEND', 'auto')} compiled={fused.compile_enabled(dev)} "
           f"bf16_gemm={'emulated (fp32 kernels)' if emulate_bf16_gemm(dev) else 'native'}")
     print("| shape (tokens x in -> out) | bf16 fwd+bwd ms | FP4 fwd+bwd ms | FP4/bf16 time | w4a4-direct/bf16 time "
-          "| torchao float8 emulate/bf16 time | OCC share of FP4 fwd | saved MB bf16 | saved MB FP4 | FP4/bf16 saved bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| torchao float8 emulate/bf16 time | OCC share of FP4 fwd | DGE share of FP4 fwd+bwd | saved MB bf16 | saved MB FP4 | FP4/bf16 saved bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in args.shapes.split(","):
         m, k, n = (int(v) for v in s.split("x"))
         r = bench_shape(m, k, n, dev, args.iters)
         print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | {r['direct_ratio']:.2f}x | "
-              f"{'n/a' if r['peer_ratio'] is None else format(r['peer_ratio'], '.2f') + 'x'} | {100 * r['occ_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
+              f"{'n/a' if r['peer_ratio'] is None else format(r['peer_ratio'], '.2f') + 'x'} | {100 * r['occ_share']:.0f}% | {100 * r['dge_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
     q = bench_quantile(dev)
     print("\nOCC quantile on a 2048x1024 activation (alpha=0.99):")
     print(f"  exact (two partial sorts, topk) {q['t_exact']:.1f} ms | sampled (65,536) {q['t_sample']:.2f} ms | "

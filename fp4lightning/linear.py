@@ -251,21 +251,27 @@ def _csr(crow: torch.Tensor, col: torch.Tensor, vals: torch.Tensor, shape) -> to
     return torch.sparse_csr_tensor(crow.int(), col.int(), vals, shape, check_invariants=False)
 
 
-def _nonzero_flat(mask: torch.Tensor) -> torch.Tensor:
-    """Row-major flat indices (int64, ascending) of the True entries of a contiguous bool ``mask``.
+def _nonzero_values(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major flat indices (int64, ascending) and values of the non-zeros of a contiguous ``r``.
 
-    At OCC's ~2% density most 8-byte words of the mask are zero: ``nonzero`` runs over the
-    words, then over the bytes of the few non-zero ones (about 4x faster on CPU than
-    ``nonzero`` on every byte; the same indices in the same order).
+    At OCC's ~2% density most 8-byte words of ``r`` are zero: ``nonzero`` runs over the words'
+    bit patterns (no separate mask pass), then by value over the elements of the few non-zero
+    words, which are gathered once and also give the values (-0.0 has a non-zero bit pattern and
+    drops out in the second step; NaN is a non-zero). 1-D ``index_select`` throughout (advanced
+    indexing costs several times more on CPU). Measured 2026-12-02 at 2048 x 2816 bf16, 2% density:
+    CSR of R^T in 19 against 29 ms with a bool mask and ``nonzero`` over its words. The same
+    indices and values in the same order as ``r.reshape(-1).nonzero()``.
     """
-    flat = mask.reshape(-1)  # contiguous: reshape copies a non-contiguous mask
-    if flat.numel() % 8 or flat.numel() < 4096:
-        return flat.nonzero().squeeze(1)
-    as_words = flat.view(torch.int64)
-    words = (as_words != 0).nonzero().squeeze(1)
-    # gather the non-zero words as scalars (much faster than rows of 8 bytes), then their bytes
-    sub = as_words[words].view(torch.bool).reshape(-1, 8).nonzero()  # [which word, which byte]
-    return words[sub[:, 0]] * 8 + sub[:, 1]
+    flat = r.reshape(-1)  # contiguous: reshape copies a non-contiguous r
+    per = 8 // flat.element_size()
+    if flat.numel() % per or flat.numel() < 4096 or flat.element_size() > 8:
+        idx = (flat != 0).nonzero().squeeze(1)
+        return idx, flat.index_select(0, idx)
+    words = flat.view(torch.int64)
+    w = (words != 0).nonzero().squeeze(1)
+    cand = words.index_select(0, w).view(flat.dtype)  # the elements of the non-zero words, in order
+    p = (cand != 0).nonzero().squeeze(1)
+    return w.index_select(0, p // per) * per + p % per, cand.index_select(0, p)
 
 
 def _sparse_residual(r: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -278,13 +284,13 @@ def _sparse_residual(r: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     unique keys, much cheaper than ``nonzero`` on the transposed view or a stable sort.
     """
     m, k = r.shape
-    flat_idx = _nonzero_flat(r != 0)
+    flat_idx, vals = _nonzero_values(r)
     rows, cols = flat_idx // k, flat_idx % k
     if transpose:
         key = cols * m + rows
         order = torch.sort(key.int() if m * k < 2**31 else key).indices  # unique keys: any sort
-        flat_idx, rows, cols, m, k = flat_idx[order], cols[order], rows[order], k, m
-    vals = r.reshape(-1)[flat_idx].float()  # a gather; r[mask] would search the mask again
+        vals, rows, cols, m, k = vals.index_select(0, order), cols.index_select(0, order), rows.index_select(0, order), k, m
+    vals = vals.float()
     crow = torch.zeros(m + 1, dtype=torch.int64, device=r.device)
     crow[1:] = torch.bincount(rows, minlength=m).cumsum(0)
     with warnings.catch_warnings():  # "sparse CSR support is in beta": known, not actionable

@@ -316,16 +316,19 @@ def test_a_fused_function_with_too_many_variants_runs_eagerly_alone(monkeypatch)
 @pytest.mark.parametrize("shape", [(3, 5), (64, 64), (257, 96), (1024, 384)])
 @pytest.mark.parametrize("density", [0.0, 0.02, 0.3, 1.0])
 def test_sparse_residual_equals_torch_csr_conversion(shape, density):
-    """The OCC residual's CSR (of R and of R^T), built from word-wise nonzero and one sort, holds
+    """The OCC residual's CSR (of R and of R^T), built from nonzero over 8-byte words and one sort, holds
     exactly what torch's own dense-to-CSR conversion gives: rows, columns, values, in order."""
     import warnings
-    from fp4lightning.linear import _nonzero_flat, _sparse_residual
+    from fp4lightning.linear import _nonzero_values, _sparse_residual
 
     r = torch.randn(shape) * (torch.rand(shape) < density)
     if density:
         r.view(-1)[0] = float("nan")  # a NaN entry is a non-zero entry
-    r = r.bfloat16()
-    assert torch.equal(_nonzero_flat(r != 0), (r != 0).reshape(-1).nonzero().squeeze(1))
+    r = r.bfloat16()  # randn * 0 is -0.0 half the time: a non-zero bit pattern, a zero value
+    for rr in (r, r.float()):  # 4 and 2 elements per 8-byte word
+        idx, vals = _nonzero_values(rr)
+        assert torch.equal(idx, (rr != 0).reshape(-1).nonzero().squeeze(1))
+        torch.testing.assert_close(vals, rr.reshape(-1)[idx], rtol=0, atol=0, equal_nan=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for transpose in (False, True):
