@@ -325,7 +325,8 @@ def test_sparse_residual_equals_torch_csr_conversion(shape, density):
     if density:
         r.view(-1)[0] = float("nan")  # a NaN entry is a non-zero entry
     r = r.bfloat16()  # randn * 0 is -0.0 half the time: a non-zero bit pattern, a zero value
-    for rr in (r, r.float()):  # 4 and 2 elements per 8-byte word
+    pad = torch.cat([torch.zeros(1, dtype=r.dtype), r.reshape(-1)])[1:].view(r.shape)  # offset 1 element
+    for rr in (r, r.float(), pad):  # 4 and 2 elements per 8-byte word; a view not on a word boundary
         idx, vals = _nonzero_values(rr)
         assert torch.equal(idx, (rr != 0).reshape(-1).nonzero().squeeze(1))
         torch.testing.assert_close(vals, rr.reshape(-1)[idx], rtol=0, atol=0, equal_nan=True)
