@@ -131,7 +131,7 @@ def bench_shape(m, k, n, dev, iters):
     # `paper` without DGE bounds what DGE costs (and so what caching its factor could save)
     mods = [lin, fp4, fp4_direct, fp4_nodge] + ([peer] if peer is not None else [])
     t_all = _time_rounds([fwd_bwd(mod) for mod in mods], dev, iters, raw=True)
-    t_bf16, t_fp4, t_direct, t_nodge, *t_peer = (statistics.median(t) for t in t_all)
+    t_bf16, t_fp4, t_direct, _, *t_peer = (statistics.median(t) for t in t_all)  # [3]: paper, STE
     t_peer = t_peer[0] if t_peer else None
     dge_share = _paired_share(t_all[1], t_all[3])
     # OCC's share: forwards with and without OCC alternated call by call, 3x the iterations

@@ -264,7 +264,7 @@ def _nonzero_values(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     flat = r.reshape(-1)  # contiguous: reshape copies a non-contiguous r
     per = 8 // flat.element_size()
-    if flat.numel() % per or flat.numel() < 4096 or flat.element_size() > 8 or flat.storage_offset() % per:
+    if flat.numel() % per or flat.numel() < 4096 or flat.storage_offset() % per:
         idx = (flat != 0).nonzero().squeeze(1)
         return idx, flat.index_select(0, idx)
     words = flat.view(torch.int64)
