@@ -236,14 +236,20 @@ def _sparse_wgrad(rt: torch.Tensor, dy2d: torch.Tensor) -> torch.Tensor:
     """OCC's share of the weight gradient, ``dY^T R = (R^T dY)^T`` (N x K, row-major, fp32), from
     ``rt`` (CSR of R^T, K x M) and dY (M x N, any float dtype), in cache-sized column chunks of dY.
     Written row-major so the wgrad epilogue reads it like the GeMM's output (a transposed view
-    cost that pass 8 ms more at 2816 x 1024)."""
+    cost that pass 8 ms more at 2816 x 1024).
+
+    The chunks give the one-call product's bits: every column meets the same products in the same
+    order. MKL takes another code path for a narrow right-hand side (on an AVX-512 CPU a chunk of
+    8 or 16 columns rounds differently from the same columns inside a wide one), so no chunk is
+    narrower than 64 columns: the short remainder joins the last full chunk."""
     m, n = dy2d.shape
-    cols = max(16, SPARSE_CHUNK_BYTES // (4 * max(m, 1)) // 16 * 16)
-    if cols >= n:
+    cols = max(64, SPARSE_CHUNK_BYTES // (4 * max(m, 1)) // 16 * 16)
+    if 2 * cols > n:
         return torch.sparse.mm(rt, dy2d.float().contiguous()).t().contiguous()
     out = torch.empty(n, rt.shape[0], dtype=torch.float32, device=dy2d.device)
-    for j in range(0, n, cols):
-        out[j:j + cols] = torch.sparse.mm(rt, dy2d[:, j:j + cols].float().contiguous()).t()
+    starts = list(range(0, n - cols + 1, cols))  # full chunks; the last one runs to n
+    for j, end in zip(starts, starts[1:] + [n]):
+        out[j:end] = torch.sparse.mm(rt, dy2d[:, j:end].float().contiguous()).t()
     return out
 
 

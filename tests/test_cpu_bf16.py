@@ -207,18 +207,21 @@ def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, com
 
 def test_sparse_compensation_product_in_chunks_is_the_whole_product(monkeypatch):
     """OCC's weight-gradient share ``dY^T R``, taken in column chunks of dY (fp4lightning.linear), equals
-    the float64 product to fp32 rounding, and the unchunked fp32 sparse product bit for bit."""
+    the float64 product to fp32 rounding, and the unchunked fp32 sparse product bit for bit, also
+    where the last chunk is short (it failed on an AVX-512 CPU when a narrow last chunk ran alone)."""
     from fp4lightning import linear as fl
 
-    m, k, n = 256, 64, 200  # n not a multiple of the chunk: a short last chunk
+    m, k = 256, 64
     r = torch.randn(m, k) * (torch.rand(m, k) < 0.03)
     rt = fl._sparse_residual(r, transpose=True)
-    dy = torch.randn(m, n).bfloat16()
-    whole = torch.sparse.mm(rt, dy.float()).t()
-    assert torch.equal(fl._sparse_wgrad(rt, dy), whole)  # one chunk at this size
-    monkeypatch.setattr(fl, "SPARSE_CHUNK_BYTES", 4 * m * 48)  # 48 columns a chunk
-    chunked = fl._sparse_wgrad(rt, dy)
-    assert chunked.shape == (n, k) and chunked.is_contiguous()
-    assert torch.equal(chunked, whole)
+    dy = torch.randn(m, 200).bfloat16()
+    assert torch.equal(fl._sparse_wgrad(rt, dy), torch.sparse.mm(rt, dy.float()).t())  # one chunk at this size
+    monkeypatch.setattr(fl, "SPARSE_CHUNK_BYTES", 4 * m * 64)  # 64 columns a chunk
+    for n in (128, 136, 200, 263, 320):  # 128 and 320 split evenly; 136, 200, 263 leave 8, 8, 7 columns
+        dy = torch.randn(m, n).bfloat16()
+        whole = torch.sparse.mm(rt, dy.float()).t()
+        chunked = fl._sparse_wgrad(rt, dy)
+        assert chunked.shape == (n, k) and chunked.is_contiguous()
+        assert torch.equal(chunked, whole), n
     ref = dy.double().t() @ r.double()
     torch.testing.assert_close(chunked.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
