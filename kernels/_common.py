@@ -38,6 +38,14 @@ DOT_FP32 = 4  # interpreter only: its bf16 tl.dot returns garbage (docs/kernels.
 #: as DeepSeek-V3 and TransformerEngine do; FP4LIGHTNING_FP8_FAST_ACCUM=1 trades that
 #: for speed.
 FP8_FAST_ACCUM = os.environ.get("FP4LIGHTNING_FP8_FAST_ACCUM", "0") == "1"
+
+
+def gemm_path() -> str:
+    """FP4LIGHTNING_GEMM_PATH (read at each launch): how the FP4 GeMMs reach the FP8 tensor
+    cores, ``decode`` (default: codes decoded in the GeMM loop, kernels/gemm.py) or ``expand``
+    (a bandwidth-bound kernel writes FP8 copies first, then a plain FP8 GeMM, kernels/fp8_gemm.py)."""
+    return os.environ.get("FP4LIGHTNING_GEMM_PATH", "decode")
+
 #: FP4LIGHTNING_AUTOTUNE=0 keeps only the default GeMM config of the GPU's family.
 AUTOTUNE = os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0"
 

@@ -50,7 +50,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp4lightning.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,  # noqa: E402
                                     F8E5M2_MANT_BITS, F8E5M2_MAX)
-from fp4lightning.kernels import gemm, quantize  # noqa: E402
+from fp4lightning.kernels import fp8_gemm, gemm, quantize  # noqa: E402
 from fp4lightning.kernels._common import DOT_BF16, DOT_FP8E4, DOT_FP8E5, DOT_FP16  # noqa: E402
 
 _I = "i32"
@@ -144,6 +144,39 @@ def _cases(all_configs: bool = False):
         for i, row in enumerate(sweep if all_configs else sweep[:1]):
             label = name if i == 0 else f"{name} cfg{i}"
             cases.append(_case(label, arch, kind, kernel, types, consts, row, names, is_default=(i == 0)))
+    cases += _expand_cases(all_configs)
+    return cases
+
+
+def _expand_cases(all_configs: bool):
+    """The ``expand`` path (kernels/fp8_gemm.py): the expansion kernels and the plain FP8 GeMM
+    in the three epilogues FP4Linear uses (default config: the first row of its sweep)."""
+    x_types = dict(p_ptr="*u8", y_ptr="*u8", R=_I, KH=_I, KY=_I, RY=_I, stride_p=_I, stride_y=_I)
+    cases = [dict(name=f"expand to {fmt}{' transposed' if t else ''}", arch=90, kind="expand", fn=fp8_gemm._expand_kernel,
+                  types=x_types, consts=dict(TRANSPOSE=t, MANT=mant, HALF=half, BLOCK_R=64, BLOCK_KH=64), num_warps=4,
+                  num_stages=1, block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True)
+             for fmt, mant, half, t in (("e4m3", 3, 0x30, False), ("e5m2", 2, 0x38, True))]
+    g_types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sr_ptr="*fp32", sc_ptr="*fp32", bias_ptr="*bf16", c_ptr="*fp32",
+                   w_ptr="*fp32", sw_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I, stride_am=_I, stride_bn=_I,
+                   stride_cm=_I, stride_ck=_I, stride_wm=_I, stride_ym=_I)
+    e5 = dict(g_types, a_ptr="*fp8e5", b_ptr="*fp8e5")
+    none = dict(HAS_BIAS=False, HAS_ADDEND=False, HAS_DGE=False, TWO_PHASE=False, EPI_M=16, DGE_INV_K=0.2,
+                DGE_POW=-0.8, DGE_CLAMP=3.0, COL_SCALE=0)
+    variants = [
+        ("fp8_gemm forward (expand path)", "forward", g_types,
+         dict(none, DOT=DOT_FP8E4, PRECISE_ACC=True, ROW_SCALE=1, COL_SCALE=1, HAS_BIAS=True)),
+        ("fp8_gemm forward fast-accum (expand path)", "forward", g_types,
+         dict(none, DOT=DOT_FP8E4, PRECISE_ACC=False, ROW_SCALE=1, COL_SCALE=1, HAS_BIAS=True)),
+        ("fp8_gemm dgrad e5m2 (expand path)", "dgrad", e5, dict(none, DOT=DOT_FP8E5, PRECISE_ACC=True, ROW_SCALE=1)),
+        ("fp8_gemm wgrad e5m2 + DGE + addend (expand path)", "wgrad", dict(e5, y_ptr="*fp32"),
+         dict(none, DOT=DOT_FP8E5, PRECISE_ACC=True, ROW_SCALE=2, HAS_ADDEND=True, HAS_DGE=True, TWO_PHASE=True)),
+    ]
+    for name, kind, types, consts in variants:
+        for i, (a, b, bk, stages, warps, _where) in enumerate(fp8_gemm._SWEEP if all_configs else fp8_gemm._SWEEP[:1]):
+            cases.append(dict(name=name if i == 0 else f"{name} cfg{i}", arch=90, kind=kind, fn=fp8_gemm._fp8_gemm_kernel,
+                              types=types, consts=dict(consts, BLOCK_M=a, BLOCK_N=b, BLOCK_K=bk, GROUP=8),
+                              num_warps=warps, num_stages=stages, block_m=a, block_n=b, block_k=bk, mma_dtype="fp8",
+                              is_default=(i == 0)))
     return cases
 
 
@@ -258,14 +291,14 @@ def main(argv=None) -> int:
     else:
         print(f"# triton {triton.__version__}: compiled ahead of time (no GPU needed). Per main-loop iteration "
               "of one block: SASS instructions per warp, tensor ops per warp, issue cycles / tensor cycles")
-        print(f"{'':5} {'arch':5} {'case':44} {'tile MxNxK':14} {'w/s':5} {'mma':5} {'loop ins':>8} {'tensor':>6} "
+        print(f"{'':5} {'arch':5} {'case':50} {'tile MxNxK':14} {'w/s':5} {'mma':5} {'loop ins':>8} {'tensor':>6} "
               f"{'issue/tensor':>12} {'regs':>4} {'spill':>5}")
         for r in results:
             if not r["ok"]:
-                print(f"FAIL  sm_{r['arch']:<3} {r['case']:44} {r['error']}")
+                print(f"FAIL  sm_{r['arch']:<3} {r['case']:50} {r['error']}")
                 continue
             tile = "-" if r["block_k"] is None else f"{r['block_m']}x{r['block_n']}x{r['block_k']}"
-            print(f"{'ok':5} sm_{r['arch']:<3} {r['case']:44} {tile:14} {r['num_warps']}/{r['num_stages']:<3} "
+            print(f"{'ok':5} sm_{r['arch']:<3} {r['case']:50} {tile:14} {r['num_warps']}/{r['num_stages']:<3} "
                   f"{_fmt(r['mma_dtype']):5} {_fmt(r.get('loop_instructions')):>8} {_fmt(r.get('tensor_ops')):>6} "
                   f"{_fmt(r.get('issue_per_tensor'), '.2f'):>12} {_fmt(r['n_regs']):>4} {_fmt(r['spill_bytes']):>5}")
     return 0 if all(r["ok"] for r in results) else 1

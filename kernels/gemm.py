@@ -52,6 +52,7 @@ from ._common import (
     check_vector,
     decode_e2m1,
     decode_e2m1_pair_fp8,
+    gemm_path,
     has_fp8_mma,
     mma,
     tile_ids,
@@ -211,6 +212,29 @@ def _decode_mode(decode: str | None, device: torch.device) -> int:
     return DOT_FP8E4 if decode == "fp8" else DOT_FP16
 
 
+def _path(path: str | None, device: torch.device, fp8_operand: bool = True) -> str:
+    """The GeMM path of a launch: ``'decode'`` (codes decoded in the main loop) or ``'expand'``
+    (codes expanded to FP8 bytes by ``fp8_gemm.triton_expand_fp4``, then a plain FP8 GeMM).
+
+    ``path=None`` follows FP4LIGHTNING_GEMM_PATH and falls back to ``'decode'`` where
+    ``'expand'`` cannot run (no FP8 tensor cores, a bf16/fp16 dY); an explicit
+    ``path='expand'`` there is an error.
+    """
+    asked = path
+    if path is None:
+        path = gemm_path()
+    if path not in ("decode", "expand"):
+        raise ValueError(f"path={path!r} (or FP4LIGHTNING_GEMM_PATH): choose 'decode' (FP4 codes decoded in the "
+                         "GeMM loop) or 'expand' (codes expanded to FP8 first, then a plain FP8 GeMM)")
+    if path == "expand" and not (has_fp8_mma(device) and fp8_operand):
+        if asked is not None:
+            why = ("the high-precision operand is not FP8" if has_fp8_mma(device)
+                   else f"{device} has no FP8 tensor cores (sm_90+)")
+            raise ValueError(f"path='expand' runs the GeMM on FP8 tensor cores, but {why}; use path='decode'")
+        path = "decode"
+    return path
+
+
 def triton_fp4_gemm(
     a_packed: torch.Tensor,
     a_scale: torch.Tensor,
@@ -222,6 +246,7 @@ def triton_fp4_gemm(
     *,
     decode: str | None = None,
     fast_accum: bool | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Forward FP4 GeMM ``Y = (A_q W_q^T) / (s_a s_w^T) + bias`` -> (M, N) ``out_dtype``.
 
@@ -231,6 +256,7 @@ def triton_fp4_gemm(
     dtype. ``decode`` forces the tensor-core type: ``'fp8'`` (E4M3, sm_90+) or
     ``'fp16'``; default: FP8 where available. ``fast_accum=True`` skips the promotion
     of FP8 partial sums into the fp32 accumulator (``None``: FP4LIGHTNING_FP8_FAST_ACCUM).
+    ``path``: ``'decode'`` or ``'expand'`` (see ``_path``; ``None``: FP4LIGHTNING_GEMM_PATH).
     """
     a_packed = check_packed("a_packed", a_packed, k)
     w_packed = check_packed("w_packed", w_packed, k)
@@ -242,6 +268,10 @@ def triton_fp4_gemm(
     check_out_dtype(out_dtype)
     check_same_device(a_packed=a_packed, a_scale=a_scale, w_packed=w_packed, w_scale=w_scale, bias=bias)
     dot = _decode_mode(decode, a_packed.device)
+    if _path(path, a_packed.device, dot == DOT_FP8E4) == "expand":
+        from .fp8_gemm import triton_expand_fp4, triton_fp8_gemm
+        return triton_fp8_gemm(triton_expand_fp4(a_packed, k), triton_expand_fp4(w_packed, k), out_dtype,
+                               row_scale=a_scale, col_scale=w_scale, bias=bias, precise_acc=_precise(fast_accum))
     y = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
     _fp4_gemm_kernel[grid](
@@ -329,12 +359,13 @@ def _fp4_dgrad_kernel(
 
 
 def triton_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Tensor, k: int,
-              out_dtype: torch.dtype = torch.float32, *, fast_accum: bool | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, *, fast_accum: bool | None = None,
+              path: str | None = None) -> torch.Tensor:
     """Activation gradient ``dA = (G1 W_q) / s_g1[:, None]`` -> (M, k) ``out_dtype``.
 
     ``g`` (M, N): dY with W's scales folded in, FP8 E5M2/E4M3 (or bf16/fp16), one fp32
     scale per row in ``g_scale`` (M,); ``w_packed`` (N, ceil(k/2)) the forward's packed
-    weight codes (packed along K, the output dimension here). ``fast_accum`` as in ``fp4_gemm``.
+    weight codes (packed along K, the output dimension here). ``fast_accum`` and ``path`` as in ``fp4_gemm``.
     """
     w_packed = check_packed("w_packed", w_packed, k)
     n, kh = w_packed.shape
@@ -345,6 +376,10 @@ def triton_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Ten
     check_out_dtype(out_dtype)
     check_same_device(g=g, g_scale=g_scale, w_packed=w_packed)
     m = g.shape[0]
+    if _path(path, g.device, g.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)) == "expand":
+        from .fp8_gemm import triton_expand_fp4, triton_fp8_gemm
+        w8t = triton_expand_fp4(w_packed, k, g.dtype, transpose=True)  # (k, N): N, the reduction, contiguous
+        return triton_fp8_gemm(g, w8t, out_dtype, row_scale=g_scale, precise_acc=_precise(fast_accum))
     g = _loadable_grad(g)
     y = torch.empty(m, k, dtype=out_dtype, device=g.device)
     dot = _grad_dot_mode(g)
@@ -541,6 +576,7 @@ def triton_fp4_wgrad(
     addend: torch.Tensor | None = None,
     *,
     fast_accum: bool | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Weight gradient ``dW = (G2^T A_q) / s_g2[:, None] + addend``, times ``f'(W s_w)`` with DGE -> (N, k).
 
@@ -549,7 +585,8 @@ def triton_fp4_wgrad(
     packed activation codes. With ``dge_weight`` (N, k) and ``dge_weight_scale`` (N,)
     the DGE derivative (``dge_k``, ``dge_clamp``) multiplies the result element-wise.
     ``addend`` (N, k, any float dtype and strides; e.g. OCC's compensation term
-    ``(R^T dY)^T``) is added in the epilogue before the DGE factor.
+    ``(R^T dY)^T``) is added in the epilogue before the DGE factor. ``fast_accum`` and
+    ``path`` as in ``fp4_gemm``.
     """
     a_packed = check_packed("a_packed", a_packed, k)
     m, kh = a_packed.shape
@@ -583,6 +620,13 @@ def triton_fp4_wgrad(
                              f"{' ' + str(addend.dtype) if isinstance(addend, torch.Tensor) else ''}")
     check_same_device(g=g, g_scale=g_scale, a_packed=a_packed, dge_weight=dge_weight,
                       dge_weight_scale=dge_weight_scale, addend=addend)
+    if _path(path, g.device, g.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)) == "expand":
+        from .fp8_gemm import triton_expand_fp4, triton_fp8_gemm
+        a8t = triton_expand_fp4(a_packed, k, g.dtype, transpose=True)  # (k, M): tokens, the reduction, contiguous
+        g2t = g.t() if g_t else g.t().contiguous()  # (N, M), tokens contiguous
+        return triton_fp8_gemm(g2t, a8t, out_dtype, row_scale=g_scale, row_reciprocal=True, addend=addend,
+                               dge_weight=dge_weight, dge_weight_scale=dge_weight_scale, dge_k=dge_k,
+                               dge_clamp=dge_clamp, precise_acc=_precise(fast_accum))
     y = torch.empty(n, k, dtype=out_dtype, device=g.device)
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     has_add = addend is not None

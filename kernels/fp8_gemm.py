@@ -1,0 +1,322 @@
+"""The FP4 GeMMs as plain FP8 GeMMs on expanded operands (issue 12's option (a); docs/kernels.md).
+
+Every E2M1 value is exact in FP8 E4M3 and in E5M2 (arXiv 2501.17116, section 3.1;
+docs/method.md section 1). So instead of decoding 4-bit codes inside a GeMM's main loop
+(``kernels/gemm.py``, the ``decode`` path), a bandwidth-bound kernel expands the packed
+codes once per GeMM into FP8 bytes, in the layout the FP8 tensor cores want (K-major:
+the reduction dimension contiguous), and the GeMM's loop is then nothing but loads and
+``wgmma``:
+
+    forward  Y  = (A8 W8^T) / (s_a s_w^T) + bias     A8 = expand(A_q)       W8 = expand(W_q)
+    dgrad    dA = (G1 W8t^T) / s_g1[:, None]          W8t = expand(W_q)^T    (K x N, N contiguous)
+    wgrad    dW = (G2t A8t^T) / s_g2 [+ C] * f'(W s_w) A8t = expand(A_q)^T   (K x M, M contiguous)
+
+(G2t is dY^T with tokens contiguous, what ``quantize_fp8(dim=0, column_major=True)`` writes.)
+The packed 4-bit form stays what the layer saves for backward; the expanded copies are
+temporaries (1 byte per element against 0.5). The backward operands are expanded to
+dY's FP8 type (E5M2 or E4M3), so both dot operands have one type.
+
+Numerics are those of the decode path: the same products (exact), fp32 accumulation and
+the same epilogue operations in the same order, so the forward is bit-identical to it
+(and to the reference) wherever the accumulation is exact.
+
+Why both paths exist: the decode path's loop spends issue slots on the SWAR decode
+(``kernels/compile_check.py`` reads 0.90 issue cycles per tensor cycle for the sm_90a
+forward, 1.27 for the backward), this path's loop has none but moves twice the operand
+bytes plus the expansion pass. Which is faster is a measurement (``kernels/bench.py``
+times both side by side); ``FP4LIGHTNING_GEMM_PATH`` picks one (docs/perf.md).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    AUTOTUNE,
+    DOT_FP8E4,
+    DOT_FP8E5,
+    FLOAT_DTYPES,
+    INTERPRET,
+    _e2m1_to_bits,
+    check_out_dtype,
+    check_packed,
+    check_same_device,
+    check_vector,
+    mma,
+    tile_ids,
+)
+from .gemm import _bucket, _dge_factor
+
+__all__ = ["triton_expand_fp4", "triton_fp8_gemm", "EXPAND_DTYPES"]
+
+#: FP8 types an FP4 operand can be expanded to (both hold every E2M1 value exactly).
+EXPAND_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Row strides of expanded copies are padded to this many bytes (16-byte vector loads);
+#: the pad holds zeros.
+_PAD = 16
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# --------------------------------------------------------------------------- expansion
+@triton.jit
+def _expand_kernel(p_ptr, y_ptr, R, KH, KY, RY, stride_p, stride_y,
+                   TRANSPOSE: tl.constexpr, MANT: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_KH: tl.constexpr):
+    """Packed codes (R x KH bytes) -> FP8 bytes: y[r, k] (KY columns written, zeros past the
+    codes) or, TRANSPOSE, y[k, r] (RY columns written, zeros past R)."""
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_kh = pid_k * BLOCK_KH + tl.arange(0, BLOCK_KH)
+    b = tl.load(p_ptr + offs_r.to(tl.int64)[:, None] * stride_p + offs_kh[None, :],
+                mask=(offs_r < R)[:, None] & (offs_kh < KH)[None, :], other=0)  # zero bytes -> +0.0
+    b = b.to(tl.int32)
+    lo = _e2m1_to_bits(b & 0xF, MANT, HALF, 7)
+    hi = _e2m1_to_bits(b >> 4, MANT, HALF, 7)
+    v = tl.join(lo, hi).reshape(BLOCK_R, 2 * BLOCK_KH).to(tl.uint8)  # element 2j: low nibble of byte j
+    offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
+    if TRANSPOSE:
+        ptrs = y_ptr + offs_k.to(tl.int64)[None, :] * stride_y + offs_r[:, None]
+        tl.store(ptrs, v, mask=(offs_r < RY)[:, None] & (offs_k < KY)[None, :])
+    else:
+        ptrs = y_ptr + offs_r.to(tl.int64)[:, None] * stride_y + offs_k[None, :]
+        tl.store(ptrs, v, mask=(offs_r < R)[:, None] & (offs_k < KY)[None, :])
+
+
+_BITS = {torch.float8_e4m3fn: (3, 0x30), torch.float8_e5m2: (2, 0x38)}  # (mantissa bits, bits of 0.5)
+
+
+def triton_expand_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.float8_e4m3fn,
+                      transpose: bool = False) -> torch.Tensor:
+    """Packed E2M1 codes (R, ceil(k/2)) uint8 -> their exact values in FP8 ``dtype``.
+
+    Returns an (R, k) tensor, or with ``transpose`` a (k, R) one (the packed dimension
+    becomes the rows), as a view of a buffer whose row stride is padded to a multiple of
+    16 bytes with zeros in the pad (16-byte aligned loads for the GeMM). The scale is
+    not applied: the values are the codes' E2M1 values.
+    """
+    packed = check_packed("packed", packed, k)
+    if dtype not in _BITS:
+        raise TypeError(f"dtype={dtype}: expand to torch.float8_e4m3fn or torch.float8_e5m2 (both hold E2M1 exactly)")
+    check_same_device(packed=packed)
+    r, kh = packed.shape
+    mant, half = _BITS[dtype]
+    if transpose:
+        buf = torch.empty(k, _round_up(r, _PAD), dtype=torch.uint8, device=packed.device)
+        grid_r, grid_kh = _round_up(r, _PAD), kh
+        ky, ry = k, buf.shape[1]
+    else:
+        buf = torch.empty(r, _round_up(k, _PAD), dtype=torch.uint8, device=packed.device)
+        grid_r, grid_kh = r, buf.shape[1] // 2
+        ky, ry = buf.shape[1], r
+    block_r, block_kh = (16, 32) if INTERPRET else (64, 64)
+    grid = (triton.cdiv(grid_r, block_r), triton.cdiv(grid_kh, block_kh))
+    _expand_kernel[grid](packed, buf, r, kh, ky, ry, packed.stride(0), buf.stride(0), TRANSPOSE=transpose,
+                         MANT=mant, HALF=half, BLOCK_R=block_r, BLOCK_KH=block_kh, num_warps=4)
+    out = buf.view(dtype)
+    return out[:, :r] if transpose else out[:, :k]
+
+
+# --------------------------------------------------------------------------- FP8 GeMM
+# Hopper rows (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, where): the tile shapes Triton's
+# FP8 matmul tutorials and cuBLAS use, each compiled for sm_90a and read from the SASS
+# (kernels/compile_check.py --all-configs, 2026-12-02, triton 3.7.1). ``where`` keeps a
+# row off the launches on which ptxas spills it: 128x256 with 8 warps spills 168 bytes
+# with the fp32 promotion of precise accumulation (fine with fast accumulation, where it
+# is the best loop: 0.19 issue cycles per tensor cycle); 128x128 with 4 warps spills 48
+# bytes in the DGE epilogue; 64x256 spilled with precise accumulation and was dropped.
+# The first row is the default (FP4LIGHTNING_AUTOTUNE=0): spill-free everywhere, 0.49
+# issue cycles per tensor cycle with precise accumulation, 0.21 without.
+_SWEEP = [(256, 128, 128, 3, 8, "all"), (128, 128, 128, 4, 8, "all"), (128, 256, 128, 3, 8, "fast-accum"),
+          (128, 128, 128, 4, 4, "no-dge"), (128, 64, 128, 4, 4, "all")]
+_WHERE: dict[int, str] = {}  # id(config) -> where
+
+
+def _configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP": 4}, num_warps=4, num_stages=1)]
+    out = []
+    for a, b, kb, s, w, where in _SWEEP:
+        cfg = triton.Config({"BLOCK_M": a, "BLOCK_N": b, "BLOCK_K": kb, "GROUP": 8}, num_stages=s, num_warps=w)
+        _WHERE[id(cfg)] = where
+        out.append(cfg)
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    """The rows that compile spill-free for this launch (all of them, or the default with AUTOTUNE off)."""
+    def ok(c):
+        where = _WHERE.get(id(c), "all")
+        return not ((where == "fast-accum" and kwargs.get("PRECISE_ACC", True))
+                    or (where == "no-dge" and kwargs.get("HAS_DGE", False)))
+    keep = [c for c in configs if ok(c)]
+    return keep if AUTOTUNE else keep[:1]
+
+
+# ROW_SCALE / COL_SCALE: 0 none, 1 divide (IEEE), 2 multiply by the IEEE reciprocal
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "DOT", "PRECISE_ACC", "ROW_SCALE", "COL_SCALE",
+                                          "HAS_BIAS", "HAS_ADDEND", "HAS_DGE"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, sr_ptr, sc_ptr, bias_ptr, c_ptr, w_ptr, sw_ptr, y_ptr,
+    M, M_BUCKET, N, K,
+    stride_am, stride_bn, stride_cm, stride_ck, stride_wm, stride_ym,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ADDEND: tl.constexpr, TWO_PHASE: tl.constexpr, EPI_M: tl.constexpr,
+    HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Y (M x N) = A (M x K) B (N x K)^T, both FP8 and K-major, fp32 accumulation, then the
+    epilogue: row / column scales, bias, addend C, DGE factor f'(W[m, n] s_w[m])."""
+    pid_m, pid_n = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past the end wrap around (their results are never stored): no row masks in the loop
+    a_ptrs = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (offs_k < K - k0)[None, :]
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+        acc = mma(a, tl.trans(b), acc, DOT, PRECISE_ACC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    out = acc
+    if ROW_SCALE == 1:
+        out = tl.math.div_rn(out, tl.load(sr_ptr + offs_m, mask=m_ok, other=1.0)[:, None])
+    elif ROW_SCALE == 2:
+        sr = tl.load(sr_ptr + offs_m, mask=m_ok, other=1.0)
+        out = out * tl.math.div_rn(tl.full(sr.shape, 1.0, tl.float32), sr)[:, None]
+    if COL_SCALE == 1:
+        out = tl.math.div_rn(out, tl.load(sc_ptr + offs_n, mask=n_ok, other=1.0)[None, :])
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if (HAS_ADDEND or HAS_DGE) and TWO_PHASE:
+        # fp32 output: store, then add / apply DGE in row chunks of EPI_M re-read by the
+        # same block (the DGE math on the whole tile would hold several tile-sized
+        # temporaries and spill: compile_check)
+        tl.store(y_ptrs, out, mask=mask)
+        tl.debug_barrier()  # the block's own stores are visible to all its threads
+        for r0 in tl.static_range(0, BLOCK_M, EPI_M):
+            rows = pid_m * BLOCK_M + r0 + tl.arange(0, EPI_M)
+            r_ok = rows < M
+            cmask = r_ok[:, None] & n_ok[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            ptrs = y_ptr + r64 * stride_ym + offs_n[None, :]
+            v = tl.load(ptrs, mask=cmask, other=0.0)
+            if HAS_ADDEND:
+                v += tl.load(c_ptr + r64 * stride_cm + offs_n.to(tl.int64)[None, :] * stride_ck, mask=cmask,
+                             other=0.0).to(tl.float32)
+            if HAS_DGE:
+                sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
+                w = tl.load(w_ptr + r64 * stride_wm + offs_n[None, :], mask=cmask, other=0.0)
+                v = v * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+            tl.store(ptrs, v, mask=cmask)
+    else:
+        if HAS_ADDEND:
+            out += tl.load(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_ck,
+                           mask=mask, other=0.0).to(tl.float32)
+        if HAS_DGE:
+            sw = tl.load(sw_ptr + offs_m, mask=m_ok, other=1.0)
+            w = tl.load(w_ptr + offs_m.to(tl.int64)[:, None] * stride_wm + offs_n[None, :], mask=mask, other=0.0)
+            out = out * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_DOT = {torch.float8_e4m3fn: DOT_FP8E4, torch.float8_e5m2: DOT_FP8E5}
+
+
+def _check_fp8(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor (rows x K, K contiguous), got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.dtype not in _DOT:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float8_e4m3fn or torch.float8_e5m2")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def triton_fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
+    row_reciprocal: bool = False,
+    bias: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,
+    dge_weight: torch.Tensor | None = None,
+    dge_weight_scale: torch.Tensor | None = None,
+    dge_k: float = 5.0,
+    dge_clamp: float = 3.0,
+    precise_acc: bool = True,
+) -> torch.Tensor:
+    """``Y = A B^T`` for FP8 ``a`` (M, K) and ``b`` (N, K) of one FP8 type, fp32 accumulation.
+
+    Epilogue, in this order: ``/ row_scale[:, None]`` (or ``* (1 / row_scale)`` with
+    ``row_reciprocal``), ``/ col_scale[None, :]``, ``+ bias``, ``+ addend`` (M, N, any
+    strides), ``* f'(dge_weight * dge_weight_scale[:, None])`` (the DGE derivative,
+    arXiv 2501.17116 section 3.2). ``precise_acc`` promotes each dot's FP8 partial sum
+    into the fp32 accumulator (Hopper accumulates FP8 products in reduced precision).
+    """
+    a, b = _check_fp8("a", a), _check_fp8("b", b)
+    if a.dtype != b.dtype:
+        raise TypeError(f"a is {a.dtype} but b is {b.dtype}: expand the FP4 operand to the other operand's FP8 type")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a has K={a.shape[1]} but b has K={b.shape[1]}; both are (rows, K) with K the reduction")
+    m, k = a.shape
+    n = b.shape[0]
+    check_out_dtype(out_dtype)
+    if row_scale is not None:
+        row_scale = check_vector("row_scale", row_scale, m, (torch.float32,), "one fp32 scale per row of the output")
+    if col_scale is not None:
+        col_scale = check_vector("col_scale", col_scale, n, (torch.float32,), "one fp32 scale per column of the output")
+    if bias is not None:
+        bias = check_vector("bias", bias, n, FLOAT_DTYPES, "one value per output column")
+    if addend is not None and (tuple(addend.shape) != (m, n) or addend.dtype not in FLOAT_DTYPES):
+        raise ValueError(f"addend must be a float tensor of shape ({m}, {n}), got {tuple(addend.shape)} {addend.dtype}")
+    has_dge = dge_weight is not None
+    if has_dge:
+        if tuple(dge_weight.shape) != (m, n) or dge_weight.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dge_weight must be a float tensor of shape ({m}, {n}), got {tuple(dge_weight.shape)}")
+        if dge_weight.stride(1) != 1:
+            dge_weight = dge_weight.contiguous()
+        if dge_weight_scale is None:
+            raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
+        dge_weight_scale = check_vector("dge_weight_scale", dge_weight_scale, m, (torch.float32,),
+                                        "W's per-row fp32 FP4 scale")
+    check_same_device(a=a, b=b, row_scale=row_scale, col_scale=col_scale, bias=bias, addend=addend,
+                      dge_weight=dge_weight, dge_weight_scale=dge_weight_scale)
+    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    any_vec = next(t for t in (row_scale, col_scale, bias) if t is not None) if (
+        row_scale is not None or col_scale is not None or bias is not None) else y
+    grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
+    _fp8_gemm_kernel[grid](
+        a, b, row_scale if row_scale is not None else any_vec, col_scale if col_scale is not None else any_vec,
+        bias if bias is not None else any_vec, addend if addend is not None else any_vec,
+        dge_weight if has_dge else any_vec, dge_weight_scale if has_dge else any_vec, y,
+        m, _bucket(m), n, k, a.stride(0), b.stride(0),
+        addend.stride(0) if addend is not None else 0, addend.stride(1) if addend is not None else 0,
+        dge_weight.stride(0) if has_dge else 0, y.stride(0),
+        DOT=_DOT[a.dtype], PRECISE_ACC=precise_acc,
+        ROW_SCALE=0 if row_scale is None else (2 if row_reciprocal else 1), COL_SCALE=0 if col_scale is None else 1,
+        HAS_BIAS=bias is not None, HAS_ADDEND=addend is not None, TWO_PHASE=out_dtype == torch.float32, EPI_M=16,
+        HAS_DGE=has_dge, DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
+    )
+    return y
