@@ -44,7 +44,7 @@ from fp4lightning.dge import dge_derivative  # noqa: E402
 from fp4lightning.formats import decode_e2m1, unpack_fp4  # noqa: E402
 from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
 from fp4lightning.kernels import fp4_triton as kt  # noqa: E402
-from fp4lightning.kernels import block, gemm  # noqa: E402
+from fp4lightning.kernels import block, fp8_gemm, gemm  # noqa: E402
 from fp4lightning.block_formats import block_gemm_reference, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from fp4lightning.quantize import quantize_rows_reference  # noqa: E402
 
@@ -201,6 +201,23 @@ def bench_gemms(table: Table, dev, shapes):
                 table.add("gemm fwd", f"fp4_gemm (Triton, {dec} decode, {acc})", shape, t, tf(t),
                           f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
                 table.note(f"autotune winner fp4_gemm {acc}: {_winner(gemm._fp4_gemm_kernel)}")
+            expand = kt.has_fp8_mma(dev)
+            if expand:  # the expand path: codes -> E4M3 bytes, then a plain FP8 GeMM (kernels/fp8_gemm.py)
+                a8, w8 = fp8_gemm.triton_expand_fp4(a_p, k), fp8_gemm.triton_expand_fp4(w_p, k)
+                t = _time_ms(lambda: (fp8_gemm.triton_expand_fp4(a_p, k), fp8_gemm.triton_expand_fp4(w_p, k)))
+                table.add("gemm fwd", "expand A and W to E4M3 (alone)", shape, t, _rate((a_p.numel() + w_p.numel()) * 3 / (t * 1e-3), "B"),
+                          f"{t / t_bf16:.2f}x bf16 GeMM time")
+                for fast in (False, True):
+                    acc = "fast accum" if fast else "precise accum"
+                    t = _time_ms(lambda: kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16,
+                                                            fast_accum=fast, path="expand"))
+                    table.add("gemm fwd", f"fp4_gemm (Triton, expand path, {acc})", shape, t, tf(t),
+                              f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
+                    t = _time_ms(lambda: fp8_gemm.triton_fp8_gemm(a8, w8, torch.bfloat16, row_scale=a_s, col_scale=w_s,
+                                                                  precise_acc=not fast))
+                    table.add("gemm fwd", f"  its FP8 GeMM alone (expanded operands, {acc})", shape, t, tf(t),
+                              f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
+                    table.note(f"autotune winner fp8_gemm {acc}: {_winner(fp8_gemm._fp8_gemm_kernel)}")
             if label == "square":  # block-scaled formats (no FP4 tensor cores: decoded to bf16)
                 for fmt, quant in (("mxfp4", block.triton_quantize_mxfp4), ("nvfp4", block.triton_quantize_nvfp4)):
                     qa, qw = quant(a), quant(w)
@@ -221,6 +238,16 @@ def bench_gemms(table: Table, dev, shapes):
                 table.add("gemm bwd", f"fp4_wgrad (e5m2 dY, DGE, {acc})", shape, t, tf(t),
                           f"{t_bf16 / t:.2f}x bf16 fwd")
                 table.note(f"autotune winner fp4_wgrad {acc}: {_winner(gemm._fp4_wgrad_kernel)}")
+                if expand:  # codes expanded (transposed) to E5M2 inside each call
+                    t = _time_ms(lambda: kt.triton_fp4_dgrad(g1, s1, w_p, k, out_dtype=torch.bfloat16, fast_accum=fast,
+                                                             path="expand"))
+                    table.add("gemm bwd", f"fp4_dgrad (e5m2 dY, {acc}, expand path)", shape, t, tf(t),
+                              f"{t_bf16 / t:.2f}x bf16 fwd")
+                    t = _time_ms(lambda: kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s,
+                                                             fast_accum=fast, path="expand"))
+                    table.add("gemm bwd", f"fp4_wgrad (e5m2 dY, DGE, {acc}, expand path)", shape, t, tf(t),
+                              f"{t_bf16 / t:.2f}x bf16 fwd")
+                    table.note(f"autotune winner fp8_gemm (last: wgrad) {acc}: {_winner(fp8_gemm._fp8_gemm_kernel)}")
         else:
             t = _time_ms(lambda: gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, torch.bfloat16))
             table.add("gemm fwd", "fp4_gemm_reference (PyTorch)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
@@ -246,11 +273,22 @@ def bench_linear(table: Table, dev, shapes):
 
         t_ref = _time_ms(step(base))
         table.add("linear", "nn.Linear bf16 autocast fwd+bwd", shape, t_ref, "", "1.00x time")
+        paths = ["decode", "expand"] if CUDA and kt.has_fp8_mma(dev) else [None]
         for preset in ("w4a4-direct", "fp4-no-occ", "paper"):
             mod = FP4Linear.from_linear(base, FP4Config.from_preset(preset))
-            t = _time_ms(step(mod))
-            table.add("linear", f"FP4Linear {preset} fwd+bwd", shape, t, f"{t_ref / t:.2f}x speed",
-                      f"{t / t_ref:.2f}x time")
+            for path in paths:
+                before = os.environ.get("FP4LIGHTNING_GEMM_PATH")
+                if path:
+                    os.environ["FP4LIGHTNING_GEMM_PATH"] = path
+                try:
+                    t = _time_ms(step(mod))
+                finally:
+                    if path and before is None:
+                        os.environ.pop("FP4LIGHTNING_GEMM_PATH", None)
+                    elif path:
+                        os.environ["FP4LIGHTNING_GEMM_PATH"] = before
+                table.add("linear", f"FP4Linear {preset} fwd+bwd" + (f" ({path} path)" if path else ""), shape, t,
+                          f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
 
 
 def run_checks(table: Table, dev) -> bool:
@@ -294,6 +332,10 @@ def run_checks(table: Table, dev) -> bool:
     y = kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k)
     v = sq(y, gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k))
     report("fp4_gemm vs reference", v >= CHECK_SQNR_DB, db(v))
+    expand = kt.has_fp8_mma(dev)
+    if expand:
+        same = torch.equal(kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, path="expand"), y)
+        report("fp4_gemm expand path vs decode path", same, "bitwise")
     w_q = decode_e2m1(unpack_fp4(w_p, k), torch.float64)
     a_q = decode_e2m1(unpack_fp4(a_p, k), torch.float64)
     for fmt in ("e5m2", "e4m3", "bf16"):
@@ -301,12 +343,18 @@ def run_checks(table: Table, dev) -> bool:
         ref = (g1.double() / s1.double()[:, None]) @ w_q
         v = sq(kt.triton_fp4_dgrad(g1, s1, w_p, k), ref)
         report(f"fp4_dgrad {fmt} vs float64", v >= CHECK_SQNR_DB, db(v))
+        if expand and fmt != "bf16":
+            v = sq(kt.triton_fp4_dgrad(g1, s1, w_p, k, path="expand"), ref)
+            report(f"fp4_dgrad {fmt} expand path vs float64", v >= CHECK_SQNR_DB, db(v))
         g2, s2 = gemm_dispatch.quantize_fp8(dy / a_s[:, None], 0, fmt)
         # DGE of the value the quantizer rounds: W * s_w saturated to +/-6 (arXiv 2501.17116, 3.2)
         dge = dge_derivative((w * w_s[:, None]).clamp(-E2M1_MAX, E2M1_MAX)).double()
         ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge
         v = sq(kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s), ref)
         report(f"fp4_wgrad {fmt} + DGE vs float64", v >= CHECK_SQNR_DB, db(v))
+        if expand and fmt != "bf16":
+            v = sq(kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, path="expand"), ref)
+            report(f"fp4_wgrad {fmt} + DGE expand path vs float64", v >= CHECK_SQNR_DB, db(v))
     kb = k - k % 32  # block formats: K a multiple of the block
     for fmt, quant, tquant in (("mxfp4", quantize_mxfp4, block.triton_quantize_mxfp4),
                                ("nvfp4", quantize_nvfp4, block.triton_quantize_nvfp4)):
