@@ -101,17 +101,18 @@ def _cases(all_configs: bool = False):
     dge = dict(HAS_DGE=True, DGE_INV_K=0.2, DGE_POW=-0.8, DGE_CLAMP=3.0)
     cases = [
         dict(name="quantize_fp4 one pass", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
-             types=q_types, consts=dict(q_meta, SINGLE_PASS=True, CLAMP=False), num_warps=8, num_stages=1),
+             types=q_types, consts=dict(q_meta, SINGLE_PASS=True, CLAMP=False), num_warps=8, num_stages=1,
+             elements_per_thread=2 * 2048 // 256),
         dict(name="quantize_fp4 two passes + OCC clamp", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
              types=q_types, consts=dict(q_meta, SINGLE_PASS=False, CLAMP=True), num_warps=8, num_stages=1),
         dict(name="quantize_fp8 rows e5m2", arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel,
              types=f8_types, consts=dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN, DIV=1, BLOCK_M=4, BLOCK_N=1024), num_warps=4,
-             num_stages=1),
+             num_stages=1, elements_per_thread=4 * 1024 // 128),
         dict(name="fp8 column absmax", arch=90, kind="quantize", fn=quantize._col_amax_kernel, types=f8_types,
              consts=dict(DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4, num_stages=1),
         dict(name="quantize_fp8 columns e4m3", arch=90, kind="quantize", fn=quantize._quantize_fp8_cols_kernel,
              types=f8_types, consts=dict(FMAX=F8E4M3_MAX, MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN, DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4,
-             num_stages=1),
+             num_stages=1, elements_per_thread=32 * 128 // 128),
     ]
     for c in cases:
         c.update(block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True)
@@ -154,7 +155,8 @@ def _expand_cases(all_configs: bool):
     x_types = dict(p_ptr="*u8", y_ptr="*u8", R=_I, KH=_I, KY=_I, RY=_I, stride_p=_I, stride_y=_I)
     cases = [dict(name=f"expand to {fmt}{' transposed' if t else ''}", arch=90, kind="expand", fn=fp8_gemm._expand_kernel,
                   types=x_types, consts=dict(TRANSPOSE=t, MANT=mant, HALF=half, BLOCK_R=64, BLOCK_KH=64), num_warps=4,
-                  num_stages=1, block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True)
+                  num_stages=1, block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True,
+                  elements_per_thread=64 * 128 // 128)
              for fmt, mant, half, t in (("e4m3", 3, 0x30, False), ("e5m2", 2, 0x38, True))]
     g_types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sr_ptr="*fp32", sc_ptr="*fp32", bias_ptr="*bf16", c_ptr="*fp32",
                    w_ptr="*fp32", sw_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I, stride_am=_I, stride_bn=_I,
@@ -252,8 +254,12 @@ def compile_one(case: dict, dump: str | None = None) -> dict:
                fp8_mma=("e4m3" in ptx or "e5m2" in ptx) and "wgmma.mma_async" in ptx,
                cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), shared_bytes=k.metadata.shared,
                n_regs=regs, spill_bytes=stack, stack_bytes=stack)
+    sass = _cuobjdump(cubin, "-sass")
+    if sass:
+        res["sass_instructions"] = len(_SASS_LINE.findall(sass))
+        if case.get("elements_per_thread"):  # straight-line kernels: the cost of one element
+            res["sass_per_element"] = round(res["sass_instructions"] / case["elements_per_thread"], 1)
     if case["block_k"] is not None:
-        sass = _cuobjdump(cubin, "-sass")
         loop = main_loop(sass) if sass else None
         if loop:
             issue = loop["loop_instructions"] * case["num_warps"] / 4
@@ -292,7 +298,7 @@ def main(argv=None) -> int:
         print(f"# triton {triton.__version__}: compiled ahead of time (no GPU needed). Per main-loop iteration "
               "of one block: SASS instructions per warp, tensor ops per warp, issue cycles / tensor cycles")
         print(f"{'':5} {'arch':5} {'case':50} {'tile MxNxK':14} {'w/s':5} {'mma':5} {'loop ins':>8} {'tensor':>6} "
-              f"{'issue/tensor':>12} {'regs':>4} {'spill':>5}")
+              f"{'issue/tensor':>12} {'regs':>4} {'spill':>5} {'ins/elem':>8}")
         for r in results:
             if not r["ok"]:
                 print(f"FAIL  sm_{r['arch']:<3} {r['case']:50} {r['error']}")
@@ -300,7 +306,8 @@ def main(argv=None) -> int:
             tile = "-" if r["block_k"] is None else f"{r['block_m']}x{r['block_n']}x{r['block_k']}"
             print(f"{'ok':5} sm_{r['arch']:<3} {r['case']:50} {tile:14} {r['num_warps']}/{r['num_stages']:<3} "
                   f"{_fmt(r['mma_dtype']):5} {_fmt(r.get('loop_instructions')):>8} {_fmt(r.get('tensor_ops')):>6} "
-                  f"{_fmt(r.get('issue_per_tensor'), '.2f'):>12} {_fmt(r['n_regs']):>4} {_fmt(r['spill_bytes']):>5}")
+                  f"{_fmt(r.get('issue_per_tensor'), '.2f'):>12} {_fmt(r['n_regs']):>4} {_fmt(r['spill_bytes']):>5} "
+                  f"{_fmt(r.get('sass_per_element')):>8}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -17,12 +17,15 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fp4lightning import FP4Config, FP4Linear
 from fp4lightning import gemm_dispatch
 from fp4lightning.dge import dge_derivative
 from fp4lightning.constants import E2M1_MAX, E2M1_VALUES
 from fp4lightning.formats import decode_e2m1, unpack_fp4
+from fp4lightning.kernels import _common as kt_common
 from fp4lightning.kernels import fp4_triton as kt
 from fp4lightning.occ import occ_bounds, occ_clamp
 from fp4lightning.quantize import quantize_rows_reference
@@ -304,6 +307,51 @@ def test_quantize_fp8_divided_dispatches_to_the_dividing_kernel(dim, monkeypatch
     _assert_same_scale(s_t, s_r)
     if dim == 0:  # the wgrad operand's column-major layout
         assert q_t.stride() == (1, 40)
+
+
+# --------------------------------------------------------------------------- minifloat rounding
+@triton.jit
+def _minifloat_bits_kernel(a_ptr, out_ptr, n, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, kt_common.minifloat_bits(a, MANT, EMIN), mask=offs < n)
+
+
+def _rounding_probes(grid: torch.Tensor) -> torch.Tensor:
+    """Every grid value, every midpoint (a tie), and the fp32 neighbours of both, plus
+    random magnitudes and fp32 subnormals, all within [0, max of the grid]."""
+    g = grid.double().unique().sort().values
+    mids = (g[1:] + g[:-1]) / 2
+    pts = torch.cat([g, mids]).float()
+    nb = torch.cat([pts, torch.nextafter(pts, torch.tensor(0.0)), torch.nextafter(pts, torch.tensor(1e30))])
+    rand = torch.rand(20000) * float(g[-1]) * torch.exp2(-torch.randint(0, 30, (20000,)).float())
+    tiny = torch.tensor([1e-45, 1e-40, 2.0 ** -126, 2.0 ** -127, 0.0])
+    out = torch.cat([nb, rand, tiny])
+    return out[(out >= 0) & (out <= g[-1])].contiguous()
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+def test_minifloat_bits_is_round_to_nearest_even(fmt):
+    # the quantizers' rounding (integer-pattern rounding for normals, the 2^23 addition for
+    # subnormals) against torch's own fp8 casts and the E2M1 reference, on every tie
+    if fmt == "e2m1":
+        grid, mant, emin = torch.tensor(E2M1_VALUES, dtype=torch.float32).abs(), 1, 0
+    else:
+        dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+        grid = torch.arange(0, 128, dtype=torch.uint8).view(dt).float()
+        grid = grid[torch.isfinite(grid)]
+        mant, emin = (3, -6) if fmt == "e4m3" else (2, -14)
+    a = _rounding_probes(grid)
+    out = torch.empty(a.shape, dtype=torch.int32)
+    a_d, out_d = a.to(DEV), out.to(DEV)
+    _minifloat_bits_kernel[(triton.cdiv(a.numel(), 1024),)](a_d, out_d, a.numel(), MANT=mant, EMIN=emin, BLOCK=1024)
+    if fmt == "e2m1":
+        from fp4lightning.formats import _magnitude_index
+        want = _magnitude_index(a).to(torch.int32)
+    else:
+        want = a.to(dt).view(torch.uint8).to(torch.int32)
+    bad = out_d.cpu() != want
+    assert not bad.any(), f"{int(bad.sum())} of {a.numel()} differ, e.g. {a[bad][:5].tolist()}"
 
 
 # --------------------------------------------------------------------------- forward GeMM
