@@ -46,6 +46,8 @@ __all__ = ["triton_quantize_rows", "triton_quantize_rows_clamped", "triton_quant
 
 #: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
 MAX_SINGLE_PASS_KH = 4096
+#: Longest row (elements) the per-row FP8 quantizer keeps in registers in one pass.
+MAX_SINGLE_PASS_FP8 = 8192
 # FP8 formats: (max, mantissa bits, smallest normal exponent), per torch.finfo.
 _FP8 = {
     "e4m3": (F8E4M3_MAX, F8E4M3_MANT_BITS, F8E4M3_EMIN, torch.float8_e4m3fn),
@@ -297,11 +299,18 @@ def _quantize_fp8_rows_kernel(
     stride_xm, stride_qm,
     # meta-parameters
     FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr = False,
 ):
-    # One scale per row: a program owns BLOCK_M rows and walks along N twice.
+    # One scale per row: a program owns BLOCK_M rows. SINGLE_PASS (BLOCK_N >= N): the rows sit
+    # in registers, read and divided once; otherwise it walks along N twice (absmax, encode).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
+    if SINGLE_PASS:
+        x, mask = _fp8_tile(x_ptr, stride_xm, rows, c, M, N, d_ptr, DIV)
+        scale = _fp8_scale(_line_amax(x, 1), FMAX)
+        _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, c, mask, 1, FMAX, MANT, EMIN)
+        tl.store(s_ptr + rows, scale, mask=rows < M)
+        return
     # --- pass 1: absmax
     amax = tl.zeros([BLOCK_M], tl.float32)
     for n0 in range(0, N, BLOCK_N):
@@ -389,11 +398,18 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     # Bandwidth-bound: tiles of ~4K elements keep enough loads in flight without spills.
     if dim == 1:
         scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
-        block_n = min(triton.next_power_of_2(n), 1024)
-        block_m = max(1, 4096 // block_n)
+        if n <= (MAX_SINGLE_PASS_FP8 if not INTERPRET else 128):  # small under the interpreter: both paths tested
+            # one read (and one division) per element: the row block stays in registers
+            block_n = triton.next_power_of_2(n)
+            block_m = max(1, 2048 // block_n)
+            single, warps = True, (8 if block_m * block_n >= 4096 else 4)
+        else:
+            block_n = min(triton.next_power_of_2(n), 1024 if not INTERPRET else 64)
+            block_m = max(1, 4096 // block_n)
+            single, warps = block_n >= n, 4
         _quantize_fp8_rows_kernel[(triton.cdiv(m, block_m),)](
             x2d, d, qb, scale, m, n, x2d.stride(0), q.stride(0), **meta, DIV=div, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=4)
+            SINGLE_PASS=single, num_warps=warps)
     else:
         scale = torch.empty(n, dtype=torch.float32, device=x2d.device)
         amax_bits = torch.zeros(n, dtype=torch.int32, device=x2d.device)
