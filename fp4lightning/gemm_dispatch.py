@@ -175,12 +175,10 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
     reference GeMM's), saving it a conversion pass; the Triton path returns FP8 tensors.
     """
     if backend_for(x2d.device) == "triton" and fmt != "bf16":
-        kern = _triton_kernels()
-        if fmt in ("e5m2", "e4m3") and hasattr(kern, "quantize_fp8"):
-            # the division happens in the kernel's registers (bit-identical to dividing first in
-            # fp32): no fp32 copy of dY is written and read back
-            return kern.quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0, divide_by=div.float())
-        return quantize_fp8(x2d.float() / (div[None, :] if dim == 1 else div[:, None]), dim, fmt)
+        # the division happens in the kernel's registers (bit-identical to dividing first in
+        # fp32): no fp32 copy of dY is written and read back
+        return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0,
+                                                     divide_by=div.float())
     if fmt == "bf16":
         n = x2d.shape[0] if dim == 1 else x2d.shape[1]
         g = x2d.float() / (div[None, :] if dim == 1 else div[:, None])

@@ -19,6 +19,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp4lightning import FP4Config, FP4Linear
 from fp4lightning import gemm_dispatch
@@ -135,6 +136,37 @@ def _fp4_operand(m, k):
     x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).to(DEV)
     packed, scale = quantize_rows_reference(x)
     return x, packed, scale
+
+
+class _AtenRecorder(TorchDispatchMode):
+    """The aten ops run outside Triton kernels (under the interpreter a launch's own tensor
+    copies are not recorded): what would be extra GPU kernels and passes over memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not _IN_KERNEL[0]:
+            self.ops.append(func.overloadpacket.__name__)
+        return out
+
+
+_IN_KERNEL = [0]
+if kt.INTERPRET:
+    import triton.runtime.interpreter as _interp
+
+    _grid_call = _interp.GridExecutor.__call__
+
+    def _counted_grid_call(self, *args, **kwargs):
+        _IN_KERNEL[0] += 1
+        try:
+            return _grid_call(self, *args, **kwargs)
+        finally:
+            _IN_KERNEL[0] -= 1
+
+    _interp.GridExecutor.__call__ = _counted_grid_call
 
 
 # --------------------------------------------------------------------------- FP4 quantize
@@ -304,6 +336,16 @@ def test_quantize_fp8_divided_dispatches_to_the_dividing_kernel(dim, monkeypatch
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
         out[backend] = gemm_dispatch.quantize_fp8_divided(x, d, dim, "e5m2")
     (q_r, s_r), (q_t, s_t) = out["reference"], out["triton"]
+    # and the Triton branch really divides in the kernel: no division, no fp32 copy of dY outside it
+    # (it once fell back to `x.float() / d` and a second quantize pass, unseen by the values above)
+    calls = []
+    real = kt.triton_quantize_fp8
+    monkeypatch.setattr(kt, "triton_quantize_fp8", lambda *a, **k: calls.append(k.get("divide_by")) or real(*a, **k))
+    rec = _AtenRecorder()
+    with rec:
+        gemm_dispatch.quantize_fp8_divided(x, d, dim, "e5m2")
+    assert len(calls) == 1 and calls[0] is not None
+    assert not [op for op in rec.ops if op in ("div", "_to_copy", "copy_")], rec.ops
     assert torch.equal(q_t.view(torch.uint8), q_r.view(torch.uint8))
     _assert_same_scale(s_t, s_r)
     if dim == 0:  # the wgrad operand's column-major layout
