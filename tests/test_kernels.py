@@ -715,6 +715,28 @@ def test_fp4linear_triton_matches_reference(preset, path, dtype, monkeypatch):
     above(sqnr(dw_t, dw_r), (LINEAR_WGRAD_DGE_SQNR_DB if kt.INTERPRET else GEMM_SQNR_DB), "dw_t SQNR dB")
 
 
+@pytest.mark.parametrize("path", ["decode", "expand"])
+@pytest.mark.parametrize("preset", ["w4a4-direct", "fp4-no-occ"])
+def test_fp4linear_triton_glue_is_fused(preset, path, monkeypatch):
+    # issue 12, "glue fused on the GPU path": outside the Triton kernels a forward + backward
+    # runs no pass over an activation, dY or weight (no division, cast, copy, transpose copy);
+    # only the column-absmax buffer's zero fill and the bias gradient's sum remain
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
+    monkeypatch.setenv("FP4LIGHTNING_GEMM_PATH", path)
+    lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset)).to(DEV)
+    x = torch.randn(2, 40, 96, device=DEV).bfloat16().requires_grad_(True)
+    dy = torch.randn(2, 40, 48, device=DEV).bfloat16()
+    rec = _AtenRecorder()
+    with rec:
+        lin(x).backward(dy)
+    views = {"view", "t", "transpose", "as_strided", "_unsafe_view", "expand", "slice", "select", "detach", "alias",
+             "unsqueeze", "squeeze", "_reshape_alias", "reshape", "permute", "empty", "empty_strided", "lift_fresh",
+             "_is_mkldnn_bf16_supported"}  # a CPU capability query, no data touched
+    passes = [op for op in rec.ops if op not in views]
+    assert sorted(passes) == ["sum", "zeros"], passes
+    assert x.grad is not None and lin.weight.grad is not None
+
+
 # --------------------------------------------------------------------------- no host sync (issue 12)
 class _HostSyncRecorder(torch.overrides.TorchFunctionMode):
     """Records every torch call that makes the host wait for the device on CUDA: reading a
