@@ -127,6 +127,19 @@ def _winner(kernel) -> str:
     return f"{kw},warps={cfg.num_warps},stages={cfg.num_stages}"
 
 
+def kt_tma(fn):
+    """Run ``fn`` with FP4LIGHTNING_TMA=1 (the expand path's GeMM loads its tiles through TMA)."""
+    before = os.environ.get("FP4LIGHTNING_TMA")
+    os.environ["FP4LIGHTNING_TMA"] = "1"
+    try:
+        return fn()
+    finally:
+        if before is None:
+            os.environ.pop("FP4LIGHTNING_TMA", None)
+        else:
+            os.environ["FP4LIGHTNING_TMA"] = before
+
+
 # --------------------------------------------------------------------------- sections
 def bench_quantize(table: Table, dev, shapes):
     quant = kt.triton_quantize_rows if CUDA else (lambda x: quantize_rows_reference(x))
@@ -218,6 +231,15 @@ def bench_gemms(table: Table, dev, shapes):
                     table.add("gemm fwd", f"  its FP8 GeMM alone (expanded operands, {acc})", shape, t, tf(t),
                               f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
                     table.note(f"autotune winner fp8_gemm {acc}: {_winner(fp8_gemm._fp8_gemm_kernel)}")
+                    try:  # the same with TMA operand loads (FP4LIGHTNING_TMA=1)
+                        t = _time_ms(lambda: kt_tma(lambda: kt.triton_fp4_gemm(
+                            a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16, fast_accum=fast, path="expand")))
+                        table.add("gemm fwd", f"fp4_gemm (Triton, expand path, TMA, {acc})", shape, t, tf(t),
+                                  f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
+                        table.note(f"autotune winner fp8_gemm TMA {acc}: {_winner(fp8_gemm._fp8_gemm_tma_kernel)}")
+                    except Exception as e:  # report and go on: the other rows still count
+                        table.add("gemm fwd", f"fp4_gemm (expand path, TMA, {acc})", shape, None,
+                                  f"FAILED ({type(e).__name__}: {str(e)[:60]})", "")
             if label == "square":  # block-scaled formats (no FP4 tensor cores: decoded to bf16)
                 for fmt, quant in (("mxfp4", block.triton_quantize_mxfp4), ("nvfp4", block.triton_quantize_nvfp4)):
                     qa, qw = quant(a), quant(w)
@@ -248,6 +270,19 @@ def bench_gemms(table: Table, dev, shapes):
                     table.add("gemm bwd", f"fp4_wgrad (e5m2 dY, DGE, {acc}, expand path)", shape, t, tf(t),
                               f"{t_bf16 / t:.2f}x bf16 fwd")
                     table.note(f"autotune winner fp8_gemm (last: wgrad) {acc}: {_winner(fp8_gemm._fp8_gemm_kernel)}")
+                    if label == "square":
+                        try:
+                            t = _time_ms(lambda: kt_tma(lambda: kt.triton_fp4_dgrad(
+                                g1, s1, w_p, k, out_dtype=torch.bfloat16, fast_accum=fast, path="expand")))
+                            table.add("gemm bwd", f"fp4_dgrad (e5m2 dY, {acc}, expand path, TMA)", shape, t, tf(t),
+                                      f"{t_bf16 / t:.2f}x bf16 fwd")
+                            t = _time_ms(lambda: kt_tma(lambda: kt.triton_fp4_wgrad(
+                                g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, fast_accum=fast, path="expand")))
+                            table.add("gemm bwd", f"fp4_wgrad (e5m2 dY, DGE, {acc}, expand path, TMA)", shape, t,
+                                      tf(t), f"{t_bf16 / t:.2f}x bf16 fwd")
+                        except Exception as e:
+                            table.add("gemm bwd", f"expand path, TMA, {acc}", shape, None,
+                                      f"FAILED ({type(e).__name__}: {str(e)[:60]})", "")
         else:
             t = _time_ms(lambda: gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, torch.bfloat16))
             table.add("gemm fwd", "fp4_gemm_reference (PyTorch)", shape, t, tf(t), f"{t_bf16 / t:.2f}x bf16")
@@ -273,15 +308,15 @@ def bench_linear(table: Table, dev, shapes):
 
         t_ref = _time_ms(step(base))
         table.add("linear", "nn.Linear bf16 autocast fwd+bwd", shape, t_ref, "", "1.00x time")
-        paths = ["decode", "expand"] if CUDA and kt.has_fp8_mma(dev) else [None]
+        paths = ["decode", "expand", "expand+TMA"] if CUDA and kt.has_fp8_mma(dev) else [None]
         for preset in ("w4a4-direct", "fp4-no-occ", "paper"):
             mod = FP4Linear.from_linear(base, FP4Config.from_preset(preset))
             for path in paths:
                 before = os.environ.get("FP4LIGHTNING_GEMM_PATH")
                 if path:
-                    os.environ["FP4LIGHTNING_GEMM_PATH"] = path
+                    os.environ["FP4LIGHTNING_GEMM_PATH"] = path.split("+")[0]
                 try:
-                    t = _time_ms(step(mod))
+                    t = _time_ms(step(mod)) if path != "expand+TMA" else kt_tma(lambda: _time_ms(step(mod)))
                 finally:
                     if path and before is None:
                         os.environ.pop("FP4LIGHTNING_GEMM_PATH", None)

@@ -179,12 +179,23 @@ def _expand_cases(all_configs: bool):
         ("fp8_gemm wgrad e5m2 + DGE + addend (expand path)", "wgrad", dict(e5, y_ptr="*fp32"),
          dict(none, DOT=DOT_FP8E5, PRECISE_ACC=True, ROW_SCALE=2, HAS_ADDEND=True, HAS_DGE=True, TWO_PHASE=True)),
     ]
-    for name, kind, types, consts in variants:
-        for i, (a, b, bk, stages, warps, _where) in enumerate(fp8_gemm._SWEEP if all_configs else fp8_gemm._SWEEP[:1]):
-            cases.append(dict(name=name if i == 0 else f"{name} cfg{i}", arch=90, kind=kind, fn=fp8_gemm._fp8_gemm_kernel,
-                              types=types, consts=dict(consts, BLOCK_M=a, BLOCK_N=b, BLOCK_K=bk, GROUP=8),
-                              num_warps=warps, num_stages=stages, block_m=a, block_n=b, block_k=bk, mma_dtype="fp8",
-                              is_default=(i == 0)))
+    for tma in (False, True):
+        for name, kind, types, consts in variants:
+            if tma:  # the same GeMM with TMA operand loads (FP4LIGHTNING_TMA=1)
+                if "fast-accum" in name:
+                    continue
+                name = name.replace("(expand path)", "(expand path, TMA)")
+                types = {k: v for k, v in types.items() if k not in ("a_ptr", "b_ptr", "stride_am", "stride_bn")}
+            for i, (a, b, bk, stages, warps, _where) in enumerate(fp8_gemm._SWEEP if all_configs else fp8_gemm._SWEEP[:1]):
+                t = types
+                if tma:
+                    el = "fp8e5" if consts["DOT"] == DOT_FP8E5 else "fp8e4nv"
+                    t = dict(types, a_desc=f"tensordesc<{el}[{a}, {bk}]>", b_desc=f"tensordesc<{el}[{b}, {bk}]>")
+                cases.append(dict(name=name if i == 0 else f"{name} cfg{i}", arch=90, kind=kind,
+                                  fn=fp8_gemm._fp8_gemm_tma_kernel if tma else fp8_gemm._fp8_gemm_kernel,
+                                  types=t, consts=dict(consts, BLOCK_M=a, BLOCK_N=b, BLOCK_K=bk, GROUP=8),
+                                  num_warps=warps, num_stages=stages, block_m=a, block_n=b, block_k=bk,
+                                  mma_dtype="fp8", is_default=(i == 0)))
     return cases
 
 
@@ -240,7 +251,8 @@ def compile_one(case: dict, dump: str | None = None) -> dict:
     consts, types = case["consts"], case["types"]
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     # the JIT's specialisation for realistic shapes: 16-byte aligned pointers, ints % 16 == 0
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] != "constexpr" and not sig[n].startswith("tensordesc")}
     arch = case["arch"]
     res = {k: case[k] for k in ("name", "kind", "num_warps", "num_stages", "block_m", "block_n", "block_k",
                                 "mma_dtype", "is_default")}
@@ -258,7 +270,8 @@ def compile_one(case: dict, dump: str | None = None) -> dict:
     regs, stack = _resources(cubin)
     res.update(ok=True, seconds=round(time.perf_counter() - t0, 1), wgmma=ptx.count("wgmma.mma_async"),
                fp8_mma=("e4m3" in ptx or "e5m2" in ptx) and "wgmma.mma_async" in ptx,
-               cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), shared_bytes=k.metadata.shared,
+               cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+               tma=ptx.count("cp.async.bulk.tensor"), shared_bytes=k.metadata.shared,
                n_regs=regs, spill_bytes=stack, stack_bytes=stack)
     sass = _cuobjdump(cubin, "-sass")
     if sass:

@@ -28,6 +28,8 @@ times both side by side); ``FP4LIGHTNING_GEMM_PATH`` picks one (docs/perf.md).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -189,6 +191,18 @@ def _fp8_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
+    _epilogue(acc, pid_m, offs_m, offs_n, M, N, sr_ptr, sc_ptr, bias_ptr, c_ptr, w_ptr, sw_ptr, y_ptr,
+              stride_cm, stride_ck, stride_wm, stride_ym, ROW_SCALE, COL_SCALE, HAS_BIAS, HAS_ADDEND, TWO_PHASE,
+              EPI_M, HAS_DGE, DGE_INV_K, DGE_POW, DGE_CLAMP, BLOCK_M)
+
+
+@triton.jit
+def _epilogue(acc, pid_m, offs_m, offs_n, M, N, sr_ptr, sc_ptr, bias_ptr, c_ptr, w_ptr, sw_ptr, y_ptr,
+              stride_cm, stride_ck, stride_wm, stride_ym,
+              ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADDEND: tl.constexpr,
+              TWO_PHASE: tl.constexpr, EPI_M: tl.constexpr, HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr,
+              DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row / column scales, bias, addend C, DGE factor f'(W[m, n] s_w[m]); stores the tile."""
     m_ok = offs_m < M
     n_ok = offs_n < N
     out = acc
@@ -235,6 +249,67 @@ def _fp8_gemm_kernel(
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# --- the same GeMM with TMA loads (Hopper's tensor memory accelerator): the copy engine
+# moves each operand tile into shared memory, so the main loop issues no per-thread address
+# arithmetic or cp.async; out-of-range rows and the K tail arrive as zeros. Needs 16-byte
+# aligned bases and row strides (the expanded copies are padded so; a dY whose row is not a
+# multiple of 16 bytes takes the pointer kernel).
+def _set_tma_blocks(nargs):
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _tma_configs():
+    out = []
+    for cfg in _configs():
+        tma = triton.Config(dict(cfg.kwargs), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            pre_hook=_set_tma_blocks)
+        _WHERE[id(tma)] = _WHERE.get(id(cfg), "all")
+        out.append(tma)
+    return out
+
+
+@triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K", "DOT", "PRECISE_ACC", "ROW_SCALE", "COL_SCALE",
+                                              "HAS_BIAS", "HAS_ADDEND", "HAS_DGE"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    a_desc, b_desc, sr_ptr, sc_ptr, bias_ptr, c_ptr, w_ptr, sw_ptr, y_ptr,
+    M, M_BUCKET, N, K,
+    stride_cm, stride_ck, stride_wm, stride_ym,
+    DOT: tl.constexpr, PRECISE_ACC: tl.constexpr, ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ADDEND: tl.constexpr, TWO_PHASE: tl.constexpr, EPI_M: tl.constexpr,
+    HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+):
+    """``_fp8_gemm_kernel`` with the operand tiles loaded through TMA descriptors."""
+    pid_m, pid_n = tile_ids(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([m0, k0])
+        b = b_desc.load([n0, k0])
+        acc = mma(a, tl.trans(b), acc, DOT, PRECISE_ACC)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    _epilogue(acc, pid_m, offs_m, offs_n, M, N, sr_ptr, sc_ptr, bias_ptr, c_ptr, w_ptr, sw_ptr, y_ptr,
+              stride_cm, stride_ck, stride_wm, stride_ym, ROW_SCALE, COL_SCALE, HAS_BIAS, HAS_ADDEND, TWO_PHASE,
+              EPI_M, HAS_DGE, DGE_INV_K, DGE_POW, DGE_CLAMP, BLOCK_M)
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _use_tma(tma: bool | None) -> bool:
+    """``tma=None`` follows FP4LIGHTNING_TMA (default off until timed on a GPU, docs/perf.md)."""
+    if tma is None:
+        tma = os.environ.get("FP4LIGHTNING_TMA", "0") == "1"
+    return bool(tma)
+
+
 _DOT = {torch.float8_e4m3fn: DOT_FP8E4, torch.float8_e5m2: DOT_FP8E5}
 
 
@@ -266,6 +341,7 @@ def triton_fp8_gemm(
     dge_k: float = 5.0,
     dge_clamp: float = 3.0,
     precise_acc: bool = True,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """``Y = A B^T`` for FP8 ``a`` (M, K) and ``b`` (N, K) of one FP8 type, fp32 accumulation.
 
@@ -274,6 +350,8 @@ def triton_fp8_gemm(
     strides), ``* f'(dge_weight * dge_weight_scale[:, None])`` (the DGE derivative,
     arXiv 2501.17116 section 3.2). ``precise_acc`` promotes each dot's FP8 partial sum
     into the fp32 accumulator (Hopper accumulates FP8 products in reduced precision).
+    ``tma``: load the operand tiles through TMA descriptors (``None``: FP4LIGHTNING_TMA,
+    default off); operands that are not 16-byte aligned use pointer loads either way.
     """
     a, b = _check_fp8("a", a), _check_fp8("b", b)
     if a.dtype != b.dtype:
@@ -307,13 +385,22 @@ def triton_fp8_gemm(
     any_vec = next(t for t in (row_scale, col_scale, bias) if t is not None) if (
         row_scale is not None or col_scale is not None or bias is not None) else y
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
-    _fp8_gemm_kernel[grid](
-        a, b, row_scale if row_scale is not None else any_vec, col_scale if col_scale is not None else any_vec,
-        bias if bias is not None else any_vec, addend if addend is not None else any_vec,
-        dge_weight if has_dge else any_vec, dge_weight_scale if has_dge else any_vec, y,
-        m, _bucket(m), n, k, a.stride(0), b.stride(0),
-        addend.stride(0) if addend is not None else 0, addend.stride(1) if addend is not None else 0,
-        dge_weight.stride(0) if has_dge else 0, y.stride(0),
+    vecs = (row_scale if row_scale is not None else any_vec, col_scale if col_scale is not None else any_vec,
+            bias if bias is not None else any_vec, addend if addend is not None else any_vec,
+            dge_weight if has_dge else any_vec, dge_weight_scale if has_dge else any_vec, y)
+    strides = (addend.stride(0) if addend is not None else 0, addend.stride(1) if addend is not None else 0,
+               dge_weight.stride(0) if has_dge else 0, y.stride(0))
+    if _use_tma(tma) and tma_ok(a, b):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        kernel = _fp8_gemm_tma_kernel
+        # block shapes are set per autotune config by its pre-hook (_set_tma_blocks)
+        head = (TensorDescriptor(a, [m, k], [a.stride(0), 1], [16, 16]),
+                TensorDescriptor(b, [n, k], [b.stride(0), 1], [16, 16])) + vecs + (m, _bucket(m), n, k) + strides
+    else:
+        kernel = _fp8_gemm_kernel
+        head = (a, b) + vecs + (m, _bucket(m), n, k, a.stride(0), b.stride(0)) + strides
+    kernel[grid](
+        *head,
         DOT=_DOT[a.dtype], PRECISE_ACC=precise_acc,
         ROW_SCALE=0 if row_scale is None else (2 if row_reciprocal else 1), COL_SCALE=0 if col_scale is None else 1,
         HAS_BIAS=bias is not None, HAS_ADDEND=addend is not None, TWO_PHASE=out_dtype == torch.float32, EPI_M=16,

@@ -66,6 +66,9 @@ HOPPER_ISSUE_PER_TENSOR_MAX = {
     "fp8_gemm forward fast-accum (expand path)": 0.3,
     "fp8_gemm dgrad e5m2 (expand path)": 0.6,
     "fp8_gemm wgrad e5m2 + DGE + addend (expand path)": 0.6,
+    "fp8_gemm forward (expand path, TMA)": 0.6,
+    "fp8_gemm dgrad e5m2 (expand path, TMA)": 0.6,
+    "fp8_gemm wgrad e5m2 + DGE + addend (expand path, TMA)": 0.6,
 }
 # bf16 activations: the reference rounds its bf16 matmul's accumulator to bf16 before the
 # epilogue, the kernels round once at the end (and the interpreter truncates bf16 stores);
@@ -630,6 +633,41 @@ def test_expand_path_backward_gemms(fmt):
             above(sqnr(dw, ref), GEMM_SQNR_DB if out_dtype == torch.float32 else LINEAR_BF16_SQNR_DB, "dw SQNR dB")
 
 
+def test_expand_path_tma_loads_equal_pointer_loads(monkeypatch):
+    # FP4LIGHTNING_TMA=1: the operand tiles come through TMA descriptors (zero fill past the
+    # rows and the K tail) - the same products in the same order as the pointer loads
+    import fp4lightning.kernels.fp8_gemm as fg
+    m, n, k = 96, 128, 101  # 16-byte rows for dY (TMA needs them); odd K: a tail, rows past M
+    _, a_p, a_s = _fp4_operand(m, k)
+    w, w_p, w_s = _fp4_operand(n, k)
+    dy = torch.randn(m, n, device=DEV)
+    g1, s1 = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, "e5m2")
+    g2, s2 = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, "e5m2")
+    g2 = g2.t().contiguous().t()  # the GPU path's column-major wgrad operand
+    kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=torch.randn(n, k, device=DEV))
+
+    def run():
+        return (kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, path="expand"),
+                kt.triton_fp4_dgrad(g1, s1, w_p, k, path="expand"),
+                kt.triton_fp4_wgrad(g2, s2, a_p, k, path="expand", **kw))
+
+    monkeypatch.setenv("FP4LIGHTNING_TMA", "0")
+    ref = run()
+    launches = []
+    real = fg._fp8_gemm_tma_kernel.run
+    monkeypatch.setattr(fg._fp8_gemm_tma_kernel, "run", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.setenv("FP4LIGHTNING_TMA", "1")
+    got = run()
+    assert len(launches) == 3
+    for name, t, r in zip(("y", "da", "dw"), got, ref):
+        assert torch.equal(t, r) if kt.INTERPRET else sqnr(t, r) >= GEMM_SQNR_DB, name
+    # a row that is not a multiple of 16 bytes cannot be a TMA operand: pointer loads instead
+    g_odd, s_odd = gemm_dispatch.quantize_fp8_reference(dy[:, :100] / w_s[None, :100], 1, "e5m2")
+    _, w_p_odd, _ = _fp4_operand(100, k)
+    kt.triton_fp4_dgrad(g_odd, s_odd, w_p_odd, k, path="expand")
+    assert len(launches) == 3
+
+
 def test_fp8_gemm_epilogues_against_float64():
     from fp4lightning.kernels.fp8_gemm import triton_fp8_gemm
     m, n, k = 45, 70, 83  # none a multiple of the blocks, K tail included
@@ -963,7 +1001,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
         assert (tmp_path / f"{stem}.cubin").stat().st_size > 0
         assert keys <= set(json.loads((tmp_path / f"{stem}.json").read_text()))
         if r["kernel"] in ("forward", "dgrad", "wgrad"):
-            assert r["cp_async"] > 0, r  # software-pipelined loads
+            assert r["cp_async"] > 0 or r["tma"] > 0, r  # software-pipelined (cp.async) or TMA loads
             assert r["tensor_ops"] > 0 and r["loop_instructions"] > 0, r
             if r["arch"] == 90:
                 assert r["wgmma"] > 0, r
@@ -1006,7 +1044,9 @@ def test_gpu_quantizers_bitwise_at_scale():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (2048, 11008, 4096), (1000, 1000, 1000)])
-def test_gpu_gemms_at_scale(mnk):
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["pointer-loads", "tma-loads"])
+def test_gpu_gemms_at_scale(mnk, tma, monkeypatch):
+    monkeypatch.setenv("FP4LIGHTNING_TMA", tma)  # the expand path's operand loads
     m, n, k = mnk
     _, a_p, a_s = _fp4_operand(m, k)
     w, w_p, w_s = _fp4_operand(n, k)
