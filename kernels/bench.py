@@ -231,6 +231,8 @@ def bench_gemms(table: Table, dev, shapes):
                     table.add("gemm fwd", f"  its FP8 GeMM alone (expanded operands, {acc})", shape, t, tf(t),
                               f"{t_bf16 / t:.2f}x bf16" + (f", {t_fp8 / t:.2f}x fp8" if t_fp8 else ""))
                     table.note(f"autotune winner fp8_gemm {acc}: {_winner(fp8_gemm._fp8_gemm_kernel)}")
+                    if not (label == "square" or label.startswith("7B")):
+                        continue
                     try:  # the same with TMA operand loads (FP4LIGHTNING_TMA=1)
                         t = _time_ms(lambda: kt_tma(lambda: kt.triton_fp4_gemm(
                             a_p, a_s, w_p, w_s, k, out_dtype=torch.bfloat16, fast_accum=fast, path="expand")))
