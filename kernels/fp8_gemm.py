@@ -42,13 +42,14 @@ from ._common import (
     INTERPRET,
     _e2m1_to_bits,
     check_out_dtype,
+    check_rows,
     check_packed,
     check_same_device,
     check_vector,
     mma,
     tile_ids,
 )
-from .gemm import _bucket, _dge_factor
+from .gemm import _bucket, _dge_factor, finish_rows_in_chunks
 
 __all__ = ["triton_expand_fp4", "triton_fp8_gemm", "EXPAND_DTYPES"]
 
@@ -217,27 +218,11 @@ def _epilogue(acc, pid_m, offs_m, offs_n, M, N, sr_ptr, sc_ptr, bias_ptr, c_ptr,
         out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
-    if (HAS_ADDEND or HAS_DGE) and TWO_PHASE:
-        # fp32 output: store, then add / apply DGE in row chunks of EPI_M re-read by the
-        # same block (the DGE math on the whole tile would hold several tile-sized
-        # temporaries and spill: compile_check)
+    if (HAS_ADDEND or HAS_DGE) and TWO_PHASE:  # fp32 output: store, then finish in row chunks
         tl.store(y_ptrs, out, mask=mask)
-        tl.debug_barrier()  # the block's own stores are visible to all its threads
-        for r0 in tl.static_range(0, BLOCK_M, EPI_M):
-            rows = pid_m * BLOCK_M + r0 + tl.arange(0, EPI_M)
-            r_ok = rows < M
-            cmask = r_ok[:, None] & n_ok[None, :]
-            r64 = rows.to(tl.int64)[:, None]
-            ptrs = y_ptr + r64 * stride_ym + offs_n[None, :]
-            v = tl.load(ptrs, mask=cmask, other=0.0)
-            if HAS_ADDEND:
-                v += tl.load(c_ptr + r64 * stride_cm + offs_n.to(tl.int64)[None, :] * stride_ck, mask=cmask,
-                             other=0.0).to(tl.float32)
-            if HAS_DGE:
-                sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
-                w = tl.load(w_ptr + r64 * stride_wm + offs_n[None, :], mask=cmask, other=0.0)
-                v = v * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
-            tl.store(ptrs, v, mask=cmask)
+        finish_rows_in_chunks(y_ptr, stride_ym, c_ptr, stride_cm, stride_ck, w_ptr, stride_wm, sw_ptr,
+                              pid_m * BLOCK_M, M, offs_n, n_ok, BLOCK_M, EPI_M, HAS_ADDEND, HAS_DGE,
+                              DGE_INV_K, DGE_POW, DGE_CLAMP)
     else:
         if HAS_ADDEND:
             out += tl.load(c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_ck,
@@ -314,16 +299,7 @@ _DOT = {torch.float8_e4m3fn: DOT_FP8E4, torch.float8_e5m2: DOT_FP8E5}
 
 
 def _check_fp8(name: str, t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor (rows x K, K contiguous), got "
-                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if t.dtype not in _DOT:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float8_e4m3fn or torch.float8_e5m2")
-    if t.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        t = t.contiguous()
-    return t
+    return check_rows(name, t, EXPAND_DTYPES, "FP8, rows x K with K contiguous")
 
 
 def triton_fp8_gemm(

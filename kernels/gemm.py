@@ -416,6 +416,33 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def finish_rows_in_chunks(y_ptr, stride_y, c_ptr, stride_cr, stride_cc, w_ptr, stride_w, sw_ptr, row0, R, cols,
+                          col_ok, BLOCK_R: tl.constexpr, EPI: tl.constexpr, HAS_ADDEND: tl.constexpr,
+                          HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr,
+                          DGE_CLAMP: tl.constexpr):
+    """Second phase of a wgrad epilogue on an fp32 output tile already stored at rows
+    ``row0 ..`` (R rows in all) and columns ``cols``: re-read it in chunks of EPI rows, add
+    the addend C, multiply by the DGE factor f'(W s_w), store. Chunked because the DGE math
+    on a whole tile holds several tile-sized temporaries and spills (compile_check)."""
+    tl.debug_barrier()  # the block's own stores are visible to all its threads
+    for r0 in tl.static_range(0, BLOCK_R, EPI):
+        rows = row0 + r0 + tl.arange(0, EPI)
+        r_ok = rows < R
+        mask = r_ok[:, None] & col_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        ptrs = y_ptr + r64 * stride_y + cols[None, :]
+        v = tl.load(ptrs, mask=mask, other=0.0)
+        if HAS_ADDEND:
+            v += tl.load(c_ptr + r64 * stride_cr + cols.to(tl.int64)[None, :] * stride_cc, mask=mask,
+                         other=0.0).to(tl.float32)
+        if HAS_DGE:
+            sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
+            w = tl.load(w_ptr + r64 * stride_w + cols[None, :], mask=mask, other=0.0)
+            v = v * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+        tl.store(ptrs, v, mask=mask)
+
+
+@triton.jit
 def _dge_factor_kernel(w_ptr, sw_ptr, y_ptr, N, K, stride_wn, stride_yn,
                        DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -516,22 +543,9 @@ def _fp4_wgrad_kernel(
         k_ok = offs_k < K
         tl.store(y_ptr + offs_n.to(tl.int64)[:, None] * stride_yn + offs_k[None, :], out,
                  mask=n_ok[:, None] & k_ok[None, :])
-        tl.debug_barrier()  # the block's own stores are visible to all its threads
-        for r0 in tl.static_range(0, BLOCK_N, EPI_N):
-            rows = pid_n * BLOCK_N + r0 + tl.arange(0, EPI_N)
-            r_ok = rows < N
-            mask = r_ok[:, None] & k_ok[None, :]
-            r64 = rows.to(tl.int64)[:, None]
-            y_ptrs = y_ptr + r64 * stride_yn + offs_k[None, :]
-            v = tl.load(y_ptrs, mask=mask, other=0.0)
-            if HAS_ADDEND:
-                v += tl.load(c_ptr + r64 * stride_cn + offs_k.to(tl.int64)[None, :] * stride_ck, mask=mask,
-                             other=0.0).to(tl.float32)
-            if HAS_DGE:
-                sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
-                w = tl.load(w_ptr + r64 * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-                v = v * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
-            tl.store(y_ptrs, v, mask=mask)
+        finish_rows_in_chunks(y_ptr, stride_yn, c_ptr, stride_cn, stride_ck, w_ptr, stride_wn, sw_ptr,
+                              pid_n * BLOCK_N, N, offs_k, k_ok, BLOCK_N, EPI_N, HAS_ADDEND, HAS_DGE,
+                              DGE_INV_K, DGE_POW, DGE_CLAMP)
     elif HAS_DGE or HAS_ADDEND:
         sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
         col = pid_k * 2 * BLOCK_KH + 2 * tl.arange(0, BLOCK_KH)
