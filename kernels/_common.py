@@ -148,9 +148,10 @@ def decode_e2m1(c, DOT: tl.constexpr):
 # high-nibble values with a handful of shift / and / or instructions (SWAR), and the
 # power of two is folded into the epilogue (exact). Measured from the SASS with
 # kernels/compile_check.py against the per-code decode (decode_e2m1 below), which
-# costs about ten instructions per code; the alternative of writing E4M3 copies of the
-# operands in the quantizer doubles their bytes and needs transposed copies for the
-# backward GeMMs (FP8 wgmma wants K-major operands).
+# costs about ten instructions per code. The alternative, FP8 copies of the operands
+# (twice the bytes, transposed copies for the backward GeMMs since FP8 wgmma wants K-major
+# operands), is the ``expand`` path of kernels/fp8_gemm.py; which is faster is measured by
+# kernels/bench.py on a GPU.
 #: log2 of the factor that undoes the decode's scaling, per FP8 dot type
 FP8_DECODE_SHIFT = {DOT_FP8E4: 6, DOT_FP8E5: 14}
 

@@ -11,8 +11,11 @@ G1 / G2 are dY with the FP4 scale of the reduction dimension folded in, in FP8 E
 E4M3 (or bf16), scaled per row (G1) or per column (G2). ``f'`` is the DGE derivative
 (section 3.2), fused into the wgrad epilogue.
 
-How the 4-bit operand reaches the tensor cores: codes are loaded as packed bytes and
-decoded in registers to the dot type by integer arithmetic (``_common.decode_e2m1``).
+How the 4-bit operand reaches the tensor cores here (the ``decode`` path): codes are loaded
+as packed bytes and decoded in registers to the dot type by integer arithmetic
+(``_common.decode_e2m1``). The ``expand`` path (``kernels/fp8_gemm.py``; ``path=`` or
+FP4LIGHTNING_GEMM_PATH, see ``_path``) expands them to FP8 bytes first and runs a plain
+FP8 GeMM; the three public functions below serve both.
 Every E2M1 value is exact in FP8, fp16 and bf16, so the products are exact and only
 fp32 accumulation rounds. Element ``2j`` of a row sits in the low nibble of byte ``j``:
 
