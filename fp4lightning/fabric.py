@@ -5,9 +5,12 @@ Fabric and the Trainer call precision plugins through different methods (Fabric'
 reach ``model.trainer``), so :class:`~fp4lightning.precision.FP4Precision` only serves the
 Trainer and refuses Fabric with a pointer here. This plugin shares its core: the same layer
 swap (:func:`~fp4lightning.convert.convert_to_fp4`, output head kept in high precision), the
-same bf16/fp16 autocast around the non-GeMM work, and for fp16 the same
-:class:`~fp4lightning.loss_scaler.DynamicLossScaler` (skip the step on inf/NaN, halve the scale,
-grow it after a run of good steps). See docs/lightning.md::
+same bf16/fp16 autocast around the non-GeMM work, the same non-finite-step policy
+(:mod:`fp4lightning.nonfinite`: a step whose gradients hold an inf/NaN is skipped, counted, the
+decision all-reduced across ranks, and training stops with ``NonFiniteError`` after
+``max_consecutive_skips`` in a row), and for fp16 the same
+:class:`~fp4lightning.loss_scaler.DynamicLossScaler` (halve the scale on a skipped step, grow it
+after a run of good steps). See docs/lightning.md::
 
     fabric = L.Fabric(accelerator="cuda", plugins=[FP4FabricPrecision("paper")])
     model, optimizer = fabric.setup(model, optimizer)
@@ -34,6 +37,7 @@ from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
 from .loss_scaler import DynamicLossScaler
+from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
 from .precision import COMPUTE_DTYPES
 
 __all__ = ["FP4FabricPrecision"]
@@ -49,13 +53,17 @@ class FP4FabricPrecision(FabricPrecision):
         weights_dtype: ``None`` (as built) or ``torch.bfloat16`` for modules built under
             ``fabric.init_module()``.
         scaler: a :class:`~fp4lightning.loss_scaler.DynamicLossScaler` for fp16 (default: a fresh one).
+        max_consecutive_skips: a step whose gradients hold an inf/NaN is skipped (bf16 and fp16;
+            weights and optimizer state untouched, the decision all-reduced across ranks); after
+            this many in a row ``optimizer.step()`` raises :class:`~fp4lightning.nonfinite.NonFiniteError`.
     """
 
     precision: Literal["fp4-bf16", "fp4-fp16"] = "fp4-bf16"
 
     def __init__(self, config: FP4Config | str | None = None, *, compute_dtype: str = "bf16",
                  module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                 weights_dtype: torch.dtype | None = None, scaler: DynamicLossScaler | None = None) -> None:
+                 weights_dtype: torch.dtype | None = None, scaler: DynamicLossScaler | None = None,
+                 max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE) -> None:
         if isinstance(config, str):
             config = FP4Config.from_preset(config)
         if config is not None and not isinstance(config, FP4Config):
@@ -70,9 +78,15 @@ class FP4FabricPrecision(FabricPrecision):
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
         self.precision = f"fp4-{compute_dtype}"  # type: ignore[assignment]
         self.weights_dtype = weights_dtype
-        self.scaler = (scaler or DynamicLossScaler()) if compute_dtype == "fp16" else None
+        # the default scaler must not give up before the non-finite policy does (max_consecutive_skips)
+        self.scaler = (scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
+                       ) if compute_dtype == "fp16" else None
+        #: skipped-step counter of the non-finite policy (fp4lightning.nonfinite)
+        self.nonfinite = SkipCounter(max_consecutive_skips, fix="lower the learning rate, check the data, or raise "
+                                     "FP4FabricPrecision(max_consecutive_skips=...)")
+        self._steps = 0  # optimizer steps taken or skipped (Fabric has no global step)
         self._device: str | None = None
-        self._found_inf: dict[int, bool] = {}  # optimizer id -> unscaled this step, with inf/NaN?
+        self._found_inf: dict[int, bool] = {}  # optimizer id -> checked this step, with inf/NaN?
 
     # ------------------------------------------------------------------ model
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -115,21 +129,31 @@ class FP4FabricPrecision(FabricPrecision):
             tensor = self.scaler.scale(tensor)
         tensor.backward(*args, **kwargs)
 
+    def _check(self, optimizer: Optimizer) -> bool:
+        """Unscale (fp16) and check the gradients once per step, on every rank."""
+        if id(optimizer) not in self._found_inf:
+            self._found_inf[id(optimizer)] = detect_nonfinite(optimizer, self.scaler)
+        return self._found_inf[id(optimizer)]
+
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Divide the gradients by the loss scale once per step (``fabric.clip_gradients`` calls this)."""
-        if self.scaler is not None and id(optimizer) not in self._found_inf:
-            self._found_inf[id(optimizer)] = self.scaler.unscale_(optimizer)
+        """Divide the gradients by the loss scale once per step (``fabric.clip_gradients`` calls this).
+
+        When a gradient holds an inf/NaN the step will be skipped: the gradients are dropped here
+        (set to None, as the Trainer's ``NonFiniteGuard`` does) so that clipping does not raise on a
+        non-finite norm; ``optimizer.step()`` then skips and counts the step."""
+        if self._check(optimizer):
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """bf16: a plain step. fp16: unscale, then step, or skip it and back the scale off on inf/NaN."""
-        if self.scaler is None:
-            return optimizer.step(**kwargs)
-        self.unscale_gradients(optimizer)
-        found_inf = self._found_inf.pop(id(optimizer))
-        self.scaler.update(found_inf)
-        if found_inf:
-            rank_zero_info(f"FP4FabricPrecision: inf/NaN gradient, step skipped; loss scale now "
-                           f"{self.scaler.scale_value:g}")
+        """Unscale (fp16) and check the gradients on every rank, then step, or skip the step (fp16:
+        and back the scale off); raises ``NonFiniteError`` after too many skips in a row."""
+        found_inf = self._check(optimizer)
+        del self._found_inf[id(optimizer)]
+        self._steps += 1
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if settle_step(found_inf, self.nonfinite, self._steps, params, self.scaler, "FP4FabricPrecision"):
             return None
         return optimizer.step(**kwargs)
 
@@ -142,8 +166,12 @@ class FP4FabricPrecision(FabricPrecision):
         out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
+        out["nonfinite"] = {**self.nonfinite.state_dict(), "steps": self._steps}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
+        nonfinite = state_dict.get("nonfinite", {})
+        self.nonfinite.load_state_dict(nonfinite)
+        self._steps = int(nonfinite.get("steps", 0))

@@ -12,13 +12,15 @@ in the gradients after backward. The policy:
 * with data parallelism the decision is all-reduced, so every rank skips the same steps.
 
 ``FP4Precision`` applies the policy inside its ``optimizer_step`` (bf16 and fp16, where the
-loss scaler also backs off); :class:`NonFiniteGuard` applies it for any other precision
+loss scaler also backs off), and so does ``FP4FabricPrecision`` for ``lightning.Fabric`` (both
+through :func:`detect_nonfinite` and :func:`settle_step`); :class:`NonFiniteGuard` applies it for any other precision
 plugin (``bf16-mixed``, ``32-true``) and logs the count for all of them. The checkpoint
 writer (:mod:`fp4lightning.checkpoint`) refuses to write a checkpoint with a non-finite
 weight.
 """
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Iterable
 
@@ -27,7 +29,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["NonFiniteError", "NonFiniteGuard", "grads_nonfinite", "params_nonfinite", "DEFAULT_MAX_CONSECUTIVE"]
+__all__ = ["NonFiniteError", "NonFiniteGuard", "grads_nonfinite", "params_nonfinite", "detect_nonfinite", "settle_step",
+           "DEFAULT_MAX_CONSECUTIVE"]
+
+log = logging.getLogger(__name__)
 
 #: consecutive skipped steps after which a run is considered diverged
 DEFAULT_MAX_CONSECUTIVE = 20
@@ -81,28 +86,55 @@ def all_ranks_any(flag: bool, like: Tensor | None = None) -> bool:
     return bool(t.item() > 0)
 
 
+def detect_nonfinite(optimizer: Optimizer, scaler: Any = None) -> bool:
+    """Unscale ``optimizer``'s gradients (fp16: ``scaler.unscale_``) or check them (bf16), then OR the
+    result over the ranks: True if any rank holds an inf/NaN gradient. Every rank must call it."""
+    found = scaler.unscale_(optimizer) if scaler is not None else grads_nonfinite(optimizer)
+    # DDP's all-reduce already spreads a NaN to every rank; sharded gradients (FSDP) do not
+    return all_ranks_any(found)
+
+
+def settle_step(found_inf: bool, counter: "SkipCounter", step: int, params: Iterable[Tensor],
+                scaler: Any = None, who: str = "FP4Precision") -> bool:
+    """Apply the policy to one optimizer step whose gradients were checked by :func:`detect_nonfinite`:
+    count it (raising :class:`NonFiniteError` when the run must stop), move the fp16 loss scale, and
+    return True when the step must be skipped. Shared by the Trainer and the Fabric plugin."""
+    counter.record(found_inf, step, params)
+    if scaler is not None:
+        if found_inf:
+            log.info("%s: inf/NaN gradient, loss scale %g -> %g", who, scaler.scale_value,
+                     scaler.scale_value * scaler.backoff_factor)
+        scaler.update(found_inf)
+    return found_inf
+
+
 def skip_message(step: int, consecutive: int, total: int) -> str:
     return (f"step {step}: non-finite (inf/NaN) gradient; step skipped, weights and optimizer state unchanged "
             f"({consecutive} in a row, {total} in this run)")
 
 
-def stop_error(step: int, consecutive: int, weights: bool = False) -> NonFiniteError:
+#: what a diverged Trainer run (fp4lightning train, recipes) can do; the Fabric plugin passes its own
+TRAINER_FIX = ("lower optimizer.lr, check the data (fp4lightning train --verify-data), "
+               "or raise trainer.max_nonfinite_skips")
+
+
+def stop_error(step: int, consecutive: int, weights: bool = False, fix: str = TRAINER_FIX) -> NonFiniteError:
     if weights:
         what = f"the weights are non-finite at step {step}; no later step can recover"
     else:
         what = f"{consecutive} optimizer steps in a row had inf/NaN gradients (the last at step {step})"
     return NonFiniteError(
-        f"training stopped: {what}. The run has diverged: lower optimizer.lr, check the data "
-        "(fp4lightning train --verify-data), or raise trainer.max_nonfinite_skips", step=step)
+        f"training stopped: {what}. The run has diverged: {fix}", step=step)
 
 
 class SkipCounter:
     """Consecutive and total skip counts with the stop rule (shared by the plugin and the callback)."""
 
-    def __init__(self, max_consecutive: int = DEFAULT_MAX_CONSECUTIVE):
+    def __init__(self, max_consecutive: int = DEFAULT_MAX_CONSECUTIVE, fix: str = TRAINER_FIX):
         if max_consecutive < 1:
             raise ValueError(f"max_consecutive must be >= 1, got {max_consecutive}")
         self.max_consecutive = max_consecutive
+        self._fix = fix  # the stop message's advice
         self.consecutive = 0
         self.total = 0
 
@@ -115,9 +147,9 @@ class SkipCounter:
         self.total += 1
         _rank_zero_print(skip_message(step, self.consecutive, self.total))
         if self.consecutive >= self.max_consecutive:
-            raise stop_error(step, self.consecutive)
+            raise stop_error(step, self.consecutive, fix=self._fix)
         if params_nonfinite(params):
-            raise stop_error(step, self.consecutive, weights=True)
+            raise stop_error(step, self.consecutive, weights=True, fix=self._fix)
 
     def state_dict(self) -> dict[str, int]:
         return {"consecutive": self.consecutive, "total": self.total}

@@ -29,7 +29,6 @@ decision and the same scale even when a value turns non-finite after synchronisa
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Callable, Literal
@@ -44,13 +43,12 @@ from torch.optim import LBFGS, Optimizer
 from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
-from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, all_ranks_any, grads_nonfinite
+from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
 from .loss_scaler import DynamicLossScaler
 from .optim import REDUCED_STATE_FORMATS, swap_to_low_precision_adamw
 
 __all__ = ["FP4Precision", "COMPUTE_DTYPES"]
 
-log = logging.getLogger(__name__)
 
 #: names accepted for ``compute_dtype`` -> the autocast dtype of the non-GeMM operations
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -245,19 +243,12 @@ class FP4Precision(Precision):
         if closure_result is None and getattr(model, "automatic_optimization", True):
             return closure_result
         # unscale before the hooks and clipping: both must see true gradient magnitudes
-        found_inf = self.scaler.unscale_(optimizer) if self.scaler is not None else grads_nonfinite(optimizer)
-        # DDP's all-reduce already spreads a NaN to every rank; the flag makes the decision explicit
-        found_inf = all_ranks_any(found_inf)
+        found_inf = detect_nonfinite(optimizer, self.scaler)
         self._after_closure(model, optimizer)
         step = int(model.trainer.global_step) + 1 if getattr(model, "_trainer", None) is not None else 0
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.nonfinite.record(found_inf, step, params)  # raises NonFiniteError when the run must stop
-        if self.scaler is not None:
-            if found_inf:
-                log.info("FP4Precision: inf/NaN gradient, skipping the step; loss scale %g -> %g",
-                         self.scaler.scale_value, self.scaler.scale_value * self.scaler.backoff_factor)
-            self.scaler.update(found_inf)
-        if found_inf:
+        # raises NonFiniteError when the run must stop
+        if settle_step(found_inf, self.nonfinite, step, params, self.scaler, "FP4Precision"):
             return closure_result
         return optimizer.step(**kwargs)
 

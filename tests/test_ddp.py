@@ -220,6 +220,19 @@ def _hook_checks(rank: int, seed: int) -> dict:
     nn.functional.mse_loss(ddp2(bad), target).backward()
     out["async_nan_everywhere"] = all(bool(torch.isnan(p.grad).all()) for p in model.parameters())
     out["async_nan_flag"] = state.step_nonfinite
+    # --- the plugins' non-finite decision (fp4lightning.nonfinite.detect_nonfinite) where gradients are
+    # not all-reduced (sharded, as under FSDP): only rank 1 holds a NaN, every rank must skip
+    from fp4lightning.loss_scaler import DynamicLossScaler
+    from fp4lightning.nonfinite import detect_nonfinite
+
+    local = nn.Linear(4, 4)
+    local.weight.grad = torch.ones_like(local.weight)
+    local.bias.grad = torch.full_like(local.bias, float("nan") if rank == 1 else 1.0)
+    opt = torch.optim.SGD(local.parameters(), lr=0.1)
+    out["detect_one_rank_nan"] = detect_nonfinite(opt)
+    out["detect_one_rank_nan_fp16"] = detect_nonfinite(opt, DynamicLossScaler(init_scale=2.0))
+    local.bias.grad = torch.ones_like(local.bias)
+    out["detect_all_finite"] = detect_nonfinite(opt)
     return out
 
 
@@ -276,6 +289,8 @@ def test_fp8_hook_numerics_bytes_nonfinite(tmp_path):
         assert r["async_bytes"] == (W - 1) * (r["ddp_numel"] + 4 * r["async_n_tensors"]) and not r["async_nonfinite"]
         assert r["async_nan_everywhere"] and r["async_nan_flag"]
     assert r0["async_digest"] == r1["async_digest"]
+    for r in (r0, r1):  # one rank's NaN makes every rank skip; finite everywhere steps everywhere
+        assert r["detect_one_rank_nan"] and r["detect_one_rank_nan_fp16"] and not r["detect_all_finite"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,3 +89,47 @@ def test_trainer_plugin_refuses_fabric_before_converting():
     with pytest.raises(TypeError, match=r"FP4FabricPrecision"):
         fabric.setup(model)
     assert not fp4_modules(model)  # refused before any layer was swapped
+
+
+@pytest.mark.parametrize("compute_dtype", ["bf16", "fp16"])
+def test_fabric_non_finite_policy(compute_dtype):
+    """The non-finite policy of the Trainer plugin holds under Fabric too, in bf16 as in fp16: a step
+    with an inf/NaN gradient is skipped (weights and optimizer state untouched), counted, and after
+    ``max_consecutive_skips`` in a row training stops with NonFiniteError naming the step."""
+    from fp4lightning.nonfinite import NonFiniteError
+
+    fabric = L.Fabric(accelerator="cpu", devices=1,
+                      plugins=[FP4FabricPrecision(compute_dtype=compute_dtype, max_consecutive_skips=3)])
+    model = TinyLM()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    precision = fabric.strategy.precision
+    fabric.backward(_loss(model, _batch()))
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: v["exp_avg"].clone() for k, v in opt.optimizer.state.items()}
+    for i in range(2):
+        fabric.backward(_loss(model, _batch()) * float("nan"))
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        opt.step()
+        opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped
+        assert all(torch.equal(v["exp_avg"], state_before[k]) for k, v in opt.optimizer.state.items())
+        assert precision.nonfinite.consecutive == i + 1
+    # a good step resets the run of skips (the total stays)
+    fabric.backward(_loss(model, _batch()))
+    opt.step()
+    opt.zero_grad()
+    assert precision.nonfinite.consecutive == 0 and precision.nonfinite.total == 2
+    state = precision.state_dict()
+    assert state["nonfinite"] == {"consecutive": 0, "total": 2, "steps": 4}
+    fresh = FP4FabricPrecision(compute_dtype=compute_dtype)
+    fresh.load_state_dict(state)  # what fabric.load restores on resume
+    assert fresh.state_dict()["nonfinite"] == state["nonfinite"]
+    for _ in range(2):
+        fabric.backward(_loss(model, _batch()) * float("nan"))
+        opt.step()
+        opt.zero_grad()
+    fabric.backward(_loss(model, _batch()) * float("nan"))
+    with pytest.raises(NonFiniteError, match=r"3 optimizer steps in a row.*step 7.*max_consecutive_skips"):
+        opt.step()
