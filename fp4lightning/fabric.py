@@ -20,6 +20,12 @@ after a run of good steps). See docs/lightning.md::
 
 Reduced-precision optimizer states: build :class:`~fp4lightning.optim.LowPrecisionAdamW`
 yourself before ``fabric.setup`` (Fabric has no hook through which a plugin swaps optimizers).
+
+FP8 gradient communication between data-parallel ranks (the paper's section 6):
+:class:`FP4FabricDDPStrategy`, Fabric's ``DDPStrategy`` with the communication hook of
+:class:`~fp4lightning.strategy.FP4DDPStrategy` (also ``L.Fabric(strategy="fp4_ddp")``)::
+
+    fabric = L.Fabric(devices=2, strategy=FP4FabricDDPStrategy("e4m3"), plugins=[FP4FabricPrecision()])
 """
 from __future__ import annotations
 
@@ -29,10 +35,14 @@ from typing import Any, Callable, Literal
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from torch.nn.parallel import DistributedDataParallel
+
+from .comm import CommState, hook_for_format, resolve_scheme
 from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
@@ -40,7 +50,7 @@ from .loss_scaler import DynamicLossScaler
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
 from .precision import COMPUTE_DTYPES
 
-__all__ = ["FP4FabricPrecision"]
+__all__ = ["FP4FabricPrecision", "FP4FabricDDPStrategy"]
 
 
 class FP4FabricPrecision(FabricPrecision):
@@ -175,3 +185,62 @@ class FP4FabricPrecision(FabricPrecision):
         nonfinite = state_dict.get("nonfinite", {})
         self.nonfinite.load_state_dict(nonfinite)
         self._steps = int(nonfinite.get("steps", 0))
+
+
+class FP4FabricDDPStrategy(FabricDDPStrategy):
+    """Fabric's ``DDPStrategy`` with FP8 gradient all-reduce (arXiv 2501.17116, section 6).
+
+    The gradient communication hook of :class:`~fp4lightning.strategy.FP4DDPStrategy` (the Trainer's),
+    registered on the ``DistributedDataParallel`` wrapper ``fabric.setup`` builds, on every device type
+    (gloo on CPU, NCCL on GPUs). A non-finite gradient on any rank becomes a NaN gradient on every rank,
+    so :class:`FP4FabricPrecision` skips the same step everywhere. Registered with Fabric as
+    ``"fp4_ddp"`` (``"fp4_ddp_spawn"``, ``"fp4_ddp_fork"``).
+
+    Args:
+        grad_format: gradient wire format: ``"e4m3"`` (default; the paper's), ``"e5m2"``, ``"bf16"`` or
+            ``"fp32"`` (plain all-reduce, the baseline; bytes still counted).
+        scheme: the FP8 exchange, as for ``FP4DDPStrategy`` (``"auto"``: one overlapped all-gather per
+            bucket at 2 ranks, else reduce-scatter; see docs/distributed.md).
+        **kwargs: everything else goes to Fabric's ``DDPStrategy`` (``process_group_backend``,
+            ``start_method``, ``timeout``, and ``DistributedDataParallel``'s own keyword arguments).
+
+    Attributes:
+        comm_state: the :class:`~fp4lightning.comm.CommState` the hook works with.
+        total_bytes_sent: bytes this rank has sent for gradient synchronisation so far.
+    """
+
+    def __init__(self, grad_format: str = "e4m3", *, scheme: str = "auto", **kwargs: Any) -> None:
+        for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+            if key in kwargs:
+                raise ValueError(f"FP4FabricDDPStrategy installs its own gradient communication hook; `{key}` "
+                                 "cannot be combined with it. Choose `grad_format=` instead.")
+        # validates grad_format and scheme with messages that list the choices
+        self.comm_state = CommState(grad_format=grad_format, scheme=scheme)
+        super().__init__(**kwargs)
+        self.grad_format = grad_format
+
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        ddp = super().setup_module(module)
+        self.comm_state.process_group = None  # the default group: the one Fabric initialised
+        self.comm_state.scheme = resolve_scheme(self.comm_state.scheme, self.world_size)
+        ddp.register_comm_hook(self.comm_state, hook_for_format(self.grad_format, self.comm_state.scheme))
+        fp8 = self.grad_format in ("e4m3", "e5m2")
+        wire = f"FP8 {self.grad_format.upper()} ({self.comm_state.scheme})" if fp8 else self.grad_format
+        rank_zero_info(f"FP4FabricDDPStrategy: gradients all-reduced in {wire}")
+        return ddp
+
+    @property
+    def total_bytes_sent(self) -> int:
+        """Bytes this rank has sent for gradient synchronisation since the strategy was created."""
+        return self.comm_state.total_bytes
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"fp4_ddp"`` (+ ``_spawn``/``_fork``) so ``L.Fabric(strategy="fp4_ddp")`` works."""
+        for name, start_method in (("fp4_ddp", "popen"), ("fp4_ddp_spawn", "spawn"), ("fp4_ddp_fork", "fork")):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description="DDP with FP8 E4M3 gradient communication, "
+                                           f"start_method {start_method!r}", start_method=start_method)
+
+
+FP4FabricDDPStrategy.register_strategies(STRATEGY_REGISTRY)
