@@ -435,7 +435,7 @@ def test_strategy_trainer_fp8_vs_fp32_bytes_and_nonfinite(tmp_path):
     for r in (r0, r1):
         assert r["loss_first_last_fp32"][-1] < 0.7 * r["loss_first_last_fp32"][0], "the model did not train"
         assert r["loss_max_rel_diff"] < LOSS_TRACK_RTOL, r["loss_max_rel_diff"]
-        assert SQNR_E4M3_ALL_GATHER_DB < r["grad_sqnr_min"] < 60.0, r["grad_sqnr_min"]  # FP8 rounding, once
+        assert r["param_rel_l2"] < PARAM_TRACK_RTOL, r["param_rel_l2"]
 
     # bytes counted (and logged) per step match 2 N (W-1)/W for FP8 (reduce-scatter: plus the amax vector;
     # async all-gather: (N + 4T)(W-1), the same N at W = 2 plus the senders' scales), 4x that for fp32,
