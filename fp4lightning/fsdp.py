@@ -244,13 +244,34 @@ def _wrap_weights(module: nn.Module, stats: AllGatherStats, world: int) -> list[
     return wrapped
 
 
+def _param_group(unit: nn.Module):
+    """FSDP2's parameter group of a ``fully_shard``-ed module (None when it holds no parameters of its own).
+
+    FSDP2 has no public way to walk a unit's sharded parameters in reduce-scatter order, which the DGE
+    hook and the FP8 reduce-scatter need, so this reads its internals (``_get_fsdp_state``,
+    ``_fsdp_param_group``, and on each ``FSDPParam`` ``_module_info``, ``_sharded_param_data``,
+    ``padded_sharded_param_size``), checked against the torch of constraints.txt. Another torch may
+    rename them: then this raises with the version instead of failing somewhere inside a backward."""
+    try:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        for fp in (group.fsdp_params if group is not None else ()):
+            fp._module_info.module, fp._module_info.param_name, fp.padded_sharded_param_size  # noqa: B018
+    except AttributeError as e:
+        raise RuntimeError(
+            f"fully_shard_fp4: this torch ({torch.__version__}) lays out FSDP2's internals differently from the "
+            f"one fp4lightning was tested with ({e}). Install the torch pinned in constraints.txt, or call "
+            "fully_shard_fp4(..., fp4_all_gather=False, grad_format='fp32') (plain FSDP2, no FP4 all-gather, "
+            "DGE or FP8 reduce-scatter hooks)") from e
+    return group
+
+
 @torch.no_grad()
 def _dge_hook(fsdp_module: nn.Module, stats: AllGatherStats):
     """Post-reduce-scatter hook: multiply each FP4-gathered weight's gradient shard by f'(W_shard s_w)."""
     from .dge import dge_derivative
     from .linear import _quantize_weight
 
-    group = fsdp_module._get_fsdp_state()._fsdp_param_group
+    group = _param_group(fsdp_module)
     if group is None or not any(getattr(fp._module_info.module, "_sharded_dge", None) for fp in group.fsdp_params):
         return None
 
@@ -400,8 +421,7 @@ def fully_shard_fp4(
         mesh = init_device_mesh(dev.type if dev.type != "meta" else "cpu", (dist.get_world_size(),))
     world = mesh.size()
     stats = stats or AllGatherStats()
-    if fp4_all_gather:
-        _wrap_weights(model, stats, world)
+    wrapped = _wrap_weights(model, stats, world) if fp4_all_gather else []
     for m in model.modules():
         if isinstance(m, FP4Linear) and not isinstance(m.weight.data, FP4ShardedWeight):
             # FSDP2 refills the gathered weight in place without bumping the version counter FP4Linear's
@@ -418,11 +438,12 @@ def fully_shard_fp4(
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
     for unit in [*units, model]:
-        hook = _dge_hook(unit, stats)
+        # DGE on the reduce-scattered shard: only where a weight is gathered as FP4 codes with DGE on
+        hook = _dge_hook(unit, stats) if any(hasattr(m, "_sharded_dge") for m in wrapped) else None
         if hook is not None:
             unit.set_all_reduce_hook(hook)
         if grad_format != "fp32":
-            group = unit._get_fsdp_state()._fsdp_param_group
+            group = _param_group(unit)
             if group is not None:
                 unit.set_custom_reduce_scatter(FP8ReduceScatter(group.fsdp_params, grad_format, stats))
     model.fp4_gather_stats = stats

@@ -316,3 +316,16 @@ def test_killed_rank_makes_the_other_fail_not_hang(tmp_path):
     assert r1["exitcode"] == 3
     assert r0.get("error"), r0
     assert r0["seconds"] < 70, r0
+
+
+def test_fsdp2_internals_missing_is_a_clear_error():
+    """fully_shard_fp4 reads FSDP2 internals (no public API walks a unit's sharded parameters); on a torch
+    that renamed them it must say so, with the way out, instead of failing inside a backward."""
+    from fp4lightning.fsdp import _param_group
+
+    class Renamed(torch.nn.Module):
+        def _get_fsdp_state(self):
+            return object()  # no _fsdp_param_group
+
+    with pytest.raises(RuntimeError, match=r"constraints.txt.*fp4_all_gather=False"):
+        _param_group(Renamed())
