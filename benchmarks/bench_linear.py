@@ -12,9 +12,13 @@ Prints, per LLaMA-like layer shape:
   * DGE's share of the ``paper`` forward+backward (``paper`` against ``paper`` with STE, timed in
     the same rounds): an upper bound on what caching the DGE factor could save;
   * bytes saved for backward, FP4Linear over bf16 nn.Linear (saved_tensors_hooks);
-and, once, the OCC quantile estimate's cost and error against the exact quantile.
+and, once, the OCC quantile estimate's cost and error against the exact quantile. With
+``--breakdown``, also where the ``paper`` forward+backward spends its time: each part
+(OCC's quantile, the clamped quantizer, the residual's CSR, the weight quantizer, the three GeMMs
+with their epilogues, the two FP8 quantizers of dY, OCC's sparse product) timed around its call,
+median per call over the rounds, against the bf16 layer's whole forward+backward.
 
-    .venv/bin/python benchmarks/bench_linear.py [--shapes 2048x1024x2816,...] [--iters N]
+    .venv/bin/python benchmarks/bench_linear.py [--shapes 2048x1024x2816,...] [--iters N] [--breakdown]
 """
 from __future__ import annotations
 
@@ -159,11 +163,76 @@ def bench_quantile(dev, m=2048, k=1024, alpha=0.99, reps=5):
                 max_rel_err=max(errs), frac_mean=statistics.mean(fracs), frac_sd=statistics.pstdev(fracs))
 
 
+#: the parts of FP4Linear's forward+backward that --breakdown times: (module, function, label)
+BREAKDOWN_PARTS = (
+    ("linear", "occ_bounds", "OCC quantile (sampled)"),
+    ("gemm_dispatch", "quantize_fp4_clamped", "FP4 quantize X (OCC clamp, residual)"),
+    ("linear", "_sparse_residual", "OCC residual -> CSR of R^T"),
+    ("linear", "_quantize_weight", "FP4 quantize W"),
+    ("gemm_dispatch", "fp4_gemm", "forward GeMM + epilogue"),
+    ("gemm_dispatch", "quantize_fp8_divided", "FP8 quantize dY (dgrad and wgrad operands)"),
+    ("gemm_dispatch", "fp4_dgrad", "dgrad GeMM + epilogue"),
+    ("linear", "_sparse_wgrad", "OCC compensation dY^T R (sparse)"),
+    ("gemm_dispatch", "fp4_wgrad", "wgrad GeMM + DGE epilogue"),
+)
+
+
+def bench_breakdown(m, k, n, dev, iters):
+    """Median ms per training step of each part in BREAKDOWN_PARTS of a ``paper`` FP4Linear, and the
+    step's and the bf16 layer's whole forward+backward, all timed in the same rounds."""
+    import importlib
+
+    lin = nn.Linear(k, n, device=dev)
+    emulate_bf16_linears(lin, dev)
+    fp4 = FP4Linear.from_linear(lin, FP4Config())
+    x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).requires_grad_(True)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    spent: dict[str, float] = {}
+    patched = []
+    for mod_name, fn_name, label in BREAKDOWN_PARTS:
+        mod = importlib.import_module(f"fp4lightning.{mod_name}")
+        orig = getattr(mod, fn_name)
+
+        def timed(*a, _orig=orig, _label=label, **kw):
+            _sync(dev)
+            t = time.perf_counter()
+            out = _orig(*a, **kw)
+            _sync(dev)
+            spent[_label] = spent.get(_label, 0.0) + time.perf_counter() - t
+            return out
+        setattr(mod, fn_name, timed)
+        patched.append((mod, fn_name, orig))
+    try:
+        per_round = {label: [] for _, _, label in BREAKDOWN_PARTS}
+        whole = {"bf16": [], "fp4": []}
+        for i in range(2 + iters):
+            for name, mod in (("bf16", lin), ("fp4", fp4)):
+                spent.clear()
+                _sync(dev)
+                t = time.perf_counter()
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    y = mod(x)
+                y.backward(dy)
+                _sync(dev)
+                if i >= 2:  # two warm-up rounds
+                    whole[name].append(time.perf_counter() - t)
+                    if name == "fp4":
+                        for label in per_round:
+                            per_round[label].append(spent.get(label, 0.0))
+    finally:
+        for mod, fn_name, orig in patched:
+            setattr(mod, fn_name, orig)
+    med = {label: statistics.median(v) * 1e3 for label, v in per_round.items()}
+    # the weight quantizer calls quantize_fp4 inside; no part here is nested in another
+    return med, statistics.median(whole["fp4"]) * 1e3, statistics.median(whole["bf16"]) * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN (tokens x in -> out)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--breakdown", action="store_true", help="also time the parts of the paper layer's fwd+bwd")
     args = ap.parse_args()
     dev = torch.device(args.device)
     from fp4lightning import fused
@@ -179,6 +248,15 @@ def main():
         r = bench_shape(m, k, n, dev, args.iters)
         print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | {r['direct_ratio']:.2f}x | "
               f"{'n/a' if r['peer_ratio'] is None else format(r['peer_ratio'], '.2f') + 'x'} | {100 * r['occ_share']:.0f}% | {100 * r['dge_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
+    if args.breakdown:
+        print("\nWhere the `paper` FP4Linear forward+backward spends its time (median ms per call over the rounds; "
+              "the parts' sum is below the whole: autograd, reshapes and the bias gradient are not in a part):")
+        for s in args.shapes.split(","):
+            m, k, n = (int(v) for v in s.split("x"))
+            med, t_fp4, t_bf16 = bench_breakdown(m, k, n, dev, args.iters)
+            parts = ", ".join(f"{label} {ms:.1f}" for label, ms in sorted(med.items(), key=lambda kv: -kv[1]))
+            print(f"  {m}x{k}->{n}: whole {t_fp4:.1f} ms (bf16 nn.Linear {t_bf16:.1f} ms; parts sum "
+                  f"{sum(med.values()):.1f}): {parts}")
     q = bench_quantile(dev)
     print("\nOCC quantile on a 2048x1024 activation (alpha=0.99):")
     print(f"  exact (two partial sorts, topk) {q['t_exact']:.1f} ms | sampled (65,536) {q['t_sample']:.2f} ms | "
