@@ -329,3 +329,62 @@ def test_fsdp2_internals_missing_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match=r"constraints.txt.*fp4_all_gather=False"):
         _param_group(Renamed())
+
+
+def _fabric_checks(rank, out_dir):
+    """lightning.Fabric with FSDP2: ModelParallelStrategy whose parallelize_fn is fully_shard_fp4, and
+    FP4FabricPrecision (which converts the layers before the strategy shards them)."""
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from fp4lightning.fabric import FP4FabricPrecision
+    from fp4lightning.fsdp import FP4ShardedWeight, fully_shard_fp4
+    from fp4lightning.models.llama import Llama, LlamaConfig
+
+    seed = int(os.environ.get("FP4_TEST_SEED", "0"))
+    torch.manual_seed(seed)  # the same initial weights on both ranks
+    model = Llama(LlamaConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=2, ffn_dim=128, max_seq_len=32))
+    strategy = ModelParallelStrategy(
+        parallelize_fn=lambda m, mesh: fully_shard_fp4(m, mesh["data_parallel"], grad_format="e4m3"),
+        data_parallel_size=W, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=W, strategy=strategy, plugins=[FP4FabricPrecision("paper")])
+    fabric.launch()
+    model = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    # a learnable rule (next token = 5 * token + 3 mod VOCAB, inputs from 16 tokens), each rank its own batches
+    gen = torch.Generator().manual_seed(seed + rank)
+    losses = []
+    for _ in range(20):
+        idx = torch.randint(0, 16, (4, 17), generator=gen)
+        idx[:, 1:] = (idx[:, :-1] * 5 + 3) % VOCAB
+        loss = _loss(model, idx)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    inner = model.module if hasattr(model, "module") else model
+    stats = inner.fp4_gather_stats
+    res = {"losses": [sum(losses[:3]) / 3, sum(losses[-3:]) / 3],
+           "fp4_sharded": isinstance(inner.layers[0].mlp.up_proj.weight._local_tensor, FP4ShardedWeight),
+           "gathers": stats.gathers, "dge_reduce_scatters": stats.dge_reduce_scatters,
+           "grad_bytes": stats.grad_bytes, "grad_fp32_bytes": stats.grad_fp32_bytes}
+    # a NaN in rank 1's batch only: the sharded gradients of both ranks see it; both skip the step
+    before = [_full(p) for p in model.parameters()]
+    idx = torch.randint(0, VOCAB, (4, 17), generator=gen)
+    loss = _loss(model, idx) * (float("nan") if rank == 1 else 1.0)
+    fabric.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    res["nan_step_skipped"] = all(torch.equal(a, _full(p)) for a, p in zip(before, model.parameters()))
+    res["nan_skips"] = fabric.strategy.precision.nonfinite.total
+    return res
+
+
+def test_fabric_fsdp2_with_fp4_all_gather(tmp_path):
+    r0, r1 = _spawn(_fabric_checks, tmp_path)
+    for r in (r0, r1):
+        assert r["fp4_sharded"] and r["gathers"] > 0, r
+        assert r["dge_reduce_scatters"] > 0, r  # DGE applied to the reduce-scattered shard
+        assert 0 < r["grad_bytes"] < 0.3 * r["grad_fp32_bytes"], r  # FP8 reduce-scatter
+        assert r["losses"][1] < 0.8 * r["losses"][0], r["losses"]
+        assert r["nan_step_skipped"] and r["nan_skips"] == 1, r
