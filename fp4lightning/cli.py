@@ -226,6 +226,28 @@ def _compare_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare_join_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("summaries", nargs="+", help="summary.json files written by `fp4lightning compare`")
+    parser.add_argument("--out", required=True, help="where to write the joined summary.json")
+    parser.add_argument("--reference", default=None,
+                        help="variant the paired gaps are relative to (default: the BF16 variant with the lowest "
+                             "mean validation loss)")
+
+
+def _compare_join_run(args: argparse.Namespace) -> int:
+    import json
+
+    from fp4lightning.compare import join_summaries
+
+    joined, table = join_summaries([Path(p) for p in args.summaries], args.reference)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(joined, indent=2))
+    print(table)
+    print(f"\n[compare-join] wrote {out}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- the command table
 @dataclass(frozen=True)
 class Command:
@@ -249,6 +271,8 @@ COMMANDS: list[Command] = [
             "tasks, FP4 vs BF16)", _eval_arguments, _eval_run),
     Command("compare", "train one recipe under several precisions (BF16, FP4, ablations) and seeds, and compare "
             "them", _compare_arguments, _compare_run),
+    Command("compare-join", "join the summary.json files of `compare` runs of one recipe (seeds run apart) into one, "
+            "with paired gaps", _compare_join_arguments, _compare_join_run),
 ]
 
 

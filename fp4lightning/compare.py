@@ -477,3 +477,74 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
     print(f"\n[compare] wrote {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, "
           f"{out_dir / 'summary.json'}, {png}", flush=True)
     return summary
+
+
+# ----------------------------------------------------------------------------- joining summaries
+def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dict, str]:
+    """Join ``summary.json`` files of one recipe (seeds run on other machines or at other times, whose run
+    folders are gone) into one summary of the same schema, and a Markdown table: every variant's final
+    validation loss over all its seeds, and its gap to ``reference`` paired over the seeds both share.
+
+    The files must agree on recipe, steps and tokens, and a variant on its preset and learning rate; a
+    seed that two files both report must have the same value (else they are different runs: refused).
+    ``reference`` defaults, as in :func:`compare`, to the BF16 variant with the lowest mean.
+    """
+    if not paths:
+        raise UsageError("compare-join: give at least one summary.json")
+    joined: dict = {}
+    seeds_of: dict[str, dict[int, float]] = {}
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"compare-join: {path} does not exist (a summary.json written by fp4lightning compare)")
+        try:
+            doc = json.loads(path.read_text())
+            head = {k: doc[k] for k in ("recipe", "steps", "tokens")}
+            variants = {name: {k: v[k] for k in ("preset", "lr", "seeds", "final_val_loss")}
+                        for name, v in doc["variants"].items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"compare-join: {path} is not a compare summary.json ({type(e).__name__}: {e})") from e
+        if not joined:
+            joined = {**head, "variants": {}}
+        elif any(joined[k] != head[k] for k in head):
+            raise UsageError(f"compare-join: {path} is from another run set ({head}) than the first file "
+                             f"({ {k: joined[k] for k in head} }); join summaries of one recipe and schedule only")
+        for name, v in variants.items():
+            mine = joined["variants"].setdefault(name, {"preset": v["preset"], "lr": v["lr"]})
+            if (mine["preset"], mine["lr"]) != (v["preset"], v["lr"]):
+                raise UsageError(f"compare-join: variant {name!r} is preset {v['preset']} at lr {v['lr']} in {path} "
+                                 f"but preset {mine['preset']} at lr {mine['lr']} before")
+            got = seeds_of.setdefault(name, {})
+            for seed, val in zip(v["seeds"], v["final_val_loss"]):
+                if seed in got and got[seed] != val:
+                    raise UsageError(f"compare-join: seed {seed} of {name!r} is {val} in {path} but {got[seed]} in "
+                                     "an earlier file: two different runs of one seed cannot be joined")
+                got[seed] = val
+    for name, got in seeds_of.items():
+        seeds = sorted(got)
+        s = spread([got[k] for k in seeds])
+        joined["variants"][name].update(seeds=seeds, final_val_loss=s["values"], mean=s["mean"], std=s["std"])
+    names = list(joined["variants"])
+    if reference is None:
+        hp = [n for n in names if joined["variants"][n]["preset"] == "bf16"]
+        reference = min(hp, key=lambda n: joined["variants"][n]["mean"]) if hp else names[0]
+    elif reference not in names:
+        raise UsageError(f"compare-join: --reference {reference!r} is not one of the variants {names}")
+    joined["reference"] = reference
+    ref = seeds_of[reference]
+    lines = [f"| variant | lr | seeds | final val loss | val vs {reference} (paired) | per seed vs {reference} "
+             "| resolved (>2 SE) |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        v, got = joined["variants"][name], seeds_of[name]
+        shared = [k for k in v["seeds"] if k in ref]
+        gap_cell = per_seed = resolved = "-"
+        if name != reference and shared:
+            g = paired_gap([got[k] for k in shared], [ref[k] for k in shared])
+            gap_cell = _pm(g, "+.2f", 100) + f"% ({len(shared)} seeds)"
+            per_seed = ", ".join(f"{100 * x:+.2f}%" for x in g["values"])
+            se = g["std"] / math.sqrt(g["n"]) if g["std"] is not None else None
+            resolved = "n/a (1 seed)" if se is None else ("yes" if abs(g["mean"]) > 2 * se else "no")
+            v["val_gap_vs_reference"] = {"seeds": shared, "mean": g["mean"], "std": g["std"], "values": g["values"]}
+        lines.append(f"| {name} | {v['lr']:g} | {', '.join(map(str, v['seeds']))} | "
+                     f"{_pm({'mean': v['mean'], 'std': v['std']})} | {gap_cell} | {per_seed} | {resolved} |")
+    return joined, "\n".join(lines)

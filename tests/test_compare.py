@@ -74,6 +74,23 @@ def test_compare_seeds_through_cli(tmp_path_factory):
     assert "Quantization fidelity of every FP4 format" in md and "NVFP4" in md
     assert len(full["block_fidelity"]["activations"]) == len(ACT_FORMATS)
     assert len(full["block_fidelity"]["gradients"]) == len(GRAD_FORMATS) and "gradients (dY)" in md
+    # compare-join: the summary split by seed (as if each seed had run on its own machine) joins back
+    # into the same per-seed values, mean, std and paired gaps
+    parts = []
+    for i, seed in enumerate((7, 8)):
+        part = {**summary, "variants": {n: {**v, "seeds": [seed], "final_val_loss": [v["final_val_loss"][i]],
+                                            "mean": v["final_val_loss"][i], "std": None}
+                                        for n, v in summary["variants"].items()}}
+        (out / f"part{seed}.json").write_text(json.dumps(part))
+        parts.append(str(out / f"part{seed}.json"))
+    assert cli_main(["compare-join", *parts, "--out", str(out / "joined.json")]) == 0
+    joined = json.loads((out / "joined.json").read_text())
+    assert joined["reference"] == "bf16"
+    for name, v in summary["variants"].items():
+        j = joined["variants"][name]
+        assert (j["seeds"], j["final_val_loss"]) == ([7, 8], v["final_val_loss"])
+        assert j["mean"] == pytest.approx(v["mean"]) and j["std"] == pytest.approx(v["std"])
+    assert joined["variants"]["fp4@lr=3e-3"]["val_gap_vs_reference"]["values"] == pytest.approx(gap)
 
 
 @pytest.mark.slow
@@ -113,3 +130,37 @@ def test_occ_report_on_model_activations():
     assert snr["clamp + comp, alpha=0.999"] > snr["clamp only, alpha=0.999"]
     assert snr["clamp + comp, alpha=0.97"] > snr["clamp + comp, alpha=0.99"] > snr["clamp + comp, alpha=0.999"]
     assert all(0.5 < r["cosine"] <= 1.0 and r["mse"] > 0 for r in rows)
+
+
+def test_compare_join_refuses_what_does_not_belong_together(tmp_path):
+    """compare-join joins seeds of one recipe; other schedules, a variant at another rate, two different
+    values for one seed and a missing or foreign file are refused with the file and the reason."""
+    from fp4lightning.compare import join_summaries
+    from fp4lightning.errors import UsageError
+
+    def write(name, variants, steps=100):
+        (tmp_path / name).write_text(json.dumps({"recipe": "r.yaml", "steps": steps, "tokens": steps * 10,
+                                                 "variants": variants}))
+        return tmp_path / name
+
+    def v(preset, lr, seeds, vals):
+        return {"preset": preset, "lr": lr, "seeds": seeds, "final_val_loss": vals, "mean": 0.0, "std": None}
+
+    a = write("a.json", {"bf16": v("bf16", 2e-3, [1], [4.0]), "fp4": v("paper", 2e-3, [1], [3.8])})
+    b = write("b.json", {"bf16": v("bf16", 2e-3, [2, 1], [4.2, 4.0]), "fp4": v("paper", 2e-3, [2], [3.9])})
+    joined, table = join_summaries([a, b])
+    assert joined["variants"]["bf16"]["seeds"] == [1, 2] and joined["variants"]["bf16"]["final_val_loss"] == [4.0, 4.2]
+    assert joined["variants"]["fp4"]["val_gap_vs_reference"]["values"] == pytest.approx([3.8 / 4.0 - 1, 3.9 / 4.2 - 1])
+    assert "| fp4 | 0.002 | 1, 2 |" in table
+    cases = [
+        ([a, write("c.json", {"bf16": v("bf16", 2e-3, [3], [4.1])}, steps=200)], r"c\.json is from another run set"),
+        ([a, write("d.json", {"fp4": v("paper", 1e-3, [2], [3.9])})], r"'fp4' is preset paper at lr 0.001 in .*d\.json"),
+        ([a, write("e.json", {"bf16": v("bf16", 2e-3, [1], [4.5])})], r"seed 1 of 'bf16' is 4.5 in .*e\.json"),
+        ([a, tmp_path / "missing.json"], r"missing\.json does not exist"),
+        ([a, write("f.json", {"something": 1})], r"f\.json is not a compare summary\.json"),
+    ]
+    for paths, match in cases:
+        with pytest.raises(UsageError, match=match):
+            join_summaries(paths)
+    with pytest.raises(UsageError, match=r"--reference 'fp8'"):
+        join_summaries([a], reference="fp8")
