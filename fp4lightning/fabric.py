@@ -48,12 +48,12 @@ from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
 from .loss_scaler import DynamicLossScaler
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
-from .precision import COMPUTE_DTYPES
+from .precision import COMPUTE_DTYPES, StepPolicyState
 
 __all__ = ["FP4FabricPrecision", "FP4FabricDDPStrategy"]
 
 
-class FP4FabricPrecision(FabricPrecision):
+class FP4FabricPrecision(StepPolicyState, FabricPrecision):
     """Fabric precision plugin: FP4 GeMMs in every eligible ``nn.Linear``, bf16/fp16 autocast around them.
 
     Args:
@@ -167,24 +167,17 @@ class FP4FabricPrecision(FabricPrecision):
             return None
         return optimizer.step(**kwargs)
 
-    @property
-    def loss_scale(self) -> float | None:
-        return self.scaler.scale_value if self.scaler is not None else None
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
-        if self.scaler is not None:
-            out["scaler"] = self.scaler.state_dict()
-        out["nonfinite"] = {**self.nonfinite.state_dict(), "steps": self._steps}
+        """The loss scaler, the skip counts (with the optimizer-step count) and the recipe: put it into the
+        state given to ``fabric.save`` (Fabric does not save a precision plugin by itself)."""
+        out = super().state_dict()
+        out["nonfinite"]["steps"] = self._steps
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and "scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["scaler"])
-        nonfinite = state_dict.get("nonfinite", {})
-        self.nonfinite.load_state_dict(nonfinite)
-        self._steps = int(nonfinite.get("steps", 0))
+        super().load_state_dict(state_dict)
+        self._steps = int(state_dict.get("nonfinite", {}).get("steps", 0))
 
 
 class FP4FabricDDPStrategy(FabricDDPStrategy):

@@ -54,7 +54,39 @@ __all__ = ["FP4Precision", "COMPUTE_DTYPES"]
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class FP4Precision(Precision):
+class StepPolicyState:
+    """What both FP4 precision plugins (this one and ``fp4lightning.fabric.FP4FabricPrecision``) expose and
+    checkpoint of their step policy: the fp16 loss scale and the non-finite skip counts."""
+
+    precision: str
+    config: FP4Config
+    scaler: DynamicLossScaler | None
+    nonfinite: SkipCounter
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale, or None with bf16."""
+        return self.scaler.scale_value if self.scaler is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scaler, the skip counts and the recipe (Lightning saves it under ``checkpoint["FP4Precision"]``)."""
+        out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        out["nonfinite"] = self.nonfinite.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        self.nonfinite.load_state_dict(state_dict.get("nonfinite", {}))
+        saved = state_dict.get("precision")
+        if saved is not None and saved != self.precision:
+            rank_zero_info(f"{type(self).__name__}: checkpoint was written with precision={saved!r}, resuming with "
+                           f"{self.precision!r}")
+
+
+class FP4Precision(StepPolicyState, Precision):
     """FP4 GeMMs in every eligible ``nn.Linear``, bf16/fp16 autocast around them (arXiv 2501.17116).
 
     Args:
@@ -252,29 +284,6 @@ class FP4Precision(Precision):
             return closure_result
         return optimizer.step(**kwargs)
 
-    @property
-    def loss_scale(self) -> float | None:
-        """The current fp16 loss scale, or None with bf16."""
-        return self.scaler.scale_value if self.scaler is not None else None
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """Saved by Lightning under ``checkpoint["FP4Precision"]``: the loss scaler and the recipe."""
-        out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
-        if self.scaler is not None:
-            out["scaler"] = self.scaler.state_dict()
-        out["nonfinite"] = self.nonfinite.state_dict()
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and "scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["scaler"])
-        self.nonfinite.load_state_dict(state_dict.get("nonfinite", {}))
-        saved = state_dict.get("precision")
-        if saved is not None and saved != self.precision:
-            rank_zero_info(f"FP4Precision: checkpoint was written with precision={saved!r}, resuming with "
-                           f"{self.precision!r}")
 
 
 def _say_grad_format(model: nn.Module) -> None:
