@@ -38,9 +38,8 @@ from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.optim import Optimizer
-
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from .comm import CommState, hook_for_format, resolve_scheme
 from .cpu_bf16 import emulate_bf16_linears
