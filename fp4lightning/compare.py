@@ -490,34 +490,34 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
     ``reference`` defaults, as in :func:`compare`, to the BF16 variant with the lowest mean.
     """
     if not paths:
-        raise UsageError("compare-join: give at least one summary.json")
+        raise UsageError("give at least one summary.json")
     joined: dict = {}
     seeds_of: dict[str, dict[int, float]] = {}
     for path in paths:
         path = Path(path)
         if not path.is_file():
-            raise UsageError(f"compare-join: {path} does not exist (a summary.json written by fp4lightning compare)")
+            raise UsageError(f"{path} does not exist (a summary.json written by fp4lightning compare)")
         try:
             doc = json.loads(path.read_text())
             head = {k: doc[k] for k in ("recipe", "steps", "tokens")}
             variants = {name: {k: v[k] for k in ("preset", "lr", "seeds", "final_val_loss")}
                         for name, v in doc["variants"].items()}
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise UsageError(f"compare-join: {path} is not a compare summary.json ({type(e).__name__}: {e})") from e
+            raise UsageError(f"{path} is not a compare summary.json ({type(e).__name__}: {e})") from e
         if not joined:
             joined = {**head, "variants": {}}
         elif any(joined[k] != head[k] for k in head):
-            raise UsageError(f"compare-join: {path} is from another run set ({head}) than the first file "
+            raise UsageError(f"{path} is from another run set ({head}) than the first file "
                              f"({ {k: joined[k] for k in head} }); join summaries of one recipe and schedule only")
         for name, v in variants.items():
             mine = joined["variants"].setdefault(name, {"preset": v["preset"], "lr": v["lr"]})
             if (mine["preset"], mine["lr"]) != (v["preset"], v["lr"]):
-                raise UsageError(f"compare-join: variant {name!r} is preset {v['preset']} at lr {v['lr']} in {path} "
+                raise UsageError(f"variant {name!r} is preset {v['preset']} at lr {v['lr']} in {path} "
                                  f"but preset {mine['preset']} at lr {mine['lr']} before")
             got = seeds_of.setdefault(name, {})
             for seed, val in zip(v["seeds"], v["final_val_loss"]):
                 if seed in got and got[seed] != val:
-                    raise UsageError(f"compare-join: seed {seed} of {name!r} is {val} in {path} but {got[seed]} in "
+                    raise UsageError(f"seed {seed} of {name!r} is {val} in {path} but {got[seed]} in "
                                      "an earlier file: two different runs of one seed cannot be joined")
                 got[seed] = val
     for name, got in seeds_of.items():
@@ -529,7 +529,7 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
         hp = [n for n in names if joined["variants"][n]["preset"] == "bf16"]
         reference = min(hp, key=lambda n: joined["variants"][n]["mean"]) if hp else names[0]
     elif reference not in names:
-        raise UsageError(f"compare-join: --reference {reference!r} is not one of the variants {names}")
+        raise UsageError(f"--reference {reference!r} is not one of the variants {names}")
     joined["reference"] = reference
     ref = seeds_of[reference]
     lines = [f"| variant | lr | seeds | final val loss | val vs {reference} (paired) | per seed vs {reference} "
