@@ -540,7 +540,7 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
         gap_cell = per_seed = resolved = "-"
         if name != reference and shared:
             g = paired_gap([got[k] for k in shared], [ref[k] for k in shared])
-            gap_cell = _pm(g, "+.2f", 100) + f"% ({len(shared)} seeds)"
+            gap_cell = _pm(g, "+.2f", 100) + f"% ({len(shared)} seed{'s' if len(shared) > 1 else ''})"
             per_seed = ", ".join(f"{100 * x:+.2f}%" for x in g["values"])
             se = g["std"] / math.sqrt(g["n"]) if g["std"] is not None else None
             resolved = "n/a (1 seed)" if se is None else ("yes" if abs(g["mean"]) > 2 * se else "no")
