@@ -92,7 +92,8 @@ class FP4FabricPrecision(StepPolicyState, FabricPrecision):
                        ) if compute_dtype == "fp16" else None
         #: skipped-step counter of the non-finite policy (fp4lightning.nonfinite)
         self.nonfinite = SkipCounter(max_consecutive_skips, fix="lower the learning rate, check the data, or raise "
-                                     "FP4FabricPrecision(max_consecutive_skips=...)")
+                                     "FP4FabricPrecision(max_consecutive_skips=...)",
+                                     name="FP4FabricPrecision: max_consecutive_skips")
         self._steps = 0  # optimizer steps taken or skipped (Fabric has no global step)
         self._device: str | None = None
         self._found_inf: dict[int, bool] = {}  # optimizer id -> checked this step, with inf/NaN?

@@ -130,9 +130,11 @@ def stop_error(step: int, consecutive: int, weights: bool = False, fix: str = TR
 class SkipCounter:
     """Consecutive and total skip counts with the stop rule (shared by the plugin and the callback)."""
 
-    def __init__(self, max_consecutive: int = DEFAULT_MAX_CONSECUTIVE, fix: str = TRAINER_FIX):
+    def __init__(self, max_consecutive: int = DEFAULT_MAX_CONSECUTIVE, fix: str = TRAINER_FIX,
+                 name: str = "max_consecutive"):
         if max_consecutive < 1:
-            raise ValueError(f"max_consecutive must be >= 1, got {max_consecutive}")
+            raise ValueError(f"{name} must be >= 1 (skipped steps in a row before training stops), "
+                             f"got {max_consecutive}")
         self.max_consecutive = max_consecutive
         self._fix = fix  # the stop message's advice
         self.consecutive = 0

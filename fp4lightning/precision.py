@@ -159,7 +159,7 @@ class FP4Precision(StepPolicyState, Precision):
         ) if compute_dtype == "fp16" else None
         self._checked_device: str | None = None
         #: skipped-step counter of the non-finite policy (fp4lightning.nonfinite); read by NonFiniteGuard
-        self.nonfinite = SkipCounter(max_consecutive_skips)
+        self.nonfinite = SkipCounter(max_consecutive_skips, name="FP4Precision: max_consecutive_skips")
 
     # ------------------------------------------------------------------ model
 

@@ -133,3 +133,8 @@ def test_fabric_non_finite_policy(compute_dtype):
     fabric.backward(_loss(model, _batch()) * float("nan"))
     with pytest.raises(NonFiniteError, match=r"3 optimizer steps in a row.*step 7.*max_consecutive_skips"):
         opt.step()
+
+
+def test_fabric_bad_skip_limit_names_the_argument():
+    with pytest.raises(ValueError, match=r"FP4FabricPrecision: max_consecutive_skips must be >= 1"):
+        FP4FabricPrecision(max_consecutive_skips=0)
