@@ -57,6 +57,7 @@ __all__ = [
     "fp8_async_gather_hook",
     "allreduce_counting_hook",
     "hook_for_format",
+    "register_hook",
     "resolve_scheme",
     "fp8_all_reduce_mean_",
     "ring_all_reduce_bytes",
@@ -439,6 +440,15 @@ def resolve_scheme(scheme: str, world_size: int) -> str:
     if scheme != "auto":
         return scheme
     return "async_all_gather" if world_size == 2 else "reduce_scatter"
+
+
+def register_hook(ddp: Any, state: CommState, grad_format: str, world_size: int) -> None:
+    """Register ``grad_format``'s hook on a ``DistributedDataParallel`` model with ``state`` (the default
+    process group; an ``"auto"`` scheme resolved for ``world_size``). The Trainer's ``FP4DDPStrategy`` and
+    Fabric's ``FP4FabricDDPStrategy`` both install their hook through this."""
+    state.process_group = None  # the default group: the one Lightning / Fabric initialised
+    state.scheme = resolve_scheme(state.scheme, world_size)
+    ddp.register_comm_hook(state, hook_for_format(grad_format, state.scheme))
 
 
 def hook_for_format(

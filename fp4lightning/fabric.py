@@ -41,13 +41,14 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from .comm import CommState, hook_for_format, resolve_scheme
+from .comm import CommState, register_hook
 from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
 from .convert import convert_to_fp4, fp4_modules
 from .loss_scaler import DynamicLossScaler
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
 from .precision import COMPUTE_DTYPES, StepPolicyState
+from .strategy import DDP_STRATEGY_NAMES
 
 __all__ = ["FP4FabricPrecision", "FP4FabricDDPStrategy"]
 
@@ -203,10 +204,6 @@ class FP4FabricDDPStrategy(FabricDDPStrategy):
     """
 
     def __init__(self, grad_format: str = "e4m3", *, scheme: str = "auto", **kwargs: Any) -> None:
-        for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
-            if key in kwargs:
-                raise ValueError(f"FP4FabricDDPStrategy installs its own gradient communication hook; `{key}` "
-                                 "cannot be combined with it. Choose `grad_format=` instead.")
         # validates grad_format and scheme with messages that list the choices
         self.comm_state = CommState(grad_format=grad_format, scheme=scheme)
         super().__init__(**kwargs)
@@ -214,9 +211,7 @@ class FP4FabricDDPStrategy(FabricDDPStrategy):
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)
-        self.comm_state.process_group = None  # the default group: the one Fabric initialised
-        self.comm_state.scheme = resolve_scheme(self.comm_state.scheme, self.world_size)
-        ddp.register_comm_hook(self.comm_state, hook_for_format(self.grad_format, self.comm_state.scheme))
+        register_hook(ddp, self.comm_state, self.grad_format, self.world_size)
         fp8 = self.grad_format in ("e4m3", "e5m2")
         wire = f"FP8 {self.grad_format.upper()} ({self.comm_state.scheme})" if fp8 else self.grad_format
         rank_zero_info(f"FP4FabricDDPStrategy: gradients all-reduced in {wire}")
@@ -230,7 +225,7 @@ class FP4FabricDDPStrategy(FabricDDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"fp4_ddp"`` (+ ``_spawn``/``_fork``) so ``L.Fabric(strategy="fp4_ddp")`` works."""
-        for name, start_method in (("fp4_ddp", "popen"), ("fp4_ddp_spawn", "spawn"), ("fp4_ddp_fork", "fork")):
+        for name, start_method in DDP_STRATEGY_NAMES:
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description="DDP with FP8 E4M3 gradient communication, "
                                            f"start_method {start_method!r}", start_method=start_method)

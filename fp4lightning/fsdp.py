@@ -437,9 +437,10 @@ def fully_shard_fp4(
             unit.forward = functools.partial(_checkpointed, unit.forward)
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
+    # DGE on the reduce-scattered shard: only where a weight is gathered as FP4 codes with DGE on
+    sharded_dge = any(hasattr(m, "_sharded_dge") for m in wrapped)
     for unit in [*units, model]:
-        # DGE on the reduce-scattered shard: only where a weight is gathered as FP4 codes with DGE on
-        hook = _dge_hook(unit, stats) if any(hasattr(m, "_sharded_dge") for m in wrapped) else None
+        hook = _dge_hook(unit, stats) if sharded_dge else None
         if hook is not None:
             unit.set_all_reduce_hook(hook)
         if grad_format != "fp32":

@@ -33,13 +33,16 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from fp4lightning.comm import CommState, hook_for_format, resolve_scheme
+from fp4lightning.comm import CommState, register_hook
 
 __all__ = ["FP4DDPStrategy", "FP4FSDPStrategy", "is_fsdp"]
 
 log = logging.getLogger(__name__)
 
 _NONFINITE_POLICIES = ("skip", "propagate")
+
+#: the strategy names (Trainer and Fabric registries alike) and their process start methods
+DDP_STRATEGY_NAMES = (("fp4_ddp", "popen"), ("fp4_ddp_spawn", "spawn"), ("fp4_ddp_fork", "fork"))
 
 
 class FP4DDPStrategy(DDPStrategy):
@@ -126,9 +129,7 @@ class FP4DDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers comm hooks only on CUDA; the hook below is device-agnostic (gloo and NCCL).
         assert isinstance(self.model, DistributedDataParallel)
-        self.comm_state.process_group = None  # default group: the one Lightning initialised
-        self.comm_state.scheme = resolve_scheme(self.comm_state.scheme, self.world_size)
-        self.model.register_comm_hook(self.comm_state, hook_for_format(self.grad_format, self.comm_state.scheme))
+        register_hook(self.model, self.comm_state, self.grad_format, self.world_size)
         self._hook_registered = True
         log.debug("FP4DDPStrategy: registered %s gradient communication hook", self.grad_format)
 
@@ -188,7 +189,7 @@ class FP4DDPStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"fp4_ddp"`` (+ ``_spawn``/``_fork`` variants) so ``Trainer(strategy="fp4_ddp")`` works."""
-        for name, start_method in (("fp4_ddp", "popen"), ("fp4_ddp_spawn", "spawn"), ("fp4_ddp_fork", "fork")):
+        for name, start_method in DDP_STRATEGY_NAMES:
             if name not in strategy_registry:
                 strategy_registry.register(
                     name,
