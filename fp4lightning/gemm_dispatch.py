@@ -167,7 +167,7 @@ def quantize_fp8_reference(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: str = "e5m2",
                          carrier: torch.dtype | None = None):
-    """``quantize_fp8(x2d.float() / div, dim, fmt)`` with the division fused in on the reference path.
+    """``quantize_fp8(x2d.float() * (1 / div), dim, fmt)`` with the fold fused in (both paths).
 
     ``div`` (fp32) divides every row for ``dim=1`` (one value per column) and every column
     for ``dim=0`` (one value per row): the FP4 scale of the next GeMM's reduction dimension.
@@ -175,13 +175,14 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
     reference GeMM's), saving it a conversion pass; the Triton path returns FP8 tensors.
     """
     if backend_for(x2d.device) == "triton" and fmt != "bf16":
-        # the division happens in the kernel's registers (bit-identical to dividing first in
-        # fp32): no fp32 copy of dY is written and read back
+        # the fold (one multiply by 1/div per element) happens in the kernel's registers, as the
+        # reference computes it: no fp32 copy of dY is written and read back
         return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0,
                                                      divide_by=div.float())
     if fmt == "bf16":
         n = x2d.shape[0] if dim == 1 else x2d.shape[1]
-        g = x2d.float() / (div[None, :] if dim == 1 else div[:, None])
+        inv = torch.reciprocal(div.float())
+        g = x2d.float() * (inv[None, :] if dim == 1 else inv[:, None])
         return g.to(torch.bfloat16), torch.ones(n, device=x2d.device, dtype=torch.float32)
     fp8 = {"e5m2": (F8E5M2_MAX, torch.float8_e5m2), "e4m3": (F8E4M3_MAX, torch.float8_e4m3fn)}.get(fmt)
     if fp8 is None:

@@ -51,10 +51,11 @@ from fp4lightning.quantize import quantize_rows_reference  # noqa: E402
 # (label, M tokens, N out, K in). LLaMA-2 7B: dim 4096, FFN 11008; the project's 1.3B
 # (fp4lightning.models.llama): dim 2048, FFN 5504. 8192 tokens = 4 sequences of 2048.
 # The first GPU_PRIMARY shapes are timed before the FP4Linear rows, the rest after them, so
-# a run cut off by scripts/gpu_check.sh's time limit still has the target rows.
+# a run cut off by scripts/gpu_check.sh's time limit still has the target rows
+# (8192^3 forward against bf16 and _scaled_mm, the quantizers, FP4Linear at the 7B shapes).
 GPU_GEMM_SHAPES = [
-    ("square", 4096, 4096, 4096),
     ("square", 8192, 8192, 8192),
+    ("square", 4096, 4096, 4096),
     ("7B qkvo", 8192, 4096, 4096),
     ("7B up/gate", 8192, 11008, 4096),
     ("7B down", 8192, 4096, 11008),
@@ -62,7 +63,7 @@ GPU_GEMM_SHAPES = [
     ("1.3B up/gate", 8192, 5504, 2048),
     ("1.3B down", 8192, 2048, 5504),
 ]
-GPU_PRIMARY = 5
+GPU_PRIMARY = 1
 CPU_GEMM_SHAPES = [
     ("square", 256, 256, 256),
     ("square", 512, 512, 512),
@@ -167,6 +168,14 @@ def bench_quantize(table: Table, dev, shapes):
         if CUDA:  # the layout FP4Linear's wgrad reads
             cases.append(("fp8 e5m2, per column, column-major out",
                           lambda: kt.triton_quantize_fp8(x, 0, "e5m2", column_major=True), x.numel() * 3 + k * 4))
+            # what FP4Linear's backward runs: the FP4 scale of the reduction dimension folded in
+            d_col = torch.rand(k, device=dev) + 0.5
+            d_row = torch.rand(m, device=dev) + 0.5
+            cases.append(("fp8 e5m2, per row, x * (1/s_w) (dgrad operand)",
+                          lambda: kt.triton_quantize_fp8(x, 1, "e5m2", divide_by=d_col), x.numel() * 3 + m * 4 + k * 4))
+            cases.append(("fp8 e5m2, per column, col-major, x * (1/s_a) (wgrad operand)",
+                          lambda: kt.triton_quantize_fp8(x, 0, "e5m2", column_major=True, divide_by=d_row),
+                          x.numel() * 3 + k * 4 + m * 4))
         for name, fn, nbytes in cases:
             t = _time_ms(fn)
             bw = nbytes / (t * 1e-3)

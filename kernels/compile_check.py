@@ -88,7 +88,6 @@ def _cases(all_configs: bool = False):
     ``gemm._prune`` picks them with autotuning off), or every row with ``all_configs``."""
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
                    M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I)
-    q_meta = dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=1, BLOCK_KH=2048)
     f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
                     stride_qm=_I, stride_qn=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
@@ -99,27 +98,7 @@ def _cases(all_configs: bool = False):
                    y_ptr="*fp32", M=_I, M_BUCKET=_I, N=_I, K=_I, KH=_I, stride_gm=_I, stride_gn=_I, stride_am=_I, stride_wn=_I,
                    stride_cn=_I, stride_ck=_I, stride_yn=_I)
     dge = dict(HAS_DGE=True, DGE_INV_K=0.2, DGE_POW=-0.8, DGE_CLAMP=3.0)
-    cases = [
-        dict(name="quantize_fp4 one pass", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
-             types=q_types, consts=dict(q_meta, SINGLE_PASS=True, CLAMP=False), num_warps=8, num_stages=1,
-             elements_per_thread=2 * 2048 // 256),
-        dict(name="quantize_fp4 two passes + OCC clamp", arch=90, kind="quantize", fn=quantize._quantize_fp4_kernel,
-             types=q_types, consts=dict(q_meta, SINGLE_PASS=False, CLAMP=True), num_warps=8, num_stages=1),
-        # dY / s_w folded in (DIV=1), as FP4Linear's dgrad operand: rows up to 8192 in one pass
-        dict(name="quantize_fp8 rows e5m2 / divisor, one pass", arch=90, kind="quantize",
-             fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
-             consts=dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN, DIV=1, BLOCK_M=1, BLOCK_N=4096,
-                         SINGLE_PASS=True), num_warps=8, num_stages=1, elements_per_thread=4096 // 256),
-        dict(name="quantize_fp8 rows e5m2 / divisor, two passes", arch=90, kind="quantize",
-             fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
-             consts=dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN, DIV=1, BLOCK_M=4, BLOCK_N=1024,
-                         SINGLE_PASS=False), num_warps=4, num_stages=1, elements_per_thread=4 * 1024 // 128),
-        dict(name="fp8 column absmax", arch=90, kind="quantize", fn=quantize._col_amax_kernel, types=f8_types,
-             consts=dict(DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4, num_stages=1, elements_per_thread=32),
-        dict(name="quantize_fp8 columns e4m3", arch=90, kind="quantize", fn=quantize._quantize_fp8_cols_kernel,
-             types=f8_types, consts=dict(FMAX=F8E4M3_MAX, MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN, DIV=2, BLOCK_M=32, BLOCK_N=128), num_warps=4,
-             num_stages=1, elements_per_thread=32 * 128 // 128),
-    ]
+    cases = _quantizer_cases(q_types, f8_types)
     for c in cases:
         c.update(block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True)
     fwd = ("BLOCK_M", "BLOCK_N")
@@ -152,6 +131,48 @@ def _cases(all_configs: bool = False):
             label = name if i == 0 else f"{name} cfg{i}"
             cases.append(_case(label, arch, kind, kernel, types, consts, row, names, is_default=(i == 0)))
     cases += _expand_cases(all_configs)
+    return cases
+
+
+#: Shapes the quantizer cases are compiled for (LLaMA-2 7B, 8192 tokens): the launch parameters
+#: are the ones ``kernels/quantize.py`` picks for them, so the table describes what runs.
+QUANT_TOKENS, QUANT_DIM, QUANT_FFN = 8192, 4096, 11008
+
+
+def _quantizer_cases(q_types, f8_types):
+    """The quantize kernels as FP4Linear launches them at the 7B shapes (``fp4_launch_params``,
+    ``fp8_rows_launch_params``, ``fp8_cols_launch_params``). ``elements_per_thread`` is one
+    iteration's elements over the threads, so ``ins/elem`` (all SASS instructions over it) is
+    the per-element cost of a straight-line kernel, and about that of a looped one (each loop
+    body counted once)."""
+    cases = []
+
+    def fp4(name, k, clamp):
+        bm, bkh, single, warps = quantize.fp4_launch_params((k + 1) // 2)
+        cases.append(dict(name=f"{name}, K={k}" + ("" if single else " (two passes)"), arch=90, kind="quantize",
+                          fn=quantize._quantize_fp4_kernel, types=q_types, num_warps=warps, num_stages=1,
+                          consts=dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=bm, BLOCK_KH=bkh, SINGLE_PASS=single,
+                                      CLAMP=clamp), elements_per_thread=bm * 2 * bkh // (32 * warps)))
+
+    fp4("quantize_fp4 rows", QUANT_DIM, False)
+    fp4("quantize_fp4 rows + OCC clamp + residual", QUANT_DIM, True)
+    fp4("quantize_fp4 rows", QUANT_FFN, False)
+    e5 = dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN)
+    for n in (QUANT_DIM, QUANT_FFN):  # dgrad's operand dY / s_w, one scale per row
+        bm, bn, single, warps = quantize.fp8_rows_launch_params(n)
+        cases.append(dict(name=f"quantize_fp8 rows e5m2 / divisor, N={n}" + ("" if single else " (two passes)"),
+                          arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
+                          consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single), num_warps=warps,
+                          num_stages=1, elements_per_thread=bm * bn // (32 * warps)))
+    # wgrad's operand dY / s_a, one scale per column, column-major out: absmax pass, then encode
+    (am, an, aw), (bm, bn, warps) = quantize.fp8_cols_launch_params(QUANT_TOKENS, QUANT_DIM, column_major=True)
+    cases.append(dict(name="fp8 column absmax / divisor", arch=90, kind="quantize", fn=quantize._col_amax_kernel,
+                      types=f8_types, consts=dict(DIV=2, BLOCK_M=am, BLOCK_N=an), num_warps=aw, num_stages=1,
+                      elements_per_thread=am * an // (32 * aw)))
+    cases.append(dict(name="quantize_fp8 columns e5m2 / divisor, column-major", arch=90, kind="quantize",
+                      fn=quantize._quantize_fp8_cols_kernel, types=f8_types,
+                      consts=dict(e5, DIV=2, BLOCK_M=bm, BLOCK_N=bn), num_warps=warps, num_stages=1,
+                      elements_per_thread=bm * bn // (32 * warps)))
     return cases
 
 

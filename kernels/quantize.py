@@ -161,8 +161,9 @@ def _quantize_fp4_kernel(
     tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
-def _fp4_launch_params(kh: int, block_kh: int | None) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_KH, SINGLE_PASS, num_warps) for rows of ``kh`` packed bytes.
+def fp4_launch_params(kh: int, block_kh: int | None = None) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_KH, SINGLE_PASS, num_warps) for rows of ``kh`` packed bytes (also what
+    kernels/compile_check.py compiles).
 
     Heuristic rather than autotuned: the kernel is bandwidth-bound, so what matters is
     a few thousand elements per program (enough loads in flight) and no register
@@ -208,7 +209,7 @@ def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
             amax = ends.abs().amax().reshape(1)
         # NaN-propagating global absmax; inf -> NaN (the kernel only tests finiteness)
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
-    block_m, blk, single, warps = _fp4_launch_params(kh, block_kh)
+    block_m, blk, single, warps = fp4_launch_params(kh, block_kh)
     _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
         x2d, q, scale, amax, resid, lohi, m, k, kh, x2d.stride(0), q.stride(0), resid.stride(0),
         POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, CLAMP=bounds is not None,
@@ -247,16 +248,18 @@ def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_
 
 # --------------------------------------------------------------------------- FP8
 @triton.jit
-def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV: tl.constexpr):
-    """An fp32 tile of x; DIV=1 divides each column by d[col], DIV=2 each row by d[row]
-    (IEEE division, as ``x / d`` in torch: the FP4 scale folded into dY, section 3)."""
+def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, r_ptr, DIV: tl.constexpr):
+    """An fp32 tile of x; DIV=1 multiplies each column by r[col], DIV=2 each row by r[row], where
+    ``r`` holds the IEEE reciprocals of the divisors: the FP4 scale folded into dY (section 3)
+    as one fp32 multiply per element, ``x * (1 / d)`` in torch (an IEEE division per element
+    cost ~20 SASS instructions of the quantizer's ~50, kernels/compile_check.py)."""
     ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if DIV == 1:
-        x = tl.math.div_rn(x, tl.load(d_ptr + cols, mask=cols < N, other=1.0)[None, :])
+        x = x * tl.load(r_ptr + cols, mask=cols < N, other=1.0)[None, :]
     elif DIV == 2:
-        x = tl.math.div_rn(x, tl.load(d_ptr + rows, mask=rows < M, other=1.0)[:, None])
+        x = x * tl.load(r_ptr + rows, mask=rows < M, other=1.0)[:, None]
     return x, mask
 
 
@@ -369,9 +372,10 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     2-D, any strides. ``column_major=True`` (with ``dim=0``) returns the same values laid
     out column by column (``q.t()`` contiguous): the layout ``fp4_wgrad`` feeds to the FP8
     tensor cores without a transpose in registers. ``divide_by`` (fp32, one value per
-    column for ``dim=1``, per row for ``dim=0``) quantizes ``x2d / divide_by`` without
-    materialising it (the FP4 scale of the GeMM's reduction dimension folded into dY),
-    bit-identical to dividing first in fp32.
+    column for ``dim=1``, per row for ``dim=0``) quantizes ``x2d * (1 / divide_by)`` without
+    materialising it (the FP4 scale of the GeMM's reduction dimension folded into dY): one IEEE
+    reciprocal per divisor, then one fp32 multiply per element, as ``fp4lightning.fused.fp8_scaled``
+    computes it, so bit-identical to it.
     """
     x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
     check_same_device(x2d=x2d)
@@ -387,6 +391,7 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
         what = "one fp32 divisor per column (dim=1) / per row (dim=0)"
         divide_by = check_vector("divide_by", divide_by, n_div, (torch.float32,), what)
         check_same_device(x2d=x2d, divide_by=divide_by)
+        divide_by = torch.reciprocal(divide_by)  # IEEE 1/d on CPU and CUDA; the kernels multiply
         div = 1 if dim == 1 else 2
     fmax, mant, emin, dtype = _FP8[fmt]
     m, n = x2d.shape
@@ -395,33 +400,45 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     qb = q.view(torch.uint8)  # the kernels write FP8 bit patterns
     meta = dict(FMAX=fmax, MANT=mant, EMIN=emin)
     d = divide_by if divide_by is not None else x2d  # placeholder pointer when unused
-    # Bandwidth-bound: tiles of ~4K elements keep enough loads in flight without spills.
     if dim == 1:
         scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
-        if n <= (MAX_SINGLE_PASS_FP8 if not INTERPRET else 128):  # small under the interpreter: both paths tested
-            # one read (and one division) per element: the row block stays in registers
-            block_n = triton.next_power_of_2(n)
-            block_m = max(1, 2048 // block_n)
-            single, warps = True, (8 if block_m * block_n >= 4096 else 4)
-        else:
-            block_n = min(triton.next_power_of_2(n), 1024 if not INTERPRET else 64)
-            block_m = max(1, 4096 // block_n)
-            single, warps = block_n >= n, 4
+        block_m, block_n, single, warps = fp8_rows_launch_params(n)
         _quantize_fp8_rows_kernel[(triton.cdiv(m, block_m),)](
             x2d, d, qb, scale, m, n, x2d.stride(0), q.stride(0), **meta, DIV=div, BLOCK_M=block_m, BLOCK_N=block_n,
             SINGLE_PASS=single, num_warps=warps)
     else:
         scale = torch.empty(n, dtype=torch.float32, device=x2d.device)
         amax_bits = torch.zeros(n, dtype=torch.int32, device=x2d.device)
-        block_n = min(triton.next_power_of_2(n), 128)
-        block_m = max(1, 4096 // block_n)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _col_amax_kernel[grid](x2d, d, amax_bits, m, n, x2d.stride(0), DIV=div, BLOCK_M=block_m, BLOCK_N=block_n,
-                               num_warps=4)
-        if column_major:  # tiles long along M: the stores run along contiguous bytes
-            block_m, block_n = min(triton.next_power_of_2(m), 256), 16
-            grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _quantize_fp8_cols_kernel[grid](
+        (am, an, aw), (block_m, block_n, warps) = fp8_cols_launch_params(m, n, column_major)
+        _col_amax_kernel[(triton.cdiv(m, am), triton.cdiv(n, an))](
+            x2d, d, amax_bits, m, n, x2d.stride(0), DIV=div, BLOCK_M=am, BLOCK_N=an, num_warps=aw)
+        _quantize_fp8_cols_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             x2d, d, qb, scale, amax_bits, m, n, x2d.stride(0), qb.stride(0), qb.stride(1), **meta, DIV=div,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return q, scale
+
+
+def fp8_rows_launch_params(n: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) of the per-row FP8 quantizer for rows of ``n``
+    elements (also what kernels/compile_check.py compiles). Bandwidth-bound: tiles of ~4K elements
+    keep enough loads in flight without spills."""
+    if n <= (MAX_SINGLE_PASS_FP8 if not INTERPRET else 128):  # small under the interpreter: both paths tested
+        # one read (and one division) per element: the row block stays in registers
+        block_n = triton.next_power_of_2(n)
+        block_m = max(1, 2048 // block_n)
+        # 32 elements per thread from 8192 per program down (4 warps at 4096, as the FP4 quantizer):
+        # the per-row work (absmax reduction, scale) then costs less per element (31 against 37
+        # SASS instructions per element at N = 4096 with 8 warps, compile_check; not yet timed)
+        return block_m, block_n, True, (8 if block_m * block_n >= 8192 else 4)
+    block_n = min(triton.next_power_of_2(n), 1024 if not INTERPRET else 64)
+    return max(1, 4096 // block_n), block_n, block_n >= n, 4
+
+
+def fp8_cols_launch_params(m: int, n: int, column_major: bool) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``((BLOCK_M, BLOCK_N, num_warps) of the column absmax, (...) of the per-column quantizer)``
+    for an ``m x n`` tensor (also what kernels/compile_check.py compiles)."""
+    block_n = min(triton.next_power_of_2(n), 128)
+    amax = (max(1, 4096 // block_n), block_n, 4)
+    if column_major:  # tiles long along M: the stores run along contiguous bytes
+        return amax, (min(triton.next_power_of_2(m), 256), 16, 4)
+    return amax, amax

@@ -314,11 +314,12 @@ def test_quantize_fp8_bitwise(fmt, dim, dtype, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_fp8_divide_by_folds_the_fp4_scale(dim, dtype):
     # FP4Linear's backward quantizes dY / s_w (per row, dim=1) and dY / s_a (per column,
-    # dim=0); divide_by does the division inside the kernel, bit-identical to dividing first
+    # dim=0); divide_by folds it in inside the kernel as x * (1 / d), bit-identical to folding first
     m, n = 75, 139
     x = (torch.randn(m, n) * torch.exp(2.0 * torch.randn(m, n))).to(dtype).to(DEV)
     d = torch.exp(3.0 * torch.randn(n if dim == 1 else m)).to(DEV)
-    ref_in = x.float() / (d[None, :] if dim == 1 else d[:, None])
+    inv = torch.reciprocal(d)
+    ref_in = x.float() * (inv[None, :] if dim == 1 else inv[:, None])
     for fmt in ("e4m3", "e5m2"):
         q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt, divide_by=d, column_major=dim == 0)
         q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(ref_in, dim, fmt)
@@ -758,7 +759,8 @@ def test_fp4linear_triton_matches_reference(preset, path, dtype, monkeypatch):
 def test_fp4linear_triton_glue_is_fused(preset, path, monkeypatch):
     # issue 12, "glue fused on the GPU path": outside the Triton kernels a forward + backward
     # runs no pass over an activation, dY or weight (no division, cast, copy, transpose copy);
-    # only the column-absmax buffer's zero fill and the bias gradient's sum remain
+    # only the column-absmax buffer's zero fill, the bias gradient's sum and the reciprocals of
+    # the two folded scale vectors (M and N elements, for the dY quantizers' multiply) remain
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
     monkeypatch.setenv("FP4LIGHTNING_GEMM_PATH", path)
     lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset)).to(DEV)
@@ -771,7 +773,7 @@ def test_fp4linear_triton_glue_is_fused(preset, path, monkeypatch):
              "unsqueeze", "squeeze", "_reshape_alias", "reshape", "permute", "empty", "empty_strided", "lift_fresh",
              "_is_mkldnn_bf16_supported"}  # a CPU capability query, no data touched
     passes = [op for op in rec.ops if op not in views]
-    assert sorted(passes) == ["sum", "zeros"], passes
+    assert sorted(passes) == ["reciprocal", "reciprocal", "sum", "zeros"], passes
     assert x.grad is not None and lin.weight.grad is not None
 
 
@@ -1039,6 +1041,15 @@ def test_gpu_quantizers_bitwise_at_scale():
             q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(x, dim, fmt)
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
             _assert_same_scale(s, s_ref)
+    # FP4Linear's dY operands: the FP4 scale of the reduction dimension folded in (x * (1 / d))
+    for dim in (0, 1):
+        d = torch.exp(3.0 * torch.randn(x.shape[1] if dim == 1 else x.shape[0], device="cuda"))
+        inv = torch.reciprocal(d)
+        q, s = kt.triton_quantize_fp8(x, dim=dim, fmt="e5m2", divide_by=d, column_major=dim == 0)
+        q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(
+            x.float() * (inv[None, :] if dim == 1 else inv[:, None]), dim, "e5m2")
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        _assert_same_scale(s, s_ref)
 
 
 @pytest.mark.gpu
