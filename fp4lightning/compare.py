@@ -45,6 +45,8 @@ __all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread",
 EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
     # STE times DGE's per-element factor frozen at initialisation (fp4lightning.dge_probe)
     "fp4-dge-frozen": ("fp4-no-dge", {"dge_frozen_factor": True}),
+    # OCC's compensation folded into the activation operand in E4M3 (docs/perf.md, "OCC on the GPU")
+    "fp4-occ-e4m3": ("paper", {"occ_fold_e4m3": True}),
 }
 
 
@@ -252,10 +254,11 @@ def zero_shot_table(evals: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4, batch_size: int = 8) -> list[dict]:
+def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4, batch_size: int = 8,
+                variants=None) -> list[dict]:
     import torch
 
-    from .fidelity import capture_linear_inputs, occ_fidelity_report
+    from .fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
     from .checkpoint import load_checkpoint
     from .data import PreparedData, ValWindowDataset
 
@@ -265,7 +268,7 @@ def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4
     windows = [ds[i][:-1] for i in range(len(ds))]
     batch_list = [torch.stack(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
     acts = capture_linear_inputs(model, batch_list)
-    return occ_fidelity_report(acts)
+    return occ_fidelity_report(acts, variants or VARIANTS)
 
 
 #: DGE probe columns: (record key, label, format, scale)

@@ -95,6 +95,11 @@ class FP4Config:
     keep_last_n: int = 0
     #: experiment (docs/results.md): STE times DGE's factor frozen at init; needs dge=False
     dge_frozen_factor: bool = False
+    #: experiment (docs/perf.md, "OCC on the GPU"): fold OCC's residual into the activation operand
+    #: and round it to E4M3 (fp4lightning.occ.fold_e4m3) instead of computing the compensation in
+    #: bf16; the forward and weight-gradient GeMMs then need no compensation products. Needs OCC
+    #: with compensation; PyTorch reference path only (the Triton kernels do not implement it)
+    occ_fold_e4m3: bool = False
 
     def __post_init__(self):
         for key, choices in _CHOICES.items():
@@ -113,6 +118,10 @@ class FP4Config:
             raise TypeError("FP4Config.skip_modules must be a tuple of strings (fnmatch patterns)")
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
         _check_block_knobs(self)
+        if self.occ_fold_e4m3 and not (self.occ and self.occ_compensation and self.block_format == "none"):
+            raise ValueError("FP4Config.occ_fold_e4m3 folds OCC's compensation into the activation operand: it "
+                             "needs occ=True and occ_compensation=True with block_format='none' (e.g. the paper "
+                             "preset)")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "FP4Config":

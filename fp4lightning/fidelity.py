@@ -18,8 +18,9 @@ from .config import FP4Config
 from .convert import matches_skip
 from .cpu_bf16 import is_plain_linear
 from .linear import FP4Linear
-from .occ import occ_bounds, occ_clamp
-from .quantize import fake_quantize
+from .formats import decode_packed_fp4
+from .occ import fold_e4m3, occ_bounds, occ_clamp
+from .quantize import fake_quantize, quantize_rows_reference
 
 __all__ = ["capture_linear_inputs", "occ_fidelity", "occ_fidelity_report", "format_occ_table", "saved_tensor_bytes"]
 
@@ -30,6 +31,14 @@ VARIANTS = (
     ("clamp + comp, alpha=0.999", 0.999, True),
     ("clamp + comp, alpha=0.99", 0.99, True),
     ("clamp + comp, alpha=0.97", 0.97, True),
+)
+#: Compensation folded into one E4M3 operand (``occ.fold_e4m3``) instead of kept exact: what a
+#: GPU forward could run without a second GeMM (docs/perf.md, "OCC on the GPU")
+E4M3_FOLD_VARIANTS = (
+    ("clamp + comp, alpha=0.99", 0.99, True),
+    ("clamp + comp folded in E4M3, alpha=0.99", 0.99, "e4m3"),
+    ("clamp + comp, alpha=0.97", 0.97, True),
+    ("clamp + comp folded in E4M3, alpha=0.97", 0.97, "e4m3"),
 )
 
 
@@ -86,15 +95,25 @@ class LayerRows:
         return {n: torch.cat(v) for n, v in self.store.items() if v}
 
 
-def occ_fidelity(x: torch.Tensor, alpha: float | None, compensate: bool, scale_mode: str = "float"):
-    """(signal energy, error energy, dot(x, q), |q|^2, n) of one activation's quantization."""
+def occ_fidelity(x: torch.Tensor, alpha: float | None, compensate: bool | str, scale_mode: str = "float"):
+    """(signal energy, error energy, dot(x, q), |q|^2, n) of one activation's quantization.
+
+    ``compensate``: False (clamp only), True (the residual added back exactly) or ``"e4m3"``
+    (the residual folded into the quantized operand, rounded to E4M3 by ``occ.fold_e4m3``)."""
     if alpha is None:
         q = fake_quantize(x, "per_token", scale_mode)
     else:
         xc, r = occ_clamp(x, occ_bounds(x, alpha, "exact"))
-        q = fake_quantize(xc, "per_token", scale_mode)
-        if compensate:
-            q = q + r
+        if compensate == "e4m3":
+            codes, s = quantize_rows_reference(xc.reshape(-1, xc.shape[-1]), scale_mode)
+            s = s[:, None]
+            v = decode_packed_fp4(codes, xc.shape[-1], torch.float32) + s * r.reshape(-1, r.shape[-1]).float()
+            e4, shift = fold_e4m3(v)
+            q = (torch.ldexp(e4, shift[:, None]) / s).reshape(x.shape)
+        else:
+            q = fake_quantize(xc, "per_token", scale_mode)
+            if compensate:
+                q = q + r
     xd, qd = x.double(), q.double()
     return xd.pow(2).sum(), (qd - xd).pow(2).sum(), (xd * qd).sum(), qd.pow(2).sum(), x.numel()
 
@@ -144,3 +163,37 @@ def saved_tensor_bytes(module: nn.Module, run) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     return total
+
+
+def main(argv=None) -> int:
+    """``python -m fp4lightning.fidelity CHECKPOINT --data DIR``: the OCC table on a checkpoint's
+    real activations (the validation windows of a prepared corpus), as ``compare`` reports it."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from .compare import _occ_report
+
+    p = argparse.ArgumentParser(prog="python -m fp4lightning.fidelity",
+                                description="OCC fidelity (the paper's Table 1) on a checkpoint's real activations")
+    p.add_argument("checkpoint", help="a training checkpoint (.ckpt)")
+    p.add_argument("--data", required=True, help="prepared data folder (fp4lightning data prepare --out)")
+    p.add_argument("--seq-len", type=int, default=256, help="window length (the recipe's data.seq_len)")
+    p.add_argument("--e4m3-fold", action="store_true",
+                   help="compare exact compensation with the residual folded into an E4M3 operand")
+    args = p.parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .data.manifest import DataNotPreparedError
+
+    try:
+        rows = _occ_report(Path(args.checkpoint), Path(args.data), args.seq_len,
+                           variants=VARIANTS + E4M3_FOLD_VARIANTS[1::2] if args.e4m3_fold else VARIANTS)
+    except (CheckpointError, DataNotPreparedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_occ_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

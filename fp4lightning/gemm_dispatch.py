@@ -255,8 +255,12 @@ def fp4_wgrad_reference(
     dge_clamp: float = 3.0,
     addend: torch.Tensor | None = None,
     gemm_dtype: torch.dtype | None = None,
+    a_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dW = (G2_q^T A_q) / s_g2[:, None] + addend``, times ``f'(W s_w)`` when ``dge_weight`` is given.
+
+    ``a_values`` (M x K, values exact in the GeMM's dtype) replaces the decoded ``a_packed``: the
+    E4M3 operand of ``FP4Config.occ_fold_e4m3``.
 
     ``g`` is (M x N) with one scale per column (N), A packed along K; output N x K.
     ``addend`` (N x K, e.g. OCC's compensation term ``(dY^T R)``) is added before the
@@ -266,7 +270,8 @@ def fp4_wgrad_reference(
     output to bf16 (fp32 accumulation), as in bf16 ``nn.Linear``.
     """
     od, acc_round = cpu_bf16.gemm_plan(gemm_dtype or _compute_dtype(out_dtype, g.device), g.device)
-    acc = _mm(g.to(od).t(), _fp4_values(a_packed, k, od), acc_round)
+    a = a_values.to(od) if a_values is not None else _fp4_values(a_packed, k, od)
+    acc = _mm(g.to(od).t(), a, acc_round)
     return fused.wgrad_epilogue(acc, g_scale, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
                                 dge_k, dge_clamp, out_dtype, acc_round)
 
@@ -286,7 +291,10 @@ def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
-              dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None):
+              dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None):
+    if a_values is not None:  # the E4M3-folded activation operand: reference path only
+        return fp4_wgrad_reference(g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k,
+                                   dge_clamp, addend, gemm_dtype, a_values)
     if backend_for(g.device) == "triton":
         return _triton_kernels().triton_fp4_wgrad(
             g, g_scale, a_packed, k, out_dtype=out_dtype, dge_weight=dge_weight,

@@ -40,7 +40,7 @@ from torch import nn
 
 from . import gemm_dispatch
 from .config import FP4Config
-from .occ import occ_bounds
+from .occ import fold_e4m3, occ_bounds
 
 __all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape"]
 
@@ -85,7 +85,22 @@ class _FP4LinearFn(torch.autograd.Function):
             # the reference GeMMs run on decoded values in this dtype (bf16 under autocast; fp32
             # holding bf16 values where CPU bf16 GeMMs are emulated, fp4lightning.cpu_bf16)
             vals_dtype, vals_round = gemm_dispatch.operand_dtype(out_dtype, x.device)
-            if cfg.occ:
+            a_fold = None  # the E4M3 activation operand of cfg.occ_fold_e4m3 (saved for wgrad)
+            if cfg.occ and cfg.occ_fold_e4m3:
+                # experiment (docs/perf.md, "OCC on the GPU"): Y = (E W_q^T) / (s_a 2^-shift s_w) with
+                # E = E4M3((A_q + s_a R) 2^-shift); the compensation rides in the FP4 GeMM's operand
+                if gemm_dispatch.backend_for(x.device) == "triton":
+                    raise NotImplementedError(
+                        "FP4Config.occ_fold_e4m3 is an experiment of the PyTorch reference path; the Triton "
+                        "kernels do not implement it (set FP4LIGHTNING_BACKEND=reference, or drop the key)")
+                bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
+                a_codes, a_scale, folded, _ = gemm_dispatch.quantize_fp4_clamped(
+                    x2d, bounds, cfg.scale_mode, per_tensor_a, fold=True, values_dtype=torch.float32)
+                e4, shift = fold_e4m3(folded)
+                a_scale = torch.ldexp(a_scale, -shift)  # exact: the row's scale over its shift
+                a_fold = e4.to(torch.float8_e4m3fn)  # 1 byte per element for backward
+                a_vals = e4.to(vals_dtype)  # E4M3 values are exact in bf16 and fp32
+            elif cfg.occ:
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
                 # Reference path: fold the residual into the decoded operand,
                 # Y = ((A_q + s_a R) W_q^T) / (s_a s_w), one dense product instead of a sparse
@@ -126,7 +141,10 @@ class _FP4LinearFn(torch.autograd.Function):
                 y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
         compact = isinstance(resid, tuple)
+        if a_fold is not None:  # the wgrad GeMM reads the folded operand, not the codes
+            a_codes = a_fold
         ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, *(resid if compact else (resid,)))
+        ctx.folded = a_fold is not None
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
         ctx.compact_shape = tuple(x2d.shape) if compact else None
         ctx.resid_t = resid_t
@@ -161,9 +179,10 @@ class _FP4LinearFn(torch.autograd.Function):
                     rt = resid if ctx.resid_t else _csr_transpose(resid)
                     comp = _sparse_wgrad(rt, dy2d)
                 grad_w = gemm_dispatch.fp4_wgrad(
-                    g2, s_g2, a_codes, k, torch.float32,
+                    g2, s_g2, None if ctx.folded else a_codes, k, torch.float32,
                     dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
                     dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
+                    a_values=a_codes if ctx.folded else None,
                 )
                 if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.dge_probe
                     from .dge_probe import frozen_dge_factor
@@ -383,7 +402,8 @@ class FP4Linear(nn.Linear):
             parts += [f"w={c.weight_granularity}", f"a={c.act_granularity}"]
         parts.append(f"dge(k={c.dge_k})" if c.dge else "ste")
         if c.occ:
-            parts.append(f"occ(alpha={c.occ_alpha}{'' if c.occ_compensation else ', no comp'})")
+            comp = ", comp folded in e4m3" if c.occ_fold_e4m3 else ("" if c.occ_compensation else ", no comp")
+            parts.append(f"occ(alpha={c.occ_alpha}{comp})")
         if not block:
             parts.append(f"dY={c.grad_format}")
         if block and c.rht_wgrad:

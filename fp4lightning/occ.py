@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["occ_bounds", "occ_clamp", "QUANTILE_METHODS"]
+__all__ = ["occ_bounds", "occ_clamp", "fold_e4m3", "QUANTILE_METHODS"]
 
 QUANTILE_METHODS = ("sample", "exact")
 DEFAULT_SAMPLE_SIZE = 65536
@@ -120,3 +120,31 @@ def occ_clamp(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torc
     hi = bounds[1].to(x.dtype)
     xc = torch.clamp(x, lo, hi)
     return xc, x - xc
+
+
+#: ``fold_e4m3`` shifts a row down by at most 2^-8: every E2M1 value times 2^-8 is still exact in
+#: E4M3 (the smallest, 0.5 x 2^-8, is E4M3's smallest subnormal 2^-9)
+E4M3_FOLD_MAX_SHIFT = 8
+
+
+def fold_e4m3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round the FP4 operand with OCC's residual folded in to E4M3: ``(e, shift)``, ``v ~ e * 2^shift``.
+
+    ``v`` (rows x K, fp32) is ``s_a (A_q / s_a + R) = A_q + s_a R`` in the quantizer's scaled
+    domain: E2M1 values, except at the ~2% outlier entries, where it is the scaled outlier. Each
+    row is shifted down by the smallest power of two ``2^shift`` (0 <= shift <= 8) that brings its
+    absmax within E4M3's 448, then rounded to E4M3 (nearest, ties to even; entries still above
+    448 after the largest shift saturate). The E2M1 entries stay exact; only the outliers are
+    rounded, to 3 mantissa bits. This is what a GPU could feed the forward's FP8 GeMM instead
+    of running the compensation ``R W^T`` as a second, bf16 GeMM (docs/perf.md, "OCC on the GPU");
+    ``fp4lightning.fidelity`` measures what it costs in activation SNR.
+    """
+    from .constants import F8E4M3_MAX
+
+    v = v.float()
+    amax = v.abs().amax(1, keepdim=True)
+    _, e = torch.frexp(amax)  # amax = m 2^e, 0.5 <= m < 1; 448 = 0.875 x 2^9
+    shift = (e - 9).clamp(0, E4M3_FOLD_MAX_SHIFT)
+    shift = torch.where(torch.ldexp(amax, -shift) > F8E4M3_MAX, shift + 1, shift).clamp_max(E4M3_FOLD_MAX_SHIFT)
+    e4 = torch.ldexp(v, -shift).clamp(-F8E4M3_MAX, F8E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return e4, shift.squeeze(1)

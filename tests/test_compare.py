@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fp4lightning.fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
+from fp4lightning.fidelity import main as fidelity_main
 from fp4lightning.block_analysis import ACT_FORMATS, GRAD_FORMATS
 from fp4lightning.cli import main as cli_main
 from fp4lightning.compare import variant_overrides
@@ -30,7 +31,7 @@ def test_variant_overrides_and_errors():
 
 
 @pytest.mark.slow
-def test_compare_seeds_through_cli(tmp_path_factory):
+def test_compare_seeds_through_cli(tmp_path_factory, capsys):
     """2 seeds x 2 variants, a few steps, through the real CLI: every output appears, the
     statistics are those of the per-seed values, and within a seed both variants start from
     the same weights while the seeds start from different ones (the DGE probe's step-0 record)."""
@@ -64,6 +65,13 @@ def test_compare_seeds_through_cli(tmp_path_factory):
     assert gap == pytest.approx([f / b - 1 for f, b in zip(fp4, bf16)])
     assert full["variants"]["bf16"]["runs"][1]["zero_shot"]
     assert len(full["occ_fidelity"]["rows"]) == len(VARIANTS)
+    # the same table from a checkpoint alone, with the E4M3-folded compensation rows
+    ckpt = full["variants"]["bf16"]["runs"][0]["checkpoint"]
+    assert fidelity_main([ckpt, "--data", str(corpus), "--seq-len", "64", "--e4m3-fold"]) == 0
+    table = capsys.readouterr().out
+    assert "| clamp + comp, alpha=0.99 |" in table and "| clamp + comp folded in E4M3, alpha=0.99 |" in table
+    assert fidelity_main([ckpt + ".missing", "--data", str(corpus)]) == 2
+    assert "not found" in capsys.readouterr().err
     first = {(v, s): read_probe(out / v / f"seed{s}" / "dge_probe.jsonl")[0] for v in ("bf16", "fp4@lr=3e-3")
              for s in (7, 8)}
     assert all(r["step"] == 0 for r in first.values())

@@ -339,3 +339,51 @@ def test_sparse_residual_equals_torch_csr_conversion(shape, density):
             assert torch.equal(got.crow_indices().long(), want.crow_indices().long())
             assert torch.equal(got.col_indices().long(), want.col_indices().long())
             torch.testing.assert_close(got.values(), want.values(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("grad_format", ["e5m2", "bf16"])
+def test_occ_fold_e4m3_matches_float64_reference_of_same_math(grad_format):
+    # FP4Config.occ_fold_e4m3 (experiment, docs/perf.md "OCC on the GPU"): OCC's residual folded into
+    # the activation operand E = E4M3((A_q + s_a R) 2^-shift) with scale s_a 2^-shift, used by the
+    # forward and the weight-gradient GeMMs; dA is the paper's
+    from fp4lightning.occ import fold_e4m3
+
+    cfg = FP4Config.from_preset("paper", occ_quantile="exact", grad_format=grad_format, occ_fold_e4m3=True)
+    layer = FP4Linear(128, 64, config=cfg)
+    x = heavy_tailed(96, 128).reshape(3, 32, 128)
+    x[0, 0, :4] *= 500.0  # a row whose folded outliers need a shift
+    dy = torch.randn(3, 32, 64)
+    y, da, dw = _run(layer, x, dy)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    x2d, dy2d = x.reshape(-1, 128), dy.reshape(-1, 64)
+    xc, r = occ_clamp(x2d, occ_bounds(x2d, cfg.occ_alpha, "exact"))
+    _, s_a, a_q = quantize_rows_reference(xc, return_values=True, packed=False)
+    e4, shift = fold_e4m3(a_q.float() + r.float() * s_a[:, None])
+    assert shift.max() > 0 and shift.min() == 0
+    s_eff = torch.ldexp(s_a, -shift)
+    _, s_w, w_q = quantize_rows_reference(w, return_values=True, packed=False)
+    w_dq = w_q.double() / s_w.double()[:, None]
+    ry = (e4.double() / s_eff.double()[:, None]) @ w_dq.t() + b.double()
+    g1, s1 = quantize_fp8_reference(dy2d * torch.reciprocal(s_w)[None, :], 1, grad_format)
+    rda = (g1.double() / s1.double()[:, None]) @ w_q.double()
+    g2, s2 = quantize_fp8_reference(dy2d * torch.reciprocal(s_eff)[:, None], 0, grad_format)
+    rdw = ((g2.double() / s2.double()[None, :]).t() @ e4.double()) * dge_derivative(w * s_w[:, None]).double()
+    above(sqnr(y.reshape(-1, 64), ry), SAME_MATH_SQNR_DB, "y SQNR dB")
+    above(sqnr(da.reshape(-1, 128), rda), SAME_MATH_SQNR_DB, "da SQNR dB")
+    above(sqnr(dw, rdw), SAME_MATH_SQNR_DB, "dw SQNR dB")
+    # and it stays close to exact compensation (E4M3 rounds only the ~2% outlier entries)
+    exact = FP4Linear.from_linear(layer, FP4Config.from_preset("paper", occ_quantile="exact", grad_format=grad_format))
+    ey, _, edw = _run(exact, x, dy)
+    above(sqnr(y, ey), 25.0, "fold vs exact compensation, y SQNR dB")
+    above(sqnr(dw, edw), 25.0, "fold vs exact compensation, dW SQNR dB")
+
+
+def test_occ_fold_e4m3_errors(monkeypatch):
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")  # the kernels do not implement the fold: say so
+    with pytest.raises(NotImplementedError, match="FP4LIGHTNING_BACKEND=reference"):
+        FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True))(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="occ_fold_e4m3 .* needs occ=True"):
+        FP4Config.from_preset("fp4-no-occ", occ_fold_e4m3=True)
+    with pytest.raises(ValueError, match="occ_fold_e4m3"):
+        FP4Config(occ_compensation=False, occ_fold_e4m3=True)
+    assert "comp folded in e4m3" in repr(FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True)))
