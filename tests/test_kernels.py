@@ -70,6 +70,19 @@ HOPPER_ISSUE_PER_TENSOR_MAX = {
     "fp8_gemm dgrad e5m2 (expand path, TMA)": 0.6,
     "fp8_gemm wgrad e5m2 + DGE + addend (expand path, TMA)": 0.6,
 }
+# SASS instructions per element of the quantizers as launched at the 7B shapes (compile_check's
+# ins/elem; 2026-12-03, triton 3.7.1: 27.8, 34.8, 31.8, 31.2, 37.2, 15.8, 37.0). The budgets for 70%
+# of a copy's bandwidth on an H200 are ~30 (FP4 rows), ~54 (FP4 + OCC residual), ~36 (FP8), docs/perf.md;
+# these bounds keep the measured counts from creeping back (the IEEE division per element cost ~20)
+QUANTIZER_SASS_PER_ELEMENT_MAX = {
+    "quantize_fp4 rows, K=4096": 31.0,
+    "quantize_fp4 rows + OCC clamp + residual, K=4096": 38.0,
+    "quantize_fp4 rows, K=11008 (two passes)": 35.0,
+    "quantize_fp8 rows e5m2 / divisor, N=4096": 35.0,
+    "quantize_fp8 rows e5m2 / divisor, N=11008 (two passes)": 41.0,
+    "fp8 column absmax / divisor": 19.0,
+    "quantize_fp8 columns e5m2 / divisor, column-major": 41.0,
+}
 # bf16 activations: the reference rounds its bf16 matmul's accumulator to bf16 before the
 # epilogue, the kernels round once at the end (and the interpreter truncates bf16 stores);
 # measured ~47-48 dB for y and dA.
@@ -1016,6 +1029,10 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
         r = hopper[case]
         assert r["spill_bytes"] == 0, r
         assert r["issue_per_tensor"] <= bound, (case, r["issue_per_tensor"], r["top_ops"])
+    for case, bound in QUANTIZER_SASS_PER_ELEMENT_MAX.items():
+        r = hopper[case]
+        assert r["spill_bytes"] == 0, r
+        assert r["sass_per_element"] <= bound, (case, r["sass_per_element"])
 
 
 # --------------------------------------------------------------------------- GPU, realistic sizes
