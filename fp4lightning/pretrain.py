@@ -475,6 +475,7 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         # weights_only: a checkpoint never runs code when it is loaded (the checks in
         # _resolve_ckpt load it the same way)
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+        _validate_at_end(trainer, module, dm, cfg)
         status = "finished"
     except (KeyboardInterrupt, SystemExit):
         # Lightning turns SIGTERM into SIGTERMException and Ctrl-C into sys.exit(1), after
@@ -489,6 +490,27 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         if trainer.is_global_zero:
             result = _report(trainer, out, status)
     return result
+
+
+def _validate_at_end(trainer, module, dm, cfg: RecipeConfig) -> None:
+    """One more validation after the last step when ``max_steps`` is not a multiple of
+    ``val_every_n_steps`` (Lightning validates only on those multiples), so the run's last
+    validation loss - the closing banner's and ``compare``'s "final" one - is measured on the
+    final weights, not up to ``val_every_n_steps - 1`` steps before them."""
+    if not trainer.global_step or trainer.global_step % cfg.trainer.val_every_n_steps == 0:
+        return
+    # Lightning logs a validation inside fit at the step count before the step that triggered it
+    # (step - 1, as the CSV log's train rows), and one run by validate() after fit at the count
+    # after it; shift the counter back for this call so the final row lands at the same offset
+    loop = getattr(trainer.fit_loop, "epoch_loop", None)
+    shift = loop is not None and isinstance(getattr(loop, "_batches_that_stepped", None), int)
+    if shift:
+        loop._batches_that_stepped -= 1
+    try:
+        trainer.validate(module, datamodule=dm, verbose=False)
+    finally:
+        if shift:
+            loop._batches_that_stepped += 1
 
 
 def _latest_checkpoint(out: Path) -> Path | None:

@@ -92,6 +92,22 @@ def test_training_lowers_loss(full_run):
     assert "train/tokens_per_sec" in text and "val/ppl" in text
 
 
+def test_last_validation_is_at_the_last_step(corpus, tmp_path):
+    # max_steps not a multiple of val_every_n_steps: Lightning validates at steps 4 and 8 only;
+    # the run validates once more on its final weights (step 10), and that is the reported loss
+    from fp4lightning.pretrain import read_losses
+
+    out = tmp_path / "run"
+    result = train(load_recipe(None, tiny_overrides(corpus, out, "schedule.max_steps=10",
+                                                    "trainer.val_every_n_steps=4")))
+    val = read_losses(out)["val"]
+    assert len(val) == 3, val
+    last_step = max(val)
+    assert last_step - sorted(val)[-2] == 2  # 8 -> 10, as 4 -> 8 is 4
+    assert result.val_loss == pytest.approx(val[last_step])
+    assert (out / "checkpoints" / LAST_CKPT).exists()
+
+
 @pytest.mark.parametrize("sig,stop_at", [(signal.SIGTERM, 10), (signal.SIGINT, 7)], ids=["SIGTERM", "Ctrl-C"])
 def test_interrupt_and_resume_matches_uninterrupted(full_run, corpus, tmp_path, capsys, sig, stop_at):
     _, full_losses, _ = full_run
