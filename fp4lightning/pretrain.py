@@ -21,12 +21,15 @@ continues from ``checkpoints/last.ckpt`` with the same data order.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
+import logging
 import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -446,6 +449,37 @@ def plot_losses(log_dir: Path, png: Path) -> Path | None:
     return png
 
 
+#: Messages Lightning and torch print on every run of this trainer that say nothing actionable to
+#: its users: the model summary cannot size mixed precisions (it warns for Lightning's own
+#: "bf16-mixed" too), torch 2.13 deprecates a pytree class Lightning still builds, and an
+#: advertisement for a cloud logger. Silenced only inside ``train`` (a library does not change
+#: its caller's warning filters).
+_QUIET_WARNINGS = (r"Precision .* is not supported by the model summary",
+                   r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+_QUIET_LOG_SUBSTRINGS = ("litlogger",)
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(s in msg for s in _QUIET_LOG_SUBSTRINGS)
+
+
+@contextlib.contextmanager
+def _quiet_lightning():
+    """Hide ``_QUIET_WARNINGS`` and ``_QUIET_LOG_SUBSTRINGS`` while ``train`` runs."""
+    drop = _DropMessages()
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    log.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            for pattern in _QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message=pattern)
+            yield
+    finally:
+        log.removeFilter(drop)
+
+
 def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None,
           verify_data: bool = False) -> TrainResult | None:
     """Train ``cfg``; prints the resolved config first and where the outputs are at the end.
@@ -453,6 +487,11 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     Returns the :class:`TrainResult` on rank 0 (None on other ranks). Re-raises the
     ``KeyboardInterrupt`` / ``SystemExit`` of an interrupted run after reporting it.
     """
+    with _quiet_lightning():
+        return _train(cfg, resume, callbacks, verify_data)
+
+
+def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data: bool) -> TrainResult | None:
     trainer, module, dm, ckpt_path = build(cfg, resume, callbacks, verify_data=verify_data)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:

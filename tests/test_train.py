@@ -3,6 +3,7 @@ stop + resume equals an uninterrupted run, interrupted runs leave resumable chec
 checkpoints load back and export to Hugging Face, and the CLI reports bad input."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -92,14 +93,19 @@ def test_training_lowers_loss(full_run):
     assert "train/tokens_per_sec" in text and "val/ppl" in text
 
 
-def test_last_validation_is_at_the_last_step(corpus, tmp_path):
+def test_last_validation_is_at_the_last_step(corpus, tmp_path, caplog, recwarn):
     # max_steps not a multiple of val_every_n_steps: Lightning validates at steps 4 and 8 only;
     # the run validates once more on its final weights (step 10), and that is the reported loss
     from fp4lightning.pretrain import read_losses
 
     out = tmp_path / "run"
-    result = train(load_recipe(None, tiny_overrides(corpus, out, "schedule.max_steps=10",
-                                                    "trainer.val_every_n_steps=4")))
+    with caplog.at_level(logging.INFO):
+        result = train(load_recipe(None, tiny_overrides(corpus, out, "schedule.max_steps=10",
+                                                        "trainer.val_every_n_steps=4")))
+    # and none of Lightning's and torch's per-run noise reaches the user (pretrain._quiet_lightning)
+    assert caplog.records and not [r for r in caplog.records if "litlogger" in r.getMessage()]
+    noise = [str(w.message) for w in recwarn if "model summary" in str(w.message) or "LeafSpec" in str(w.message)]
+    assert not noise, noise
     val = read_losses(out)["val"]
     assert len(val) == 3, val
     last_step = max(val)
