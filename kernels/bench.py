@@ -340,6 +340,35 @@ def bench_linear(table: Table, dev, shapes):
                           f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
 
 
+def bench_occ_parts(table: Table, dev, shape):
+    """Where ``paper``'s OCC time goes on this device, part by part, at one layer shape (tokens,
+    in, out): the quantile, the clamped quantizer against the plain one, the compact residual
+    (no host sync), and the two dense compensation GeMMs (docs/perf.md, "OCC on the GPU")."""
+    from fp4lightning.linear import _compact_residual, _compact_wgrad, _mm_f32
+
+    m, k, n = shape
+    label = f"{m} tok, {k}->{n}"
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    w_p, w_s, _ = gemm_dispatch.quantize_fp4(torch.randn(n, k, device=dev))
+    bounds = occ_bounds(x, 0.99)
+    t_plain = _time_ms(lambda: gemm_dispatch.quantize_fp4(x))
+    table.add("occ", "quantize X, no OCC (the baseline)", label, t_plain, "", "1.00x")
+    parts = [("occ_bounds (65,536 samples)", lambda: occ_bounds(x, 0.99))]
+    _, _, _, r = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    r = r.to(torch.bfloat16)
+    parts.append(("quantize X with OCC clamp + dense residual", lambda: gemm_dispatch.quantize_fp4_clamped(x, bounds)))
+    resid = _compact_residual(r, 0.99)
+    parts.append(("compact residual (nonzero_static)", lambda: _compact_residual(r, 0.99)))
+    w_q = gemm_dispatch.decode_packed_fp4(w_p, k, torch.bfloat16)
+    parts.append(("decode W_q to bf16 (forward compensation)", lambda: gemm_dispatch.decode_packed_fp4(w_p, k, torch.bfloat16)))
+    parts.append(("forward compensation R W_q^T (bf16 GeMM)", lambda: _mm_f32(r, w_q.t())))
+    parts.append(("wgrad compensation dY^T R (scatter + bf16 GeMM)", lambda: _compact_wgrad(dy, resid, (m, k))))
+    for name, fn in parts:
+        t = _time_ms(fn)
+        table.add("occ", name, label, t, "", f"{t / t_plain:.2f}x")
+
+
 def run_checks(table: Table, dev) -> bool:
     """Every kernel against its reference at one size; returns True when all pass."""
     m, n, k = (2048, 1536, 2049) if CUDA else (96, 80, 113)  # odd K on purpose
@@ -452,6 +481,7 @@ def main(argv=None) -> int:
     first = GPU_PRIMARY if CUDA and not args.quick else len(gemm_shapes)
     bench_gemms(table, dev, gemm_shapes[:first])
     bench_linear(table, dev, linear_shapes)
+    bench_occ_parts(table, dev, linear_shapes[0])
     bench_gemms(table, dev, gemm_shapes[first:])
     if not args.skip_checks and not CUDA:
         ok = run_checks(table, dev)

@@ -1035,6 +1035,20 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
         assert r["sass_per_element"] <= bound, (case, r["sass_per_element"])
 
 
+@pytest.mark.slow
+def test_benchmark_runs_on_cpu():
+    # kernels/bench.py is what scripts/gpu_check.sh runs in a GPU session; its CPU mode (the
+    # reference path at small sizes) runs the same section code, so a broken row shows here
+    # first rather than in a GPU session. Timings are not checked (no timed tests).
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "fp4lightning.kernels.bench", "--quick", "--skip-checks"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sections = {line.split("|")[0].strip() for line in proc.stdout.splitlines() if "|" in line}
+    assert {"quantize", "gemm fwd", "linear", "occ"} <= sections, sections
+    assert "checks skipped" in proc.stdout
+
+
 # --------------------------------------------------------------------------- GPU, realistic sizes
 @pytest.mark.gpu
 @gpu
