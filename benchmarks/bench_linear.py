@@ -105,7 +105,7 @@ def torchao_float8_peer(lin: nn.Linear):
     return wrapper
 
 
-def bench_shape(m, k, n, dev, iters):
+def bench_shape(m, k, n, dev, iters, fold=False):
     lin = nn.Linear(k, n, device=dev)
     peer = torchao_float8_peer(lin)
     # the bf16 baseline as training runs it: on CPUs without native bf16 GeMMs, fp32 kernels on
@@ -133,10 +133,14 @@ def bench_shape(m, k, n, dev, iters):
 
     # every layer timed round-robin, one call each per round, so machine noise hits all alike;
     # `paper` without DGE bounds what DGE costs (and so what caching its factor could save)
-    mods = [lin, fp4, fp4_direct, fp4_nodge] + ([peer] if peer is not None else [])
+    # with `fold`: `paper` with OCC's compensation folded into an E4M3 operand (the occ_fold_e4m3
+    # experiment, docs/perf.md "OCC on the GPU"), last in each round
+    fp4_fold = [FP4Linear.from_linear(lin, FP4Config(occ_fold_e4m3=True))] if fold else []
+    mods = [lin, fp4, fp4_direct, fp4_nodge] + ([peer] if peer is not None else []) + fp4_fold
     t_all = _time_rounds([fwd_bwd(mod) for mod in mods], dev, iters, raw=True)
-    t_bf16, t_fp4, t_direct, _, *t_peer = (statistics.median(t) for t in t_all)  # [3]: paper, STE
-    t_peer = t_peer[0] if t_peer else None
+    t_bf16, t_fp4, t_direct, _, *t_rest = (statistics.median(t) for t in t_all)  # [3]: paper, STE
+    t_fold = t_rest.pop() if fold else None
+    t_peer = t_rest[0] if t_rest else None
     dge_share = _paired_share(t_all[1], t_all[3])
     # OCC's share: forwards with and without OCC alternated call by call, 3x the iterations
     occ_share = _paired_share(*_time_rounds([fwd(fp4), fwd(fp4_noocc)], dev, 3 * iters, raw=True))
@@ -144,6 +148,7 @@ def bench_shape(m, k, n, dev, iters):
     return dict(shape=f"{m}x{k}->{n}", bf16_ms=t_bf16 * 1e3, fp4_ms=t_fp4 * 1e3, ratio=t_fp4 / t_bf16, direct_ratio=t_direct / t_bf16,
                 dge_share=dge_share,
                 peer_ratio=None if t_peer is None else t_peer / t_bf16,
+                fold_ratio=None if t_fold is None else t_fold / t_bf16,
                 occ_share=occ_share, bytes_ratio=b_fp4 / b_bf16, fp4_mb=b_fp4 / 2**20, bf16_mb=b_bf16 / 2**20)
 
 
@@ -233,6 +238,8 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of the paper layer's fwd+bwd")
+    ap.add_argument("--fold", action="store_true",
+                    help="also time `paper` with OCC folded into E4M3 (FP4Config.occ_fold_e4m3, an experiment)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     from fp4lightning import fused
@@ -245,9 +252,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in args.shapes.split(","):
         m, k, n = (int(v) for v in s.split("x"))
-        r = bench_shape(m, k, n, dev, args.iters)
+        r = bench_shape(m, k, n, dev, args.iters, args.fold)
         print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | {r['direct_ratio']:.2f}x | "
               f"{'n/a' if r['peer_ratio'] is None else format(r['peer_ratio'], '.2f') + 'x'} | {100 * r['occ_share']:.0f}% | {100 * r['dge_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
+        if r["fold_ratio"] is not None:
+            print(f"|   (`paper` with OCC folded in E4M3, the occ_fold_e4m3 experiment: {r['fold_ratio']:.2f}x bf16 time, "
+                  f"{r['fold_ratio'] / r['ratio']:.2f}x `paper`'s) |")
     if args.breakdown:
         print("\nWhere the `paper` FP4Linear forward+backward spends its time (median ms per call over the rounds; "
               "the parts' sum is below the whole: autograd, reshapes and the bias gradient are not in a part):")
