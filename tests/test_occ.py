@@ -135,8 +135,10 @@ def test_fold_e4m3_keeps_the_fp4_grid_and_rounds_only_outliers():
     ref = torch.ldexp(torch.ldexp(v[:, 16:], -shift[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float(),
                       shift[:, None])
     assert torch.equal(back[:, 16:], ref)
-    rel = ((back[:6, 16:] - v[:6, 16:]).abs() / v[:6, 16:].abs()).max()
-    below(rel, 2.0**-4 + 1e-7, "E4M3 rounding of an unsaturated outlier (half an ulp of 3 mantissa bits)")
+    # the rows' peaks (E4M3 normals after the shift; the random second outlier may land among the
+    # subnormals, whose error is absolute)
+    rel = ((back[:6, 16] - v[:6, 16]).abs() / v[:6, 16].abs()).max()
+    below(rel, 2.0**-4 + 1e-7, "E4M3 rounding of an unsaturated peak (half an ulp of 3 mantissa bits)")
     assert back[-1, 16] == 448.0 * 256  # beyond the largest shift: saturates, never inf or NaN
     e4_nan, _ = fold_e4m3(torch.tensor([[1.0, float("nan"), 6.0]]))
     assert torch.isnan(e4_nan[0, 1]) and e4_nan[0, 2] == 6.0  # NaN stays NaN (loss scaling sees it)
