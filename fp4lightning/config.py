@@ -98,7 +98,7 @@ class FP4Config:
     #: experiment (docs/perf.md, "OCC on the GPU"): fold OCC's residual into the activation operand
     #: and round it to E4M3 (fp4lightning.occ.fold_e4m3) instead of computing the compensation in
     #: bf16; the forward and weight-gradient GeMMs then need no compensation products. Needs OCC
-    #: with compensation; PyTorch reference path only (the Triton kernels do not implement it)
+    #: with compensation; on the Triton backend it needs FP8 tensor cores (sm_90) and an FP8 dY
     occ_fold_e4m3: bool = False
 
     def __post_init__(self):

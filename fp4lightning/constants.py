@@ -17,6 +17,7 @@ __all__ = [
     "F8E4M3_MIN_NORMAL",
     "F8E4M3_MANT_BITS",
     "F8E4M3_EMIN",
+    "E4M3_FOLD_MAX_SHIFT",
     "F8E5M2_MAX",
     "F8E5M2_MIN_NORMAL",
     "F8E5M2_MANT_BITS",
@@ -42,6 +43,9 @@ F8E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max = 448.0
 F8E4M3_MIN_NORMAL = 2.0**-6  # torch.finfo(torch.float8_e4m3fn).tiny = 0.015625
 F8E4M3_MANT_BITS = 3  # mantissa bits
 F8E4M3_EMIN = -6  # exponent of the smallest normal
+#: OCC's E4M3 fold (fp4lightning.occ.fold_e4m3) shifts a row down by at most 2^-8: every E2M1 value
+#: times 2^-8 is still exact in E4M3 (the smallest, 0.5 x 2^-8, is E4M3's smallest subnormal 2^-9)
+E4M3_FOLD_MAX_SHIFT = 8
 
 # --- FP8 E5M2 (torch.float8_e5m2)
 F8E5M2_MAX = 57344.0  # torch.finfo(torch.float8_e5m2).max = 57344.0

@@ -40,9 +40,11 @@ __all__ = [
     "DY_FORMATS",
     "quantize_fp4",
     "quantize_fp4_clamped",
+    "quantize_fp4_folded",
     "quantize_fp8",
     "quantize_fp8_divided",
     "fp4_gemm",
+    "fp4_gemm_folded",
     "fp4_dgrad",
     "fp4_wgrad",
     "block_gemm",
@@ -148,6 +150,30 @@ def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: st
     if values_round is not None:
         values = values.to(values_round)
     return codes, scale, values.to(values_dtype), resid
+
+
+def quantize_fp4_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+                        per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCC's compensation folded into the activation operand in E4M3 (``FP4Config.occ_fold_e4m3``).
+
+    Returns ``(e4, scale)``: ``e4`` (M, K) ``torch.float8_e4m3fn`` holds ``(A_q + s_a R) 2^-shift``
+    rounded to E4M3 (``fp4lightning.occ.fold_e4m3``; the E2M1 entries exact, the ~2% outliers
+    at 3 mantissa bits) and ``scale = s_a 2^-shift`` (fp32, one per row), so ``x ~ e4 / scale``.
+    Rows whose folded values are not finite get a NaN scale and zero codes (an inf activation
+    would otherwise saturate to a finite value and hide a diverged step). The Triton backend
+    does it in one kernel (``kernels/quantize.py``, bit-identical to this).
+    """
+    if backend_for(x2d.device) == "triton":
+        return _triton_kernels().triton_quantize_rows_folded(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
+    from .occ import fold_e4m3
+
+    _, scale, folded, _ = quantize_fp4_clamped(x2d, bounds, scale_mode, per_tensor, fold=True,
+                                               values_dtype=torch.float32)
+    e4, shift = fold_e4m3(folded)
+    bad = ~torch.isfinite(folded.abs().amax(1))  # NaN or +/-inf anywhere in the row
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), torch.ldexp(scale, -shift))
+    e4 = e4.masked_fill_(bad[:, None], 0.0)
+    return e4.to(torch.float8_e4m3fn), scale
 
 
 # --------------------------------------------------------------------------- FP8 quantize
@@ -290,9 +316,26 @@ def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
     return fp4_dgrad_reference(g, g_scale, w_packed, k, out_dtype)
 
 
+def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, w_values=None,
+                    values_dtype=None):
+    """Forward GeMM on the E4M3 operand of ``quantize_fp4_folded``: ``(E W_q^T) / (s s_w^T) + bias``.
+
+    ``values_dtype`` (reference path): the dtype the reference GeMM reads E in (E4M3 values are
+    exact in bf16 and fp32); default the compute dtype of ``out_dtype``."""
+    if backend_for(a_fold.device) == "triton":
+        return _triton_kernels().triton_folded_gemm(a_fold, a_scale, w_packed, w_scale, k, out_dtype=out_dtype,
+                                                    bias=bias)
+    a_vals = a_fold.to(values_dtype or _compute_dtype(out_dtype, a_fold.device))
+    return fp4_gemm_reference(a_fold, a_scale, w_packed, w_scale, k, out_dtype, bias, a_vals, w_values)
+
+
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
               dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None):
-    if a_values is not None:  # the E4M3-folded activation operand: reference path only
+    if a_values is not None:  # the E4M3-folded activation operand (FP4Config.occ_fold_e4m3)
+        if backend_for(g.device) == "triton":
+            return _triton_kernels().triton_folded_wgrad(
+                g, g_scale, a_values, out_dtype=out_dtype, dge_weight=dge_weight,
+                dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp, addend=addend)
         return fp4_wgrad_reference(g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k,
                                    dge_clamp, addend, gemm_dtype, a_values)
     if backend_for(g.device) == "triton":

@@ -87,19 +87,11 @@ class _FP4LinearFn(torch.autograd.Function):
             vals_dtype, vals_round = gemm_dispatch.operand_dtype(out_dtype, x.device)
             a_fold = None  # the E4M3 activation operand of cfg.occ_fold_e4m3 (saved for wgrad)
             if cfg.occ and cfg.occ_fold_e4m3:
-                # experiment (docs/perf.md, "OCC on the GPU"): Y = (E W_q^T) / (s_a 2^-shift s_w) with
-                # E = E4M3((A_q + s_a R) 2^-shift); the compensation rides in the FP4 GeMM's operand
-                if gemm_dispatch.backend_for(x.device) == "triton":
-                    raise NotImplementedError(
-                        "FP4Config.occ_fold_e4m3 is an experiment of the PyTorch reference path; the Triton "
-                        "kernels do not implement it (set FP4LIGHTNING_BACKEND=reference, or drop the key)")
+                # Y = (E W_q^T) / (s_a 2^-shift s_w) with E = E4M3((A_q + s_a R) 2^-shift): the
+                # compensation rides in the FP4 GeMM's operand (docs/perf.md, "OCC on the GPU")
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-                a_codes, a_scale, folded, _ = gemm_dispatch.quantize_fp4_clamped(
-                    x2d, bounds, cfg.scale_mode, per_tensor_a, fold=True, values_dtype=torch.float32)
-                e4, shift = fold_e4m3(folded)
-                a_scale = torch.ldexp(a_scale, -shift)  # exact: the row's scale over its shift
-                a_fold = e4.to(torch.float8_e4m3fn)  # 1 byte per element for backward
-                a_vals = e4.to(vals_dtype)  # E4M3 values are exact in bf16 and fp32
+                a_fold, a_scale = gemm_dispatch.quantize_fp4_folded(x2d, bounds, cfg.scale_mode, per_tensor_a)
+                a_codes = a_fold  # what backward keeps: the wgrad GeMM reads the folded operand
             elif cfg.occ:
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
                 # Reference path: fold the residual into the decoded operand,
@@ -126,7 +118,10 @@ class _FP4LinearFn(torch.autograd.Function):
                 a_codes, a_scale, a_vals = gemm_dispatch.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a, values_dtype=vals_dtype)
             w_codes, w_scale, w_vals = w_quant if w_quant is not None else _quantize_weight(weight, cfg, vals_dtype)
             # --- the FP4 GeMM plus the compensation product R Wdq^T
-            if r is not None and a_vals is not None:  # compensation already folded into a_vals
+            if a_fold is not None:
+                y = gemm_dispatch.fp4_gemm_folded(a_fold, a_scale, w_codes, w_scale, k, out_dtype, bias=bias,
+                                                  w_values=w_vals, values_dtype=vals_dtype)
+            elif r is not None and a_vals is not None:  # compensation already folded into a_vals
                 y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
             elif r is not None:
@@ -141,8 +136,6 @@ class _FP4LinearFn(torch.autograd.Function):
                 y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
         compact = isinstance(resid, tuple)
-        if a_fold is not None:  # the wgrad GeMM reads the folded operand, not the codes
-            a_codes = a_fold
         ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, *(resid if compact else (resid,)))
         ctx.folded = a_fold is not None
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None

@@ -24,6 +24,8 @@ from typing import Literal
 
 import torch
 
+from .constants import E4M3_FOLD_MAX_SHIFT  # fold_e4m3's largest shift (re-exported here)
+
 __all__ = ["occ_bounds", "occ_clamp", "fold_e4m3", "QUANTILE_METHODS"]
 
 QUANTILE_METHODS = ("sample", "exact")
@@ -122,9 +124,6 @@ def occ_clamp(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torc
     return xc, x - xc
 
 
-#: ``fold_e4m3`` shifts a row down by at most 2^-8: every E2M1 value times 2^-8 is still exact in
-#: E4M3 (the smallest, 0.5 x 2^-8, is E4M3's smallest subnormal 2^-9)
-E4M3_FOLD_MAX_SHIFT = 8
 
 
 def fold_e4m3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

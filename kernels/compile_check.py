@@ -164,6 +164,18 @@ def _quantizer_cases(q_types, f8_types):
                           arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
                           consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single), num_warps=warps,
                           num_stages=1, elements_per_thread=bm * bn // (32 * warps)))
+    # OCC folded into an E4M3 activation operand (FP4Config.occ_fold_e4m3), launched without FMA
+    # contraction as FP4Linear launches it
+    fold_types = dict(x_ptr="*bf16", e_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", bounds_ptr="*fp32", M=_I, K=_I,
+                      stride_xm=_I, stride_em=_I)
+    for k in (QUANT_DIM, QUANT_FFN):
+        bm, bk, single, warps = quantize.fold_launch_params(k)
+        cases.append(dict(name=f"quantize_fp4 folded e4m3 (OCC), K={k}" + ("" if single else " (three passes)"),
+                          arch=90, kind="quantize", fn=quantize._quantize_fp4_fold_kernel, types=fold_types,
+                          consts=dict(POW2=False, GIVEN_AMAX=False, SINGLE_PASS=single, BLOCK_M=bm, BLOCK_K=bk,
+                                      MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN),
+                          num_warps=warps, num_stages=1, options=dict(enable_fp_fusion=False),
+                          elements_per_thread=bm * bk // (32 * warps)))
     # wgrad's operand dY / s_a, one scale per column, column-major out: absmax pass, then encode
     (am, an, aw), (bm, bn, warps) = quantize.fp8_cols_launch_params(QUANT_TOKENS, QUANT_DIM, column_major=True)
     cases.append(dict(name="fp8 column absmax / divisor", arch=90, kind="quantize", fn=quantize._col_amax_kernel,
@@ -185,6 +197,10 @@ def _expand_cases(all_configs: bool):
                   num_stages=1, block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True,
                   elements_per_thread=64 * 128 // 128)
              for fmt, mant, half, t in (("e4m3", 3, 0x30, False), ("e5m2", 2, 0x38, True))]
+    cases.append(dict(name="transpose e4m3 (folded wgrad operand)", arch=90, kind="expand", fn=fp8_gemm._transpose_kernel,
+                      types=dict(x_ptr="*u8", y_ptr="*u8", R=_I, C=_I, stride_x=_I, stride_y=_I),
+                      consts=dict(BLOCK_R=64, BLOCK_C=64), num_warps=4, num_stages=1, block_m=None, block_n=None,
+                      block_k=None, mma_dtype=None, is_default=True, elements_per_thread=64 * 64 // 128))
     g_types = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sr_ptr="*fp32", sc_ptr="*fp32", bias_ptr="*bf16", c_ptr="*fp32",
                    w_ptr="*fp32", sw_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I, stride_am=_I, stride_bn=_I,
                    stride_cm=_I, stride_ck=_I, stride_wm=_I, stride_ym=_I)
@@ -199,6 +215,10 @@ def _expand_cases(all_configs: bool):
         ("fp8_gemm dgrad e5m2 (expand path)", "dgrad", e5, dict(none, DOT=DOT_FP8E5, PRECISE_ACC=True, ROW_SCALE=1)),
         ("fp8_gemm wgrad e5m2 + DGE + addend (expand path)", "wgrad", dict(e5, y_ptr="*fp32"),
          dict(none, DOT=DOT_FP8E5, PRECISE_ACC=True, ROW_SCALE=2, HAS_ADDEND=True, HAS_DGE=True, TWO_PHASE=True)),
+        # FP4Config.occ_fold_e4m3: E5M2 dY against the folded E4M3 activations, mixed FP8 types
+        ("fp8_gemm wgrad e5m2 x e4m3 folded + DGE (expand path)", "wgrad",
+         dict(e5, b_ptr="*fp8e4nv", y_ptr="*fp32"),
+         dict(none, DOT=DOT_FP8E5, PRECISE_ACC=True, ROW_SCALE=2, HAS_DGE=True, TWO_PHASE=True)),
     ]
     for tma in (False, True):
         for name, kind, types, consts in variants:
@@ -211,7 +231,8 @@ def _expand_cases(all_configs: bool):
                 t = types
                 if tma:
                     el = "fp8e5" if consts["DOT"] == DOT_FP8E5 else "fp8e4nv"
-                    t = dict(types, a_desc=f"tensordesc<{el}[{a}, {bk}]>", b_desc=f"tensordesc<{el}[{b}, {bk}]>")
+                    el_b = "fp8e4nv" if "e4m3 folded" in name else el
+                    t = dict(types, a_desc=f"tensordesc<{el}[{a}, {bk}]>", b_desc=f"tensordesc<{el_b}[{b}, {bk}]>")
                 cases.append(dict(name=name if i == 0 else f"{name} cfg{i}", arch=90, kind=kind,
                                   fn=fp8_gemm._fp8_gemm_tma_kernel if tma else fp8_gemm._fp8_gemm_kernel,
                                   types=t, consts=dict(consts, BLOCK_M=a, BLOCK_N=b, BLOCK_K=bk, GROUP=8),
@@ -282,7 +303,8 @@ def compile_one(case: dict, dump: str | None = None) -> dict:
     try:
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", arch, 32),
-                           options=dict(num_warps=case["num_warps"], num_stages=case["num_stages"]))
+                           options=dict(num_warps=case["num_warps"], num_stages=case["num_stages"],
+                                        **case.get("options", {})))
     except Exception as e:  # report, do not stop: one table shows every kernel
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:500]}")
         return res

@@ -46,12 +46,14 @@ from ._common import (
     check_packed,
     check_same_device,
     check_vector,
+    has_fp8_mma,
     mma,
     tile_ids,
 )
-from .gemm import _bucket, _dge_factor, finish_rows_in_chunks
+from .gemm import _bucket, _dge_factor, _precise, finish_rows_in_chunks
 
-__all__ = ["triton_expand_fp4", "triton_fp8_gemm", "EXPAND_DTYPES"]
+__all__ = ["triton_expand_fp4", "triton_fp8_gemm", "triton_transpose_fp8", "triton_folded_gemm", "triton_folded_wgrad",
+           "EXPAND_DTYPES"]
 
 #: FP8 types an FP4 operand can be expanded to (both hold every E2M1 value exactly).
 EXPAND_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -122,6 +124,30 @@ def triton_expand_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.f
                          MANT=mant, HALF=half, BLOCK_R=block_r, BLOCK_KH=block_kh, num_warps=4)
     out = buf.view(dtype)
     return out[:, :r] if transpose else out[:, :k]
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, R, C, stride_x, stride_y, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y[c, r] = x[r, c] for bytes; Triton stages the tile through shared memory so both the
+    loads (along C) and the stores (along R) are contiguous."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
+    t = tl.load(x_ptr + offs_r.to(tl.int64)[:, None] * stride_x + offs_c[None, :], mask=mask, other=0)
+    tl.store(y_ptr + offs_c.to(tl.int64)[None, :] * stride_y + offs_r[:, None], t, mask=mask)
+
+
+def triton_transpose_fp8(x: torch.Tensor) -> torch.Tensor:
+    """(R, C) FP8 -> (C, R) of the same values, as a view of a buffer whose row stride is padded
+    to 16 bytes: the layout the FP8 tensor cores read a weight-gradient operand in (the reduction
+    dimension, tokens, contiguous). The pad is not written (the GeMMs never read it)."""
+    x = _check_fp8("x", x)
+    r, c = x.shape
+    buf = torch.empty(c, _round_up(r, _PAD), dtype=torch.uint8, device=x.device)
+    block_r, block_c = (16, 32) if INTERPRET else (64, 64)
+    _transpose_kernel[(triton.cdiv(r, block_r), triton.cdiv(c, block_c))](
+        x.view(torch.uint8), buf, r, c, x.stride(0), buf.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return buf.view(x.dtype)[:, :r]
 
 
 # --------------------------------------------------------------------------- FP8 GeMM
@@ -320,7 +346,10 @@ def triton_fp8_gemm(
     precise_acc: bool = True,
     tma: bool | None = None,
 ) -> torch.Tensor:
-    """``Y = A B^T`` for FP8 ``a`` (M, K) and ``b`` (N, K) of one FP8 type, fp32 accumulation.
+    """``Y = A B^T`` for FP8 ``a`` (M, K) and ``b`` (N, K), fp32 accumulation.
+
+    The two operands may be of different FP8 types (E5M2 x E4M3: Hopper's ``wgmma`` takes the
+    pair, ``QGMMA...E5M2.E4M3`` in the SASS; the folded-OCC weight gradient needs it).
 
     Epilogue, in this order: ``/ row_scale[:, None]`` (or ``* (1 / row_scale)`` with
     ``row_reciprocal``), ``/ col_scale[None, :]``, ``+ bias``, ``+ addend`` (M, N, any
@@ -331,8 +360,6 @@ def triton_fp8_gemm(
     default off); operands that are not 16-byte aligned use pointer loads either way.
     """
     a, b = _check_fp8("a", a), _check_fp8("b", b)
-    if a.dtype != b.dtype:
-        raise TypeError(f"a is {a.dtype} but b is {b.dtype}: expand the FP4 operand to the other operand's FP8 type")
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a has K={a.shape[1]} but b has K={b.shape[1]}; both are (rows, K) with K the reduction")
     m, k = a.shape
@@ -384,3 +411,54 @@ def triton_fp8_gemm(
         HAS_DGE=has_dge, DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
     return y
+
+
+# --------------------------------------------------------------------------- OCC folded in E4M3
+def _need_fp8_mma(device: torch.device, what: str) -> None:
+    if not has_fp8_mma(device):
+        raise RuntimeError(f"{what} runs on FP8 tensor cores (sm_90+), which {device} does not have; "
+                           "drop FP4Config.occ_fold_e4m3 or set FP4LIGHTNING_BACKEND=reference")
+
+
+def triton_folded_gemm(a_fold: torch.Tensor, a_scale: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                       k: int, out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None, *,
+                       fast_accum: bool | None = None) -> torch.Tensor:
+    """Forward GeMM of ``FP4Config.occ_fold_e4m3``: ``Y = (E W_q^T) / (s s_w^T) + bias``.
+
+    ``a_fold`` (M, k) E4M3 and ``a_scale`` (M,) are what ``triton_quantize_rows_folded`` returns
+    (OCC's compensation already in E); W's codes are expanded to E4M3 and one FP8 GeMM runs:
+    no second, bf16 compensation GeMM (docs/perf.md, "OCC on the GPU")."""
+    a_fold = _check_fp8("a_fold", a_fold)
+    if a_fold.dtype != torch.float8_e4m3fn or a_fold.shape[1] != k:
+        raise ValueError(f"a_fold must be (M, {k}) torch.float8_e4m3fn (triton_quantize_rows_folded's output), "
+                         f"got {tuple(a_fold.shape)} {a_fold.dtype}")
+    w_packed = check_packed("w_packed", w_packed, k)
+    _need_fp8_mma(a_fold.device, "the folded-OCC forward GeMM")
+    return triton_fp8_gemm(a_fold, triton_expand_fp4(w_packed, k), out_dtype, row_scale=a_scale, col_scale=w_scale,
+                           bias=bias, precise_acc=_precise(fast_accum))
+
+
+def triton_folded_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a_fold: torch.Tensor,
+                        out_dtype: torch.dtype = torch.float32, dge_weight: torch.Tensor | None = None,
+                        dge_weight_scale: torch.Tensor | None = None, dge_k: float = 5.0, dge_clamp: float = 3.0,
+                        addend: torch.Tensor | None = None, *, fast_accum: bool | None = None) -> torch.Tensor:
+    """Weight gradient of ``FP4Config.occ_fold_e4m3``: ``dW = (G2^T E) / s_g2[:, None]``, DGE fused.
+
+    ``g`` (M, N) FP8 dY with the folded operand's row scales divided in (one fp32 scale per
+    column, ``g_scale``), row- or column-major; ``a_fold`` (M, k) the forward's E4M3 operand,
+    transposed here to tokens-contiguous. The dot is E5M2 x E4M3 for an E5M2 dY (mixed FP8 types,
+    one ``wgmma``), so OCC's share of the weight gradient rides in the same FP8 GeMM.
+    Epilogue as ``triton_fp4_wgrad``."""
+    a_fold = _check_fp8("a_fold", a_fold)
+    if g.dtype not in EXPAND_DTYPES:
+        raise TypeError(f"g is {g.dtype}: the folded-OCC weight gradient needs an FP8 dY "
+                        "(FP4Config.grad_format 'e5m2' or 'e4m3')")
+    if g.dim() != 2 or g.shape[0] != a_fold.shape[0]:
+        raise ValueError(f"g has shape {tuple(g.shape)} but a_fold has {a_fold.shape[0]} rows (tokens); "
+                         "wgrad reduces over tokens")
+    _need_fp8_mma(g.device, "the folded-OCC weight-gradient GeMM")
+    g_t = g.shape[0] > 1 and g.stride(0) == 1  # column-major dY (quantize_fp8(dim=0, column_major=True))
+    g2t = g.t() if g_t else g.t().contiguous()  # (N, M), tokens contiguous
+    return triton_fp8_gemm(g2t, triton_transpose_fp8(a_fold), out_dtype, row_scale=g_scale, row_reciprocal=True,
+                           addend=addend, dge_weight=dge_weight, dge_weight_scale=dge_weight_scale, dge_k=dge_k,
+                           dge_clamp=dge_clamp, precise_acc=_precise(fast_accum))

@@ -25,12 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lightning.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN, F8E5M2_MANT_BITS,
-                                    F8E5M2_MAX)
+from fp4lightning.constants import (E4M3_FOLD_MAX_SHIFT, F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,
+                                    F8E5M2_MANT_BITS, F8E5M2_MAX)
 
 from ._common import (
     AMAX_EPS_C,
     E2M1_MAX_C,
+    F8E4M3_MAX_C,
     F32_MAX_C,
     FLOAT_DTYPES,
     FP8_AMAX_EPS_C,
@@ -42,13 +43,15 @@ from ._common import (
     sign_bit,
 )
 
-__all__ = ["triton_quantize_rows", "triton_quantize_rows_clamped", "triton_quantize_fp8", "MAX_SINGLE_PASS_KH"]
+__all__ = ["triton_quantize_rows", "triton_quantize_rows_clamped", "triton_quantize_rows_folded", "triton_quantize_fp8",
+           "MAX_SINGLE_PASS_KH"]
 
 #: Longest packed row (bytes; 2x elements) one program keeps in registers in one pass.
 MAX_SINGLE_PASS_KH = 4096
 #: Longest row (elements) the per-row FP8 quantizer keeps in registers in one pass.
 MAX_SINGLE_PASS_FP8 = 8192
 # FP8 formats: (max, mantissa bits, smallest normal exponent), per torch.finfo.
+E4M3_FOLD_MAX_SHIFT_C = tl.constexpr(E4M3_FOLD_MAX_SHIFT)
 _FP8 = {
     "e4m3": (F8E4M3_MAX, F8E4M3_MANT_BITS, F8E4M3_EMIN, torch.float8_e4m3fn),
     "e5m2": (F8E5M2_MAX, F8E5M2_MANT_BITS, F8E5M2_EMIN, torch.float8_e5m2),
@@ -244,6 +247,164 @@ def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_
     tensors' worth of traffic (clamp write, residual write, quantizer read).
     """
     return _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh)
+
+
+# --------------------------------------------------------------------------- FP4 + OCC folded in E4M3
+@triton.jit
+def _e2m1_value(i):
+    """fp32 E2M1 magnitude of index ``i`` (int32 0..7): 0, 0.5, 1, 1.5, 2, 3, 4, 6 (exact)."""
+    pow2 = (((i >> 1) + 125) << 23).to(tl.float32, bitcast=True)  # 2^((i >> 1) - 2)
+    return tl.where(i < 2, i.to(tl.float32) * 0.5, (2 + (i & 1)).to(tl.float32) * pow2)
+
+
+@triton.jit
+def _folded_block(x_rows, k0, ke, row_ok, K, lo, hi, scale):
+    """``A_q + s R`` (fp32) on elements [k0, k0 + BLOCK) of a row block, as
+    ``fp4lightning.fused.fp4_rows_unpacked(fold=True)`` computes it: the E2M1 value of
+    ``clamp(x) * s`` (zero in NaN-scale rows) plus ``R * s``, R = ``x - clamp(x)`` rounded to
+    x's dtype; the product and the sum rounded separately (launched without FMA contraction)."""
+    mask = row_ok[:, None] & (k0 + ke < K)[None, :]
+    xr = tl.load(x_rows + k0 + ke[None, :], mask=mask, other=0.0)
+    x = xr.to(tl.float32)
+    xc = tl.where(x < lo, lo, tl.where(x > hi, hi, x))
+    xc = tl.where((lo != lo) | (hi != hi), float("nan"), xc)
+    r = x - xc
+    if xr.dtype == tl.bfloat16:  # fp32 -> bf16, nearest-even, in integer arithmetic (the
+        # interpreter's cast truncates; on a GPU this is what cvt.rn.bf16.f32 gives)
+        b = r.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        r = r.to(xr.dtype).to(tl.float32)
+    s = scale[:, None]
+    y = tl.where(s == s, xc * s, 0.0)
+    qm = _e2m1_value(minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0))
+    q = tl.where(sign_bit(y) == 1, -qm, qm)
+    return q + r * s, mask
+
+
+@triton.jit
+def _fold_shift(famax):
+    """fp4lightning.occ.fold_e4m3's per-row shift (int32 0..8) of a finite row absmax."""
+    e = ((famax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # frexp's exponent (normal numbers)
+    shift = tl.minimum(tl.maximum(e - 9, 0), E4M3_FOLD_MAX_SHIFT_C)
+    scaled = famax * ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return tl.minimum(tl.where(scaled > F8E4M3_MAX_C, shift + 1, shift), E4M3_FOLD_MAX_SHIFT_C)
+
+
+@triton.jit
+def _fold_encode_store(v, shift, bad, e_ptrs, mask, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """E4M3 bit patterns of ``v * 2^-shift`` (saturating, nearest-even); zeros in ``bad`` rows."""
+    y = v * ((127 - shift) << 23).to(tl.float32, bitcast=True)[:, None]
+    y = tl.where(bad[:, None], 0.0, y)
+    mag = minifloat_bits(tl.minimum(tl.abs(y), F8E4M3_MAX_C), MANT, EMIN)
+    tl.store(e_ptrs, (mag | (sign_bit(y) << 7)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _quantize_fp4_fold_kernel(
+    x_ptr, e_ptr, s_ptr, amax_ptr, bounds_ptr,
+    M, K,
+    stride_xm, stride_em,
+    POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MANT: tl.constexpr = F8E4M3_MANT_BITS,
+    EMIN: tl.constexpr = F8E4M3_EMIN,
+):
+    # OCC clamp, FP4 scale, E2M1 rounding, residual folded back in, per-row power-of-two shift,
+    # E4M3 encode. SINGLE_PASS: the row block sits in registers, x is read once; otherwise three
+    # walks along the row (clamped absmax, folded absmax, encode), the later ones mostly from L2.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_em
+    ke = tl.arange(0, BLOCK_K)
+    lo = tl.load(bounds_ptr)
+    hi = tl.load(bounds_ptr + 1)
+    if GIVEN_AMAX:
+        amax = tl.zeros([BLOCK_M], tl.float32) + tl.load(amax_ptr)
+    if SINGLE_PASS:
+        if not GIVEN_AMAX:
+            x = _load_block(x_rows, x_rows, 0, ke, row_ok, K, lo, hi, True, False)
+            amax = _row_amax(x)
+        scale = _fp4_scale(amax, POW2)
+        v, mask = _folded_block(x_rows, 0, ke, row_ok, K, lo, hi, scale)
+        famax = _row_amax(v)
+        bad = famax != famax
+        shift = _fold_shift(tl.where(bad, 0.0, famax))
+        _fold_encode_store(v, shift, bad, e_rows + ke[None, :], mask, MANT, EMIN)
+    else:
+        if not GIVEN_AMAX:
+            amax = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = _load_block(x_rows, x_rows, k0, ke, row_ok, K, lo, hi, True, False)
+                blk = _row_amax(x)
+                amax = tl.where((blk != blk) | (amax != amax), float("nan"), tl.maximum(amax, blk))
+        scale = _fp4_scale(amax, POW2)
+        famax = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            v, _ = _folded_block(x_rows, k0, ke, row_ok, K, lo, hi, scale)
+            blk = _row_amax(v)
+            famax = tl.where((blk != blk) | (famax != famax), float("nan"), tl.maximum(famax, blk))
+        bad = famax != famax
+        shift = _fold_shift(tl.where(bad, 0.0, famax))
+        for k0 in range(0, K, BLOCK_K):
+            v, mask = _folded_block(x_rows, k0, ke, row_ok, K, lo, hi, scale)
+            _fold_encode_store(v, shift, bad, e_rows + k0 + ke[None, :], mask, MANT, EMIN)
+    out = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)  # s_a 2^-shift, exact
+    tl.store(s_ptr + rows, tl.where(bad, float("nan"), out), mask=row_ok)
+
+
+def fold_launch_params(k: int, block_k: int | None = None) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_K, SINGLE_PASS, num_warps) of the folded quantizer for rows of ``k``
+    elements (also what kernels/compile_check.py compiles): the FP4 quantizer's tiles, whose
+    packed bytes are two elements each."""
+    if block_k is not None and (block_k < 2 or block_k & (block_k - 1)):
+        raise ValueError(f"block_k must be a power of two >= 2, got {block_k}")
+    block_m, bkh, single, warps = fp4_launch_params((k + 1) // 2, None if block_k is None else block_k // 2)
+    return block_m, 2 * bkh, single, warps
+
+
+def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+                                per_tensor: bool = False, *, block_k: int | None = None):
+    """OCC folded into the activation operand in E4M3 (``FP4Config.occ_fold_e4m3``): ``(e4, scale)``.
+
+    One pass over x does what the reference does in three steps: ``quantize_fp4_clamped(x2d,
+    bounds, fold=True)`` (clamp, row-wise FP4 scale ``s_a``, E2M1 values ``A_q`` plus the scaled
+    residual, ``A_q + s_a R``), then ``fp4lightning.occ.fold_e4m3`` (each row shifted down by the
+    smallest power of two ``2^shift``, 0 <= shift <= 8, that brings it within E4M3's 448, rounded
+    to E4M3), with ``scale = s_a 2^-shift`` so that ``x ~ e4 / scale`` and the forward GeMM needs
+    no compensation term (docs/perf.md, "OCC on the GPU"). Bit-identical to that reference
+    (``fp4lightning.gemm_dispatch.quantize_fp4_folded``). Rows whose folded values are not
+    finite (NaN or +/-inf in x, or a NaN bound) get a NaN scale and zero codes, so the GeMM's
+    output row is NaN and loss scaling sees it.
+
+    ``e4`` is (M, K) ``torch.float8_e4m3fn``, a view of a buffer whose row stride is a
+    multiple of 16 bytes (16-byte aligned loads and TMA in the FP8 GeMM). ``block_k`` (power
+    of two) is a testing override; longer rows take the three-pass path.
+    """
+    x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the activations to quantize, one scale per row")
+    check_same_device(x2d=x2d, bounds=bounds)
+    if scale_mode not in ("float", "pow2"):
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
+    if not isinstance(bounds, torch.Tensor) or bounds.shape != (2,) or not bounds.is_floating_point():
+        raise ValueError("bounds must be a floating-point tensor([lo, hi]) as occ_bounds returns, got "
+                         f"{bounds if not isinstance(bounds, torch.Tensor) else tuple(bounds.shape)}")
+    m, k = x2d.shape
+    lohi = bounds.to(x2d.dtype).float().contiguous()  # the reference clamps with x's dtype's bounds
+    buf = torch.empty(m, (k + 15) // 16 * 16, dtype=torch.uint8, device=x2d.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
+    amax = scale
+    if per_tensor:
+        ends = torch.clamp(torch.stack(torch.aminmax(x2d)).float(), lohi[0], lohi[1])
+        amax = ends.abs().amax().reshape(1)
+        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+    block_m, blk, single, warps = fold_launch_params(k, block_k)
+    _quantize_fp4_fold_kernel[(triton.cdiv(m, block_m),)](
+        x2d, buf, scale, amax, lohi, m, k, x2d.stride(0), buf.stride(0),
+        POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, BLOCK_M=block_m, BLOCK_K=blk,
+        num_warps=warps, enable_fp_fusion=False,
+    )
+    return buf.view(torch.float8_e4m3fn)[:, :k], scale
 
 
 # --------------------------------------------------------------------------- FP8

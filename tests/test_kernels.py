@@ -696,8 +696,10 @@ def test_fp8_gemm_epilogues_against_float64():
     y = triton_fp8_gemm(a, b, torch.bfloat16, precise_acc=False)
     assert y.dtype == torch.bfloat16
     above(sqnr(y, prod), LINEAR_BF16_SQNR_DB, "bf16 out")
-    with pytest.raises(TypeError, match="expand the FP4 operand"):
-        triton_fp8_gemm(a, b.view(torch.uint8).view(torch.float8_e5m2))
+    # mixed FP8 types (E5M2 x E4M3, the folded-OCC weight gradient's pair): one dot, exact products
+    g, sg = gemm_dispatch.quantize_fp8_reference(torch.randn(m, k, device=DEV), 1, "e5m2")
+    y = triton_fp8_gemm(g, b, row_scale=sg)
+    above(sqnr(y, (g.double() @ b.double().t()) / sg.double()[:, None]), GEMM_SQNR_DB, "e5m2 x e4m3")
     with pytest.raises(ValueError, match="K=83 but b has K=80"):
         triton_fp8_gemm(a, b[:, :80])
     with pytest.raises(TypeError, match="a has dtype torch.float32; expected one of float8_e4m3fn, float8_e5m2"):
@@ -765,6 +767,129 @@ def test_fp4linear_triton_matches_reference(preset, path, dtype, monkeypatch):
         above(sqnr(dx_t, dx_r), GEMM_SQNR_DB, "dx_t SQNR dB")
     assert torch.equal(db_t, db_r)
     above(sqnr(dw_t, dw_r), (LINEAR_WGRAD_DGE_SQNR_DB if kt.INTERPRET else GEMM_SQNR_DB), "dw_t SQNR dB")
+
+
+# --------------------------------------------------------------------------- OCC folded in E4M3
+def _fold_input(m, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    hot = torch.rand(m, k, generator=g) < 0.03
+    x[hot] *= torch.randint(2, 3000, (int(hot.sum()),), generator=g).float()  # outliers up to 3000x
+    return x.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_k", [None, 32])  # 32: rows of 74-230 elements take the three-pass path
+def test_quantize_folded_bitwise(dtype, block_k):
+    # FP4Config.occ_fold_e4m3's quantizer (clamp, FP4 scale, E2M1, residual folded back in, per-row
+    # shift, E4M3) against the reference's three steps: codes and scales bit-identical, fresh
+    # inputs with outliers large enough to need every shift (0-8), odd and even K
+    for seed in range(3):
+        m, k = 37 + seed, (74, 131, 230)[seed]
+        x = _fold_input(m, k, dtype, 100 * seed + 7)
+        x[3, 5] = float("nan")  # a NaN row, an inf row: NaN scale, zero codes
+        x[4, 9] = float("inf")
+        for alpha, scale_mode, per_tensor in ((0.97, "float", False), (0.99, "pow2", False), (0.97, "float", True)):
+            b = occ_bounds(x, alpha, "exact")
+            e, s = kt.triton_quantize_rows_folded(x, b, scale_mode, per_tensor, block_k=block_k)
+            e_ref, s_ref = _reference_backend(gemm_dispatch.quantize_fp4_folded, x, b, scale_mode, per_tensor)
+            assert e.dtype == torch.float8_e4m3fn and e.shape == (m, k) and e.stride(0) % 16 == 0
+            assert torch.equal(e.contiguous().view(torch.uint8), e_ref.view(torch.uint8)), (seed, alpha, scale_mode)
+            _assert_same_scale(s, s_ref)
+            assert torch.isnan(s[3:5]).all() and not e[3:5].float().any()
+            if not per_tensor:
+                ok = torch.ones(m, dtype=torch.bool)
+                ok[3:5] = False
+                # the fold reconstructs an outlier x (|x| > 4 max|bound|, so s|x| >= 24) to E4M3's 3
+                # mantissa bits (2^-4) plus the E2M1 rounding of its clamped part (<= 1 / 24) and
+                # the residual's rounding to x's dtype (<= 2^-8)
+                rel = ((e.float() / s[:, None]) - x.float()).abs()[ok] / x.float().abs()[ok].clamp_min(1e-3)
+                assert rel[x.float().abs()[ok] > 4 * b.abs().max()].max() <= 2.0 ** -4 + 1 / 24 + 2.0 ** -8
+    big = _fold_input(8, 64, torch.float32, 5)
+    big[0, 0] = 6e5  # beyond 448 x 2^8 of the folded grid even at the largest shift: saturates
+    e, s = kt.triton_quantize_rows_folded(big, occ_bounds(big, 0.97, "exact"))
+    assert e.float()[0, 0] == 448.0 and torch.isfinite(s).all()
+    with pytest.raises(ValueError, match="bounds must be a floating-point tensor"):
+        kt.triton_quantize_rows_folded(big, torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        kt.triton_quantize_rows_folded(big, occ_bounds(big, 0.97, "exact"), block_k=48)
+
+
+def _reference_backend(fn, *args):
+    old = os.environ.get("FP4LIGHTNING_BACKEND")
+    os.environ["FP4LIGHTNING_BACKEND"] = "reference"
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ["FP4LIGHTNING_BACKEND"]
+        else:
+            os.environ["FP4LIGHTNING_BACKEND"] = old
+
+
+def test_transpose_fp8():
+    from fp4lightning.kernels.fp8_gemm import triton_transpose_fp8
+    for r, c in ((1, 1), (37, 70), (130, 33)):
+        x = torch.randn(r, c, device=DEV).clamp(-400, 400).to(torch.float8_e4m3fn)
+        t = triton_transpose_fp8(x)
+        assert t.shape == (c, r) and t.dtype == x.dtype and t.stride(0) % 16 == 0 and t.stride(1) == 1
+        assert torch.equal(t.contiguous().view(torch.uint8), x.view(torch.uint8).t().contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
+def test_fp4linear_triton_fold_matches_reference(dtype, grad_format, monkeypatch):
+    # FP4Config.occ_fold_e4m3 end to end: the Triton path (one kernel for the folded operand, one
+    # FP8 GeMM forward, an E5M2 x E4M3 weight-gradient GeMM) against the reference path
+    cfg = FP4Config.from_preset("paper", occ_fold_e4m3=True, occ_quantile="exact", grad_format=grad_format)
+    lin = FP4Linear(96, 48, config=cfg).to(DEV)
+    x = _fold_input(120, 96, dtype, 11).reshape(3, 40, 96)
+    dy = torch.randn(3, 40, 48, device=DEV).to(dtype)
+    out = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
+        xx = x.clone().requires_grad_(True)
+        lin.zero_grad()
+        y = lin(xx)
+        y.backward(dy)
+        out[backend] = (y.detach(), xx.grad, lin.weight.grad.clone())
+    (y_r, dx_r, dw_r), (y_t, dx_t, dw_t) = out["reference"], out["triton"]
+    if dtype == torch.bfloat16:
+        for name, t, r in (("y", y_t, y_r), ("dx", dx_t, dx_r), ("dw", dw_t, dw_r)):
+            above(sqnr(t, r), LINEAR_BF16_SQNR_DB, name)
+        return
+    # same operand bits, exact products, fp32 sums in another order; dW's DGE power differs (exp2/log2)
+    above(sqnr(y_t, y_r), LINEAR_WGRAD_DGE_SQNR_DB if kt.INTERPRET else GEMM_SQNR_DB, "y")
+    above(sqnr(dx_t, dx_r), GEMM_SQNR_DB, "dx")
+    above(sqnr(dw_t, dw_r), LINEAR_WGRAD_DGE_SQNR_DB if kt.INTERPRET else GEMM_SQNR_DB, "dw")
+
+
+def test_fp4linear_triton_fold_has_no_host_sync_and_saves_one_byte(monkeypatch):
+    from fp4lightning.fidelity import saved_tensor_bytes
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
+    lin = FP4Linear(96, 48, config=FP4Config.from_preset("paper", occ_fold_e4m3=True)).to(DEV)
+    x = _fold_input(80, 96, torch.bfloat16, 3).requires_grad_(True)
+    rec = _HostSyncRecorder()
+    with rec:
+        lin(x).backward(torch.randn(80, 48, device=DEV).bfloat16())
+    assert rec.calls == [], sorted(set(rec.calls))
+    assert torch.isfinite(lin.weight.grad).all() and torch.isfinite(x.grad).all()
+    # what backward keeps of the activation: its E4M3 operand (1 byte per element) and a scale per row
+    # (the weight-side tensors do not change with the token count: the difference is 40 rows)
+    act = saved_tensor_bytes(lin, lambda: lin(x)) - saved_tensor_bytes(lin, lambda: lin(x[:40]))
+    assert act == 40 * (96 + 4), act
+
+
+def test_fp4linear_triton_fold_errors(monkeypatch):
+    from fp4lightning.kernels import fp8_gemm
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
+    x = torch.randn(8, 32, device=DEV)
+    with pytest.raises(TypeError, match="needs an FP8 dY"):  # a bf16 dY has no FP8 weight-gradient GeMM
+        FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True, grad_format="bf16")).to(DEV)(
+            x.requires_grad_(True)).sum().backward()
+    monkeypatch.setattr(fp8_gemm, "has_fp8_mma", lambda device: False)  # an A100: no FP8 tensor cores
+    with pytest.raises(RuntimeError, match="FP8 tensor cores .* FP4LIGHTNING_BACKEND=reference"):
+        FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True)).to(DEV)(x)
 
 
 @pytest.mark.parametrize("path", ["decode", "expand"])

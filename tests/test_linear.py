@@ -388,10 +388,8 @@ def test_occ_fold_e4m3_matches_float64_reference_of_same_math(grad_format):
     above(sqnr(dw, edw), 20.0, "fold vs exact compensation, dW SQNR dB")
 
 
-def test_occ_fold_e4m3_errors(monkeypatch):
-    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")  # the kernels do not implement the fold: say so
-    with pytest.raises(NotImplementedError, match="FP4LIGHTNING_BACKEND=reference"):
-        FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True))(torch.randn(4, 32))
+def test_occ_fold_e4m3_errors():
+    # (the Triton path's errors: tests/test_kernels.py::test_fp4linear_triton_fold_errors)
     with pytest.raises(ValueError, match="occ_fold_e4m3 .* needs occ=True"):
         FP4Config.from_preset("fp4-no-occ", occ_fold_e4m3=True)
     with pytest.raises(ValueError, match="occ_fold_e4m3"):
