@@ -165,6 +165,11 @@ def bench_quantize(table: Table, dev, shapes):
             ("fp8 e5m2, per row", lambda: fp8(x, 1, "e5m2"), x.numel() * 3 + m * 4),
             ("fp8 e5m2, per column", lambda: fp8(x, 0, "e5m2"), x.numel() * 3 + k * 4),
         ]
+        # FP4Config.occ_fold_e4m3's quantizer: OCC's residual folded into one E4M3 operand (reads
+        # 2 B, writes 1 B per element); on CPU the reference's three steps
+        folded = kt.triton_quantize_rows_folded if CUDA else gemm_dispatch.quantize_fp4_folded
+        cases.append(("fp4 rows + OCC folded -> E4M3 (occ_fold_e4m3)", lambda: folded(x, bounds),
+                      x.numel() * 3 + m * 4))
         if CUDA:  # the layout FP4Linear's wgrad reads
             cases.append(("fp8 e5m2, per column, column-major out",
                           lambda: kt.triton_quantize_fp8(x, 0, "e5m2", column_major=True), x.numel() * 3 + k * 4))
@@ -338,6 +343,13 @@ def bench_linear(table: Table, dev, shapes):
                         os.environ["FP4LIGHTNING_GEMM_PATH"] = before
                 table.add("linear", f"FP4Linear {preset} fwd+bwd" + (f" ({path} path)" if path else ""), shape, t,
                           f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
+        # `paper` with OCC folded into the E4M3 activation operand: forward and weight gradient are
+        # FP8 GeMMs (expand path by construction), no bf16 compensation GeMMs (docs/perf.md)
+        if not CUDA or kt.has_fp8_mma(dev):
+            mod = FP4Linear.from_linear(base, FP4Config.from_preset("paper", occ_fold_e4m3=True))
+            t = _time_ms(step(mod))
+            table.add("linear", "FP4Linear paper, OCC folded in E4M3 (occ_fold_e4m3) fwd+bwd", shape, t,
+                      f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
 
 
 def bench_occ_parts(table: Table, dev, shape):

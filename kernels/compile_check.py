@@ -170,7 +170,7 @@ def _quantizer_cases(q_types, f8_types):
                       stride_xm=_I, stride_em=_I)
     for k in (QUANT_DIM, QUANT_FFN):
         bm, bk, single, warps = quantize.fold_launch_params(k)
-        cases.append(dict(name=f"quantize_fp4 folded e4m3 (OCC), K={k}" + ("" if single else " (three passes)"),
+        cases.append(dict(name=f"quantize_fp4 folded e4m3 (OCC), K={k}" + ("" if single else " (two passes)"),
                           arch=90, kind="quantize", fn=quantize._quantize_fp4_fold_kernel, types=fold_types,
                           consts=dict(POW2=False, GIVEN_AMAX=False, SINGLE_PASS=single, BLOCK_M=bm, BLOCK_K=bk,
                                       MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN),

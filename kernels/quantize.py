@@ -32,6 +32,7 @@ from ._common import (
     AMAX_EPS_C,
     E2M1_MAX_C,
     F8E4M3_MAX_C,
+    INTERPRET_C,
     F32_MAX_C,
     FLOAT_DTYPES,
     FP8_AMAX_EPS_C,
@@ -250,36 +251,77 @@ def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_
 
 
 # --------------------------------------------------------------------------- FP4 + OCC folded in E4M3
+# Written for few instructions per element (kernels/compile_check.py counts them): the kernel reads
+# 2 bytes and writes 1 per element, so it keeps up with HBM only below ~30 SASS instructions per
+# element on an H200. Maxima are taken on the fp32 bit patterns with the sign cleared (non-negative
+# floats order like their bits, NaN above inf: one integer max, NaN-propagating); E2M1 rounding is
+# bit arithmetic; on a GPU the bf16 rounding and the E4M3 encode are single conversions
+# (cvt.rn.bf16.f32, cvt.rn.satfinite.e4m3x2.f32: nearest-even, saturating), under the interpreter
+# (whose casts truncate, docs/kernels.md) the same roundings in integer arithmetic.
 @triton.jit
-def _e2m1_value(i):
-    """fp32 E2M1 magnitude of index ``i`` (int32 0..7): 0, 0.5, 1, 1.5, 2, 3, 4, 6 (exact)."""
-    pow2 = (((i >> 1) + 125) << 23).to(tl.float32, bitcast=True)  # 2^((i >> 1) - 2)
-    return tl.where(i < 2, i.to(tl.float32) * 0.5, (2 + (i & 1)).to(tl.float32) * pow2)
+def _round_like(r, DT: tl.constexpr):
+    """fp32 ``r`` rounded to the float dtype DT (nearest-even) and back, as torch's arithmetic in DT rounds."""
+    if DT == tl.bfloat16:
+        if INTERPRET_C:
+            b = r.to(tl.int32, bitcast=True)
+            r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        else:
+            r = r.to(tl.bfloat16).to(tl.float32)
+    elif DT == tl.float16:
+        r = r.to(tl.float16).to(tl.float32)
+    return r
 
 
 @triton.jit
-def _folded_block(x_rows, k0, ke, row_ok, K, lo, hi, scale):
-    """``A_q + s R`` (fp32) on elements [k0, k0 + BLOCK) of a row block, as
-    ``fp4lightning.fused.fp4_rows_unpacked(fold=True)`` computes it: the E2M1 value of
-    ``clamp(x) * s`` (zero in NaN-scale rows) plus ``R * s``, R = ``x - clamp(x)`` rounded to
-    x's dtype; the product and the sum rounded separately (launched without FMA contraction)."""
+def _clamp(x, lo, hi):
+    """torch.clamp(x, lo, hi): NaN propagates, a NaN bound makes everything NaN."""
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _fold_load(x_rows, k0, ke, row_ok, K, lo, hi):
+    """``(clamp(x), R, mask)`` of elements [k0, k0 + BLOCK) of a row block, fp32; R = ``x - clamp(x)``
+    rounded to x's dtype as torch's subtraction in that dtype rounds it."""
     mask = row_ok[:, None] & (k0 + ke < K)[None, :]
-    xr = tl.load(x_rows + k0 + ke[None, :], mask=mask, other=0.0)
-    x = xr.to(tl.float32)
-    xc = tl.where(x < lo, lo, tl.where(x > hi, hi, x))
-    xc = tl.where((lo != lo) | (hi != hi), float("nan"), xc)
-    r = x - xc
-    if xr.dtype == tl.bfloat16:  # fp32 -> bf16, nearest-even, in integer arithmetic (the
-        # interpreter's cast truncates; on a GPU this is what cvt.rn.bf16.f32 gives)
-        b = r.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    else:
-        r = r.to(xr.dtype).to(tl.float32)
-    s = scale[:, None]
-    y = tl.where(s == s, xc * s, 0.0)
-    qm = _e2m1_value(minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0))
-    q = tl.where(sign_bit(y) == 1, -qm, qm)
-    return q + r * s, mask
+    x = tl.load(x_rows + k0 + ke[None, :], mask=mask, other=0.0).to(tl.float32)
+    xc = _clamp(x, lo, hi)
+    return xc, _round_like(x - xc, x_rows.dtype.element_ty), mask
+
+
+@triton.jit
+def _order_key(v):
+    """fp32 -> int32 whose signed order is the floats' order (an involution): +NaN above +inf,
+    -NaN (sign bit set, x86's default NaN) below -inf, so a max and a min catch every NaN."""
+    i = v.to(tl.int32, bitcast=True)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _abs_bits_max(v):
+    """Row max of ``|v|`` as fp32 bit patterns (int32): NaN above inf above every finite value."""
+    return tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+
+
+@triton.jit
+def _folded_values(xc, r, s):
+    """``A_q + s R`` (fp32), as ``fp4lightning.fused.fp4_rows_unpacked(fold=True)`` computes it: the
+    E2M1 value of ``clamp(x) * s`` (nearest, ties to even, saturating at 6) plus ``R * s``, the
+    product and the sum rounded separately (the kernel is launched without FMA contraction).
+    Non-decreasing in x (every step is), which the three-pass-free long-row path relies on."""
+    y = xc * s
+    a = tl.minimum(tl.abs(y), E2M1_MAX_C)
+    b = a.to(tl.int32, bitcast=True)
+    normal = ((b + 0x1FFFFF + ((b >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True)  # 1 mantissa bit
+    sub = (a + 4194304.0) - 4194304.0  # below 1: multiples of 0.5 (the ulp of 2^22)
+    q = tl.where(a < 1.0, sub, normal).to(tl.int32, bitcast=True)
+    q = (q | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)  # y's sign, -0.0 too
+    return q + r * s
+
+
+@triton.jit
+def _pow2_neg(shift):
+    """2^-shift (fp32, exact) for an int32 shift in 0..126."""
+    return ((127 - shift) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -287,17 +329,19 @@ def _fold_shift(famax):
     """fp4lightning.occ.fold_e4m3's per-row shift (int32 0..8) of a finite row absmax."""
     e = ((famax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # frexp's exponent (normal numbers)
     shift = tl.minimum(tl.maximum(e - 9, 0), E4M3_FOLD_MAX_SHIFT_C)
-    scaled = famax * ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    return tl.minimum(tl.where(scaled > F8E4M3_MAX_C, shift + 1, shift), E4M3_FOLD_MAX_SHIFT_C)
+    return tl.minimum(tl.where(famax * _pow2_neg(shift) > F8E4M3_MAX_C, shift + 1, shift), E4M3_FOLD_MAX_SHIFT_C)
 
 
 @triton.jit
 def _fold_encode_store(v, shift, bad, e_ptrs, mask, MANT: tl.constexpr, EMIN: tl.constexpr):
     """E4M3 bit patterns of ``v * 2^-shift`` (saturating, nearest-even); zeros in ``bad`` rows."""
-    y = v * ((127 - shift) << 23).to(tl.float32, bitcast=True)[:, None]
-    y = tl.where(bad[:, None], 0.0, y)
-    mag = minifloat_bits(tl.minimum(tl.abs(y), F8E4M3_MAX_C), MANT, EMIN)
-    tl.store(e_ptrs, (mag | (sign_bit(y) << 7)).to(tl.uint8), mask=mask)
+    y = tl.where(bad[:, None], 0.0, v * _pow2_neg(shift)[:, None])
+    if INTERPRET_C:
+        mag = minifloat_bits(tl.minimum(tl.abs(y), F8E4M3_MAX_C), MANT, EMIN)
+        bits = (mag | (sign_bit(y) << 7)).to(tl.uint8)
+    else:
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(e_ptrs, bits, mask=mask)
 
 
 @triton.jit
@@ -310,8 +354,11 @@ def _quantize_fp4_fold_kernel(
     EMIN: tl.constexpr = F8E4M3_EMIN,
 ):
     # OCC clamp, FP4 scale, E2M1 rounding, residual folded back in, per-row power-of-two shift,
-    # E4M3 encode. SINGLE_PASS: the row block sits in registers, x is read once; otherwise three
-    # walks along the row (clamped absmax, folded absmax, encode), the later ones mostly from L2.
+    # E4M3 encode. SINGLE_PASS: the row block sits in registers, x is read once. Otherwise two
+    # walks along the row: the first takes each row's largest and smallest x; since clamping and
+    # every step of the fold are non-decreasing in x, the clamped absmax is that of clamp(x_max)
+    # and clamp(x_min), and the folded row's absmax that of the two folded extremes (exactly: the
+    # same arithmetic on the same values); the second walk encodes.
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -320,38 +367,47 @@ def _quantize_fp4_fold_kernel(
     ke = tl.arange(0, BLOCK_K)
     lo = tl.load(bounds_ptr)
     hi = tl.load(bounds_ptr + 1)
-    if GIVEN_AMAX:
-        amax = tl.zeros([BLOCK_M], tl.float32) + tl.load(amax_ptr)
     if SINGLE_PASS:
-        if not GIVEN_AMAX:
-            x = _load_block(x_rows, x_rows, 0, ke, row_ok, K, lo, hi, True, False)
-            amax = _row_amax(x)
+        xc, r, mask = _fold_load(x_rows, 0, ke, row_ok, K, lo, hi)
+        if GIVEN_AMAX:
+            amax = tl.zeros([BLOCK_M], tl.float32) + tl.load(amax_ptr)
+        else:
+            amax = _abs_bits_max(xc).to(tl.float32, bitcast=True)
         scale = _fp4_scale(amax, POW2)
-        v, mask = _folded_block(x_rows, 0, ke, row_ok, K, lo, hi, scale)
-        famax = _row_amax(v)
-        bad = famax != famax
-        shift = _fold_shift(tl.where(bad, 0.0, famax))
+        v = _folded_values(xc, r, scale[:, None])
+        fbits = _abs_bits_max(v)
+        bad = (scale != scale) | (fbits >= 0x7F800000)  # NaN, or +/-inf in the folded row
+        shift = _fold_shift(tl.where(bad, 0.0, fbits.to(tl.float32, bitcast=True)))
         _fold_encode_store(v, shift, bad, e_rows + ke[None, :], mask, MANT, EMIN)
     else:
-        if not GIVEN_AMAX:
-            amax = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                x = _load_block(x_rows, x_rows, k0, ke, row_ok, K, lo, hi, True, False)
-                blk = _row_amax(x)
-                amax = tl.where((blk != blk) | (amax != amax), float("nan"), tl.maximum(amax, blk))
+        kmax = tl.full([BLOCK_M], -2147483648, tl.int32)
+        kmin = tl.full([BLOCK_M], 2147483647, tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_ok[:, None] & (k0 + ke < K)[None, :]
+            key = _order_key(tl.load(x_rows + k0 + ke[None, :], mask=mask, other=0.0).to(tl.float32))
+            kmax = tl.maximum(kmax, tl.max(tl.where(mask, key, -2147483648), axis=1))
+            kmin = tl.minimum(kmin, tl.min(tl.where(mask, key, 2147483647), axis=1))
+        x_hi = _order_key(kmax).to(tl.float32, bitcast=True)  # the row's largest x (or +NaN)
+        x_lo = _order_key(kmin).to(tl.float32, bitcast=True)  # smallest (or -NaN)
+        c_hi = _clamp(x_hi, lo, hi)
+        c_lo = _clamp(x_lo, lo, hi)
+        if GIVEN_AMAX:
+            amax = tl.zeros([BLOCK_M], tl.float32) + tl.load(amax_ptr)
+        else:
+            amax = tl.maximum(c_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                              c_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
         scale = _fp4_scale(amax, POW2)
-        famax = tl.zeros([BLOCK_M], tl.float32)
+        dt = x_ptr.dtype.element_ty
+        v_hi = _folded_values(c_hi, _round_like(x_hi - c_hi, dt), scale)
+        v_lo = _folded_values(c_lo, _round_like(x_lo - c_lo, dt), scale)
+        fbits = tl.maximum(v_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF, v_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        bad = (scale != scale) | (fbits >= 0x7F800000)
+        shift = _fold_shift(tl.where(bad, 0.0, fbits.to(tl.float32, bitcast=True)))
         for k0 in range(0, K, BLOCK_K):
-            v, _ = _folded_block(x_rows, k0, ke, row_ok, K, lo, hi, scale)
-            blk = _row_amax(v)
-            famax = tl.where((blk != blk) | (famax != famax), float("nan"), tl.maximum(famax, blk))
-        bad = famax != famax
-        shift = _fold_shift(tl.where(bad, 0.0, famax))
-        for k0 in range(0, K, BLOCK_K):
-            v, mask = _folded_block(x_rows, k0, ke, row_ok, K, lo, hi, scale)
-            _fold_encode_store(v, shift, bad, e_rows + k0 + ke[None, :], mask, MANT, EMIN)
-    out = scale * ((127 - shift) << 23).to(tl.float32, bitcast=True)  # s_a 2^-shift, exact
-    tl.store(s_ptr + rows, tl.where(bad, float("nan"), out), mask=row_ok)
+            xc, r, mask = _fold_load(x_rows, k0, ke, row_ok, K, lo, hi)
+            _fold_encode_store(_folded_values(xc, r, scale[:, None]), shift, bad, e_rows + k0 + ke[None, :], mask,
+                               MANT, EMIN)
+    tl.store(s_ptr + rows, tl.where(bad, float("nan"), scale * _pow2_neg(shift)), mask=row_ok)  # s_a 2^-shift
 
 
 def fold_launch_params(k: int, block_k: int | None = None) -> tuple[int, int, bool, int]:

@@ -69,6 +69,9 @@ HOPPER_ISSUE_PER_TENSOR_MAX = {
     "fp8_gemm forward (expand path, TMA)": 0.6,
     "fp8_gemm dgrad e5m2 (expand path, TMA)": 0.6,
     "fp8_gemm wgrad e5m2 + DGE + addend (expand path, TMA)": 0.6,
+    # FP4Config.occ_fold_e4m3's weight gradient, E5M2 x E4M3 operands: measured 0.49 / 0.47 (TMA)
+    "fp8_gemm wgrad e5m2 x e4m3 folded + DGE (expand path)": 0.6,
+    "fp8_gemm wgrad e5m2 x e4m3 folded + DGE (expand path, TMA)": 0.6,
 }
 # SASS instructions per element of the quantizers as launched at the 7B shapes (compile_check's
 # ins/elem; 2026-12-03, triton 3.7.1: 27.8, 34.8, 31.8, 31.2, 37.2, 15.8, 37.0). The budgets for 70%
@@ -82,6 +85,11 @@ QUANTIZER_SASS_PER_ELEMENT_MAX = {
     "quantize_fp8 rows e5m2 / divisor, N=11008 (two passes)": 41.0,
     "fp8 column absmax / divisor": 19.0,
     "quantize_fp8 columns e5m2 / divisor, column-major": 41.0,
+    # FP4Config.occ_fold_e4m3's quantizer (2 B in, 1 B out per element): measured 31.8 and 38.2
+    # (2026-12-03); its first version, with the reference's steps spelled out, read 70.5 and 117.8
+    "quantize_fp4 folded e4m3 (OCC), K=4096": 35.0,
+    "quantize_fp4 folded e4m3 (OCC), K=11008 (two passes)": 42.0,
+    "transpose e4m3 (folded wgrad operand)": 12.0,
 }
 # bf16 activations: the reference rounds its bf16 matmul's accumulator to bf16 before the
 # epilogue, the kernels round once at the end (and the interpreter truncates bf16 stores);
@@ -779,7 +787,7 @@ def _fold_input(m, k, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_k", [None, 32])  # 32: rows of 74-230 elements take the three-pass path
+@pytest.mark.parametrize("block_k", [None, 32])  # 32: rows of 74-230 elements take the two-pass path
 def test_quantize_folded_bitwise(dtype, block_k):
     # FP4Config.occ_fold_e4m3's quantizer (clamp, FP4 scale, E2M1, residual folded back in, per-row
     # shift, E4M3) against the reference's three steps: codes and scales bit-identical, fresh
@@ -805,6 +813,19 @@ def test_quantize_folded_bitwise(dtype, block_k):
                 # the residual's rounding to x's dtype (<= 2^-8)
                 rel = ((e.float() / s[:, None]) - x.float()).abs()[ok] / x.float().abs()[ok].clamp_min(1e-3)
                 assert rel[x.float().abs()[ok] > 4 * b.abs().max()].max() <= 2.0 ** -4 + 1 / 24 + 2.0 ** -8
+    # the two-pass path finds the absmaxes from each row's extremes: a row all below a negative
+    # upper bound with a K tail (padding lanes are masked out of the extremes), a -NaN (x86's default NaN)
+    neg = -_fold_input(9, 70, torch.float32, 9).abs() - 0.5
+    neg[2, 3] = -float("nan")
+    assert torch.signbit(neg[2, 3])
+    b = occ_bounds(neg, 0.97, "exact")
+    assert b[1] < 0
+    for block_k in (None, 32):
+        e, s = kt.triton_quantize_rows_folded(neg, b, block_k=block_k)
+        e_ref, s_ref = _reference_backend(gemm_dispatch.quantize_fp4_folded, neg, b)
+        assert torch.equal(e.contiguous().view(torch.uint8), e_ref.view(torch.uint8))
+        _assert_same_scale(s, s_ref)
+        assert torch.isnan(s[2]) and torch.isfinite(s[torch.arange(9) != 2]).all()
     big = _fold_input(8, 64, torch.float32, 5)
     big[0, 0] = 6e5  # beyond 448 x 2^8 of the folded grid even at the largest shift: saturates
     e, s = kt.triton_quantize_rows_folded(big, occ_bounds(big, 0.97, "exact"))
@@ -1171,10 +1192,41 @@ def test_benchmark_runs_on_cpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sections = {line.split("|")[0].strip() for line in proc.stdout.splitlines() if "|" in line}
     assert {"quantize", "gemm fwd", "linear", "occ"} <= sections, sections
+    assert "fp4 rows + OCC folded -> E4M3" in proc.stdout and "OCC folded in E4M3 (occ_fold_e4m3)" in proc.stdout
     assert "checks skipped" in proc.stdout
 
 
 # --------------------------------------------------------------------------- GPU, realistic sizes
+@pytest.mark.gpu
+@gpu
+def test_gpu_fold_quantizer_bitwise_and_layer(monkeypatch):
+    # FP4Config.occ_fold_e4m3 compiled: the quantizer's GPU conversions (cvt.rn.bf16.f32,
+    # cvt.rn.satfinite.e4m3x2.f32) against the reference's torch roundings, one-pass (K = 4096)
+    # and two-pass (K = 11008) rows; then the layer against the reference backend
+    from ._numerics import heavy_tailed
+    for m, k in ((8192, 4096), (2048, 11008)):
+        x = heavy_tailed(m, k).cuda().bfloat16()
+        b = occ_bounds(x, 0.99, "sample")
+        e, s = kt.triton_quantize_rows_folded(x, b)
+        e_ref, s_ref = _reference_backend(gemm_dispatch.quantize_fp4_folded, x, b)
+        assert torch.equal(e.contiguous().view(torch.uint8), e_ref.view(torch.uint8)), (m, k)
+        _assert_same_scale(s, s_ref)
+    lin = FP4Linear(4096, 4096, config=FP4Config.from_preset("paper", occ_quantile="exact", occ_fold_e4m3=True)).cuda()
+    x = torch.randn(4, 1024, 4096, device="cuda")
+    dy = torch.randn(4, 1024, 4096, device="cuda")
+    out = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
+        xx = x.clone().requires_grad_(True)
+        lin.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = lin(xx)
+        y.float().backward(dy)
+        out[backend] = (y.float(), xx.grad, lin.weight.grad.clone())
+    for name, t, r in zip(("y", "dx", "dw"), out["triton"], out["reference"]):
+        above(sqnr(t, r), 40.0, name)
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_quantizers_bitwise_at_scale():

@@ -388,6 +388,19 @@ def test_occ_fold_e4m3_matches_float64_reference_of_same_math(grad_format):
     above(sqnr(dw, edw), 20.0, "fold vs exact compensation, dW SQNR dB")
 
 
+def test_occ_fold_e4m3_non_finite_activation_is_not_hidden():
+    # an inf activation used to saturate to 448 x 2^8 in the folded operand and give a finite
+    # output, hiding a diverged step from loss scaling; its row now gets a NaN scale
+    layer = FP4Linear(64, 32, config=FP4Config(occ_fold_e4m3=True, occ_quantile="exact"))
+    x = torch.randn(8, 64)
+    x[2, 5] = float("inf")
+    x[6, 1] = float("nan")
+    y = layer(x)
+    assert torch.isnan(y[2]).all() and torch.isnan(y[6]).all()
+    rows = [i for i in range(8) if i not in (2, 6)]
+    assert torch.isfinite(y[rows]).all()
+
+
 def test_occ_fold_e4m3_errors():
     # (the Triton path's errors: tests/test_kernels.py::test_fp4linear_triton_fold_errors)
     with pytest.raises(ValueError, match="occ_fold_e4m3 .* needs occ=True"):
