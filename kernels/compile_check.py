@@ -197,7 +197,8 @@ def _expand_cases(all_configs: bool):
                   num_stages=1, block_m=None, block_n=None, block_k=None, mma_dtype=None, is_default=True,
                   elements_per_thread=64 * 128 // 128)
              for fmt, mant, half, t in (("e4m3", 3, 0x30, False), ("e5m2", 2, 0x38, True))]
-    cases.append(dict(name="transpose e4m3 (folded wgrad operand)", arch=90, kind="expand", fn=fp8_gemm._transpose_kernel,
+    cases.append(dict(name="transpose e4m3 (folded wgrad operand)", arch=90, kind="expand",
+                      fn=fp8_gemm._transpose_kernel,
                       types=dict(x_ptr="*u8", y_ptr="*u8", R=_I, C=_I, stride_x=_I, stride_y=_I),
                       consts=dict(BLOCK_R=64, BLOCK_C=64), num_warps=4, num_stages=1, block_m=None, block_n=None,
                       block_k=None, mma_dtype=None, is_default=True, elements_per_thread=64 * 64 // 128))

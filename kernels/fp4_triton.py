@@ -21,7 +21,8 @@ before this module is imported (that is how the tests exercise them); see docs/k
 from ._common import INTERPRET, has_fp8_mma
 from .gemm import GRAD_DTYPES, triton_dge_factor, triton_fp4_dgrad, triton_fp4_gemm, triton_fp4_wgrad
 from .fp8_gemm import triton_folded_gemm, triton_folded_wgrad
-from .quantize import triton_quantize_fp8, triton_quantize_rows, triton_quantize_rows_clamped, triton_quantize_rows_folded
+from .quantize import (triton_quantize_fp8, triton_quantize_rows, triton_quantize_rows_clamped,
+                       triton_quantize_rows_folded)
 
 __all__ = [
     "triton_quantize_rows",
