@@ -89,10 +89,12 @@ def _worker(rank: int, fn, port: int, out_dir: str, seed: int) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
-    # The result is on disk. Skip the interpreter's teardown: in a spawned child that ran Lightning,
-    # FSDP2 and distributed checkpointing it once aborted after a passing run ("terminate called
-    # without an active exception", a C++ thread destroyed while joinable; CI of 2026-12-03 under
-    # load, root cause not found), which this test's exit-code check read as a failure.
+    # The result is on disk. Skip the interpreter's teardown: in a spawned child it once aborted after
+    # a passing run ("terminate called without an active exception", CI of 2026-12-03), which this
+    # test's exit-code check read as a failure. Cause (torch, traced in a torch-only reproduction,
+    # docs/distributed.md): gloo's worker thread frees the last work's tensors, which takes the GIL,
+    # while the interpreter finalizes; FSDP2/DTensor keep the process group and its threads alive past
+    # destroy_process_group(). pytorch/pytorch#190489.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
