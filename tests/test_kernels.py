@@ -1215,6 +1215,71 @@ def test_gpu_fold_quantizer_bitwise():
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_quantizers_bitwise_at_scale():
+    x = (torch.randn(8192, 4096, device="cuda") * torch.exp(2 * torch.randn(8192, 1, device="cuda"))).bfloat16()
+    for mode in ("float", "pow2"):
+        codes, scale = kt.triton_quantize_rows(x, scale_mode=mode)
+        ref_codes, ref_scale = quantize_rows_reference(x, mode)
+        assert torch.equal(codes, ref_codes)
+        _assert_same_scale(scale, ref_scale)
+    bounds = occ_bounds(x, 0.99, "sample")
+    codes, scale, resid = kt.triton_quantize_rows_clamped(x, bounds)
+    ref_codes, ref_scale, ref_resid = _clamped_reference(x, bounds, False)
+    assert torch.equal(codes, ref_codes) and torch.equal(resid, ref_resid)  # compiled bf16 stores round
+    _assert_same_scale(scale, ref_scale)
+    long_rows = torch.randn(64, 3 * 11008 + 1, device="cuda")  # two-pass path, odd K
+    assert torch.equal(kt.triton_quantize_rows(long_rows)[0], quantize_rows_reference(long_rows)[0])
+    for fmt in ("e4m3", "e5m2"):
+        for dim in (0, 1):
+            q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt)
+            q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(x, dim, fmt)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+            _assert_same_scale(s, s_ref)
+    # FP4Linear's dY operands: the FP4 scale of the reduction dimension folded in (x * (1 / d))
+    for dim in (0, 1):
+        d = torch.exp(3.0 * torch.randn(x.shape[1] if dim == 1 else x.shape[0], device="cuda"))
+        inv = torch.reciprocal(d)
+        q, s = kt.triton_quantize_fp8(x, dim=dim, fmt="e5m2", divide_by=d, column_major=dim == 0)
+        q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(
+            x.float() * (inv[None, :] if dim == 1 else inv[:, None]), dim, "e5m2")
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        _assert_same_scale(s, s_ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (2048, 11008, 4096), (1000, 1000, 1000)])
+@pytest.mark.parametrize("tma", ["0", "1"], ids=["pointer-loads", "tma-loads"])
+def test_gpu_gemms_at_scale(mnk, tma, monkeypatch):
+    if tma == "1" and mnk != (4096, 4096, 4096):
+        pytest.skip("TMA loads are checked at one shape (time budget of scripts/gpu_check.sh)")
+    monkeypatch.setenv("FP4LIGHTNING_TMA", tma)  # the expand path's operand loads
+    m, n, k = mnk
+    _, a_p, a_s = _fp4_operand(m, k)
+    w, w_p, w_s = _fp4_operand(n, k)
+    a_dq, w_dq = _dequant(a_p, a_s, k), _dequant(w_p, w_s, k)
+    paths = ["decode", "expand"] if kt.has_fp8_mma(DEV) else ["decode"]
+    for decode in (["fp8"] if kt.has_fp8_mma(DEV) else []) + ["fp16"]:
+        y = kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.float32, decode=decode, path="decode")
+        above(sqnr(y, a_dq @ w_dq.t()), GPU_FP8_GEMM_SQNR_DB, decode)
+    if "expand" in paths:
+        y = kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.float32, path="expand")
+        assert torch.equal(y, kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=torch.float32, path="decode"))
+    dy = torch.randn(m, n, device="cuda")
+    for fmt in DY_FORMATS:
+        for path in paths if fmt != "bf16" else ["decode"]:
+            g1, s1 = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+            ref = (g1.double() / s1.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
+            above(sqnr(kt.triton_fp4_dgrad(g1, s1, w_p, k, path=path), ref), GPU_FP8_GEMM_SQNR_DB, (fmt, path))
+            g2, s2 = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+            ref = ((g2.double() / s2.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64))
+            ref = ref * _dge_reference(w * w_s[:, None]).double()
+            dw = kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, path=path)
+            above(sqnr(dw, ref), GPU_FP8_GEMM_SQNR_DB, (fmt, path))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("fold", [False, True])  # True: FP4Config.occ_fold_e4m3
 def test_gpu_fp4linear_triton_matches_reference(fold, monkeypatch):
     # exact quantiles: the sampled ones draw from a generator both runs would advance
