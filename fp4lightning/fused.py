@@ -22,10 +22,10 @@ import warnings
 
 import torch
 
-from .constants import E2M1_MAX
+from .constants import E2M1_MAX, E4M3_FOLD_MAX_SHIFT, F8E4M3_MAX
 from .formats import pow2_floor, _round_e5m2, _round_index, _round_magnitude
 
-__all__ = ["compile_enabled", "fp4_rows", "fp8_scaled", "gemm_epilogue", "wgrad_epilogue"]
+__all__ = ["compile_enabled", "fp4_rows", "fp4_rows_folded", "fp8_scaled", "gemm_epilogue", "wgrad_epilogue"]
 
 COMPILE_CHOICES = ("auto", "0", "1")
 _FAILED: list[str] = []  # the reason compiling failed, once it has
@@ -139,6 +139,42 @@ def fp4_rows_unpacked(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool,
     if values_round is not None:
         q = q.to(values_round)
     return code.to(torch.uint8), scale, q.to(values_dtype), resid
+
+
+def _pow2_neg(shift: torch.Tensor) -> torch.Tensor:
+    """2^-shift (fp32, exact) for int32 shifts in 0..126, from the exponent bits."""
+    return ((127 - shift) << 23).view(torch.float32)
+
+
+@_fused
+def fp4_rows_folded(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, bounds: torch.Tensor):
+    """OCC's compensation folded into the activation operand in E4M3 (``FP4Config.occ_fold_e4m3``),
+    in one fused pass: ``(e4 float8_e4m3fn (M, K), scale fp32 (M,))``.
+
+    The same bits as the three steps it fuses (``fp4_rows_unpacked(fold=True)``, then
+    ``fp4lightning.occ.fold_e4m3``, then NaN scales and zero codes for rows whose folded values are
+    not finite; ``gemm_dispatch.quantize_fp4_folded`` keeps them spelled out for float64 inputs and
+    the tests compare the two): the frexp exponent is read from the bits and ``ldexp`` is a
+    multiply by an exact power of two, both exact, so Inductor can fuse it.
+    """
+    xc = torch.clamp(x, bounds[0].to(x.dtype), bounds[1].to(x.dtype))
+    resid = x - xc
+    amax = xc.abs().amax(1).float()
+    if per_tensor:
+        amax = amax.amax().expand(x.shape[0])
+    scale = scale_from_amax(amax, E2M1_MAX, eps, pow2)
+    y = torch.mul(xc, scale[:, None])
+    y = torch.where(torch.isfinite(scale)[:, None], y, 0.0)
+    v = torch.copysign(_round_magnitude(y.abs()), y) + resid.float() * scale[:, None]
+    famax = v.abs().amax(1)
+    bad = ~torch.isfinite(famax)  # NaN or +/-inf anywhere in the folded row
+    famax = torch.where(bad, 0.0, famax)
+    e = ((famax.view(torch.int32) >> 23) & 0xFF) - 126  # frexp's exponent (normal numbers; 0 and
+    shift = (e - 9).clamp(0, E4M3_FOLD_MAX_SHIFT)  # subnormals land on shift 0 either way)
+    shift = torch.where(famax * _pow2_neg(shift) > F8E4M3_MAX, shift + 1, shift).clamp(max=E4M3_FOLD_MAX_SHIFT)
+    p = _pow2_neg(shift)
+    e4 = torch.where(bad[:, None], 0.0, (v * p[:, None]).clamp(-F8E4M3_MAX, F8E4M3_MAX))
+    return e4.to(torch.float8_e4m3fn), torch.where(bad, float("nan"), scale * p)
 
 
 @_fused

@@ -165,6 +165,14 @@ def quantize_fp4_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str
     """
     if backend_for(x2d.device) == "triton":
         return _triton_kernels().triton_quantize_rows_folded(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
+    if x2d.dtype != torch.float64 and scale_mode in ("float", "pow2"):
+        return fused.fp4_rows_folded(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, bounds)
+    return quantize_fp4_folded_steps(x2d, bounds, scale_mode, per_tensor)
+
+
+def quantize_fp4_folded_steps(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+                              per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp4_folded`` as its three steps, unfused (float64 inputs; the tests' oracle)."""
     from .occ import fold_e4m3
 
     _, scale, folded, _ = quantize_fp4_clamped(x2d, bounds, scale_mode, per_tensor, fold=True,
