@@ -134,7 +134,7 @@ def bench_shape(m, k, n, dev, iters, fold=False):
     # every layer timed round-robin, one call each per round, so machine noise hits all alike;
     # `paper` without DGE bounds what DGE costs (and so what caching its factor could save)
     # with `fold`: `paper` with OCC's compensation folded into an E4M3 operand (the occ_fold_e4m3
-    # experiment, docs/perf.md "OCC on the GPU"), last in each round
+    # variant, docs/perf.md "OCC on the GPU"), last in each round
     fp4_fold = [FP4Linear.from_linear(lin, FP4Config(occ_fold_e4m3=True))] if fold else []
     mods = [lin, fp4, fp4_direct, fp4_nodge] + ([peer] if peer is not None else []) + fp4_fold
     t_all = _time_rounds([fwd_bwd(mod) for mod in mods], dev, iters, raw=True)
@@ -239,7 +239,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of the paper layer's fwd+bwd")
     ap.add_argument("--fold", action="store_true",
-                    help="also time `paper` with OCC folded into E4M3 (FP4Config.occ_fold_e4m3, an experiment)")
+                    help="also time `paper` with OCC folded into E4M3 (FP4Config.occ_fold_e4m3, opt-in)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     from fp4lightning import fused
@@ -256,7 +256,7 @@ def main():
         print(f"| {r['shape']} | {r['bf16_ms']:.1f} | {r['fp4_ms']:.1f} | {r['ratio']:.2f}x | {r['direct_ratio']:.2f}x | "
               f"{'n/a' if r['peer_ratio'] is None else format(r['peer_ratio'], '.2f') + 'x'} | {100 * r['occ_share']:.0f}% | {100 * r['dge_share']:.0f}% | {r['bf16_mb']:.1f} | {r['fp4_mb']:.1f} | {r['bytes_ratio']:.3f}x |")
         if r["fold_ratio"] is not None:
-            print(f"|   (`paper` with OCC folded in E4M3, the occ_fold_e4m3 experiment: {r['fold_ratio']:.2f}x bf16 time, "
+            print(f"|   (`paper` with OCC folded in E4M3, FP4Config.occ_fold_e4m3: {r['fold_ratio']:.2f}x bf16 time, "
                   f"{r['fold_ratio'] / r['ratio']:.2f}x `paper`'s) |")
     if args.breakdown:
         print("\nWhere the `paper` FP4Linear forward+backward spends its time (median ms per call over the rounds; "

@@ -95,7 +95,7 @@ class FP4Config:
     keep_last_n: int = 0
     #: experiment (docs/results.md): STE times DGE's factor frozen at init; needs dge=False
     dge_frozen_factor: bool = False
-    #: experiment (docs/perf.md, "OCC on the GPU"): fold OCC's residual into the activation operand
+    #: opt-in (docs/perf.md, "OCC on the GPU"): fold OCC's residual into the activation operand
     #: and round it to E4M3 (fp4lightning.occ.fold_e4m3) instead of computing the compensation in
     #: bf16; the forward and weight-gradient GeMMs then need no compensation products. Needs OCC
     #: with compensation; on the Triton backend it needs FP8 tensor cores (sm_90) and an FP8 dY
