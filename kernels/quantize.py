@@ -307,7 +307,7 @@ def _folded_values(xc, r, s):
     """``A_q + s R`` (fp32), as ``fp4lightning.fused.fp4_rows_unpacked(fold=True)`` computes it: the
     E2M1 value of ``clamp(x) * s`` (nearest, ties to even, saturating at 6) plus ``R * s``, the
     product and the sum rounded separately (the kernel is launched without FMA contraction).
-    Non-decreasing in x (every step is), which the three-pass-free long-row path relies on."""
+    Non-decreasing in x (every step is): the two-pass path for long rows relies on it."""
     y = xc * s
     a = tl.minimum(tl.abs(y), E2M1_MAX_C)
     b = a.to(tl.int32, bitcast=True)
