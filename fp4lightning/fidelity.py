@@ -18,8 +18,8 @@ from .config import FP4Config
 from .convert import matches_skip
 from .cpu_bf16 import is_plain_linear
 from .linear import FP4Linear
-from .gemm_dispatch import quantize_fp4_clamped
-from .occ import fold_e4m3, occ_bounds, occ_clamp
+from .gemm_dispatch import quantize_fp4_folded
+from .occ import occ_bounds, occ_clamp
 from .quantize import fake_quantize
 
 __all__ = ["capture_linear_inputs", "occ_fidelity", "occ_fidelity_report", "format_occ_table", "saved_tensor_bytes"]
@@ -102,11 +102,9 @@ def occ_fidelity(x: torch.Tensor, alpha: float | None, compensate: bool | str, s
         q = fake_quantize(x, "per_token", scale_mode)
     else:
         bounds = occ_bounds(x, alpha, "exact")
-        if compensate == "e4m3":  # the layer's own fold (FP4Config.occ_fold_e4m3): A_q + s R in fp32, then E4M3
-            # on CPU: the reference path returns the folded values (the Triton path does not)
-            _, s, v, _ = quantize_fp4_clamped(x.reshape(-1, x.shape[-1]).cpu(), bounds.cpu(), scale_mode, fold=True)
-            e4, shift = fold_e4m3(v)
-            q = (torch.ldexp(e4, shift[:, None]) / s[:, None]).reshape(x.shape).to(x.device)
+        if compensate == "e4m3":  # the layer's own fold (FP4Config.occ_fold_e4m3), on the CPU reference path
+            e4, s = quantize_fp4_folded(x.reshape(-1, x.shape[-1]).cpu(), bounds.cpu(), scale_mode)
+            q = (e4.float() / s[:, None]).reshape(x.shape).to(x.device)
         else:
             xc, r = occ_clamp(x, bounds)
             q = fake_quantize(xc, "per_token", scale_mode)

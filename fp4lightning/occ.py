@@ -124,8 +124,6 @@ def occ_clamp(x: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torc
     return xc, x - xc
 
 
-
-
 def fold_e4m3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Round the FP4 operand with OCC's residual folded in to E4M3: ``(e, shift)``, ``v ~ e * 2^shift``.
 

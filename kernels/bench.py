@@ -166,7 +166,7 @@ def bench_quantize(table: Table, dev, shapes):
             ("fp8 e5m2, per column", lambda: fp8(x, 0, "e5m2"), x.numel() * 3 + k * 4),
         ]
         # FP4Config.occ_fold_e4m3's quantizer: OCC's residual folded into one E4M3 operand (reads
-        # 2 B, writes 1 B per element); on CPU the reference's three steps
+        # 2 B, writes 1 B per element); on CPU the reference (one compiled pass)
         folded = kt.triton_quantize_rows_folded if CUDA else gemm_dispatch.quantize_fp4_folded
         cases.append(("fp4 rows + OCC folded -> E4M3 (occ_fold_e4m3)", lambda: folded(x, bounds),
                       x.numel() * 3 + m * 4))

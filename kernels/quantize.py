@@ -185,37 +185,51 @@ def fp4_launch_params(kh: int, block_kh: int | None = None) -> tuple[int, int, b
     return block_m, block_kh, single, num_warps
 
 
-def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
+def _check_input(x2d, scale_mode, bounds):
     x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the tensor to quantize, one scale per row")
     check_same_device(x2d=x2d, bounds=bounds)
     if scale_mode not in ("float", "pow2"):
         raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
+    return x2d
+
+
+def _clamp_bounds(x2d, bounds):
+    """OCC's ``[lo, hi]`` as the kernels read them: fp32 holding the bounds cast to x's dtype, which
+    is what the reference clamps with (fp4lightning.occ.occ_clamp)."""
+    if not isinstance(bounds, torch.Tensor) or bounds.shape != (2,) or not bounds.is_floating_point():
+        raise ValueError("bounds must be a floating-point tensor([lo, hi]) as occ_bounds returns, got "
+                         f"{bounds if not isinstance(bounds, torch.Tensor) else tuple(bounds.shape)}")
+    return bounds.to(x2d.dtype).float().contiguous()
+
+
+def _tensor_amax(x2d, lohi):
+    """Per-tensor scaling's absmax (1 element, fp32) of x, or of clamp(x, lo, hi) with ``lohi``;
+    NaN-propagating, inf -> NaN (the kernels only test finiteness)."""
+    if lohi is None:
+        amax = torch.linalg.vector_norm(x2d, float("inf")).float().reshape(1)
+    else:
+        # the clamped tensor spans [clamp(min), clamp(max)]: its absmax without materialising it
+        ends = torch.clamp(torch.stack(torch.aminmax(x2d)).float(), lohi[0], lohi[1])
+        amax = ends.abs().amax().reshape(1)
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+
+
+def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
+    x2d = _check_input(x2d, scale_mode, bounds)
     m, k = x2d.shape
     kh = (k + 1) // 2
     q = torch.empty(m, kh, dtype=torch.uint8, device=x2d.device)
     scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
     resid = scale  # placeholder pointers when unused
-    lohi = scale
+    lohi = None
     if bounds is not None:
-        if not isinstance(bounds, torch.Tensor) or bounds.shape != (2,) or not bounds.is_floating_point():
-            raise ValueError("bounds must be a floating-point tensor([lo, hi]) as occ_bounds returns, got "
-                             f"{bounds if not isinstance(bounds, torch.Tensor) else tuple(bounds.shape)}")
-        # the reference clamps with the bounds cast to x's dtype (fp4lightning.occ.occ_clamp)
-        lohi = bounds.to(x2d.dtype).float().contiguous()
+        lohi = _clamp_bounds(x2d, bounds)
         resid = torch.empty(m, k, dtype=x2d.dtype, device=x2d.device)
-    amax = scale
-    if per_tensor:
-        if bounds is None:
-            amax = torch.linalg.vector_norm(x2d, float("inf")).float().reshape(1)
-        else:
-            # the clamped tensor spans [clamp(min), clamp(max)]: its absmax without materialising it
-            ends = torch.clamp(torch.stack(torch.aminmax(x2d)).float(), lohi[0], lohi[1])
-            amax = ends.abs().amax().reshape(1)
-        # NaN-propagating global absmax; inf -> NaN (the kernel only tests finiteness)
-        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+    amax = _tensor_amax(x2d, lohi) if per_tensor else scale
     block_m, blk, single, warps = fp4_launch_params(kh, block_kh)
     _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
-        x2d, q, scale, amax, resid, lohi, m, k, kh, x2d.stride(0), q.stride(0), resid.stride(0),
+        x2d, q, scale, amax, resid, scale if lohi is None else lohi, m, k, kh, x2d.stride(0), q.stride(0),
+        resid.stride(0),
         POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, CLAMP=bounds is not None,
         BLOCK_M=block_m, BLOCK_KH=blk, num_warps=warps,
     )
@@ -436,24 +450,14 @@ def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_m
 
     ``e4`` is (M, K) ``torch.float8_e4m3fn``, a view of a buffer whose row stride is a
     multiple of 16 bytes (16-byte aligned loads and TMA in the FP8 GeMM). ``block_k`` (power
-    of two) is a testing override; longer rows take the three-pass path.
+    of two) is a testing override; longer rows take the two-pass path.
     """
-    x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the activations to quantize, one scale per row")
-    check_same_device(x2d=x2d, bounds=bounds)
-    if scale_mode not in ("float", "pow2"):
-        raise ValueError(f"unknown scale_mode {scale_mode!r}; choose 'float' or 'pow2'")
-    if not isinstance(bounds, torch.Tensor) or bounds.shape != (2,) or not bounds.is_floating_point():
-        raise ValueError("bounds must be a floating-point tensor([lo, hi]) as occ_bounds returns, got "
-                         f"{bounds if not isinstance(bounds, torch.Tensor) else tuple(bounds.shape)}")
+    x2d = _check_input(x2d, scale_mode, bounds)
     m, k = x2d.shape
-    lohi = bounds.to(x2d.dtype).float().contiguous()  # the reference clamps with x's dtype's bounds
+    lohi = _clamp_bounds(x2d, bounds)
     buf = torch.empty(m, (k + 15) // 16 * 16, dtype=torch.uint8, device=x2d.device)
     scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
-    amax = scale
-    if per_tensor:
-        ends = torch.clamp(torch.stack(torch.aminmax(x2d)).float(), lohi[0], lohi[1])
-        amax = ends.abs().amax().reshape(1)
-        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
+    amax = _tensor_amax(x2d, lohi) if per_tensor else scale
     block_m, blk, single, warps = fold_launch_params(k, block_k)
     _quantize_fp4_fold_kernel[(triton.cdiv(m, block_m),)](
         x2d, buf, scale, amax, lohi, m, k, x2d.stride(0), buf.stride(0),
