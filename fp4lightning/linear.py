@@ -346,6 +346,12 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if cfg.block_format != "none":  # NVFP4 / MXFP4 recipes
         from .block_linear import block_fp4_linear
         return block_fp4_linear(x, weight, bias, cfg)
+    if (cfg.occ and cfg.occ_fold_e4m3 and cfg.grad_format == "bf16" and torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad) and gemm_dispatch.backend_for(x.device) == "triton"):
+        # said before the step's forward work, not at its first backward
+        raise TypeError("FP4Config(occ_fold_e4m3=True, grad_format='bf16'): on the Triton backend the folded-OCC "
+                        "weight gradient needs an FP8 dY; set grad_format to 'e5m2' (the paper's) or 'e4m3', "
+                        "or FP4LIGHTNING_BACKEND=reference")
     return _FP4LinearFn.apply(x, weight, bias, cfg, w_quant)
 
 

@@ -905,9 +905,14 @@ def test_fp4linear_triton_fold_errors(monkeypatch):
     from fp4lightning.kernels import fp8_gemm
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
     x = torch.randn(8, 32, device=DEV)
-    with pytest.raises(TypeError, match="needs an FP8 dY"):  # a bf16 dY has no FP8 weight-gradient GeMM
-        FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True, grad_format="bf16")).to(DEV)(
-            x.requires_grad_(True)).sum().backward()
+    bf16_dy = FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True, grad_format="bf16")).to(DEV)
+    with pytest.raises(TypeError, match="grad_format='bf16'.* needs an FP8 dY"):  # no FP8 weight-gradient GeMM
+        bf16_dy(x)  # at the forward (the weight needs a gradient), before any work, not at the backward
+    with torch.no_grad():  # no backward will run: the forward alone is fine
+        assert torch.isfinite(bf16_dy(x)).all()
+    with pytest.raises(TypeError, match="needs an FP8 dY"):  # the kernel's own check (called directly)
+        fp8_gemm.triton_folded_wgrad(torch.randn(8, 16, device=DEV).bfloat16(), torch.ones(16, device=DEV),
+                                     torch.zeros(8, 32, device=DEV).to(torch.float8_e4m3fn))
     monkeypatch.setattr(fp8_gemm, "has_fp8_mma", lambda device: False)  # an A100: no FP8 tensor cores
     with pytest.raises(RuntimeError, match="FP8 tensor cores .* FP4LIGHTNING_BACKEND=reference"):
         FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True)).to(DEV)(x)
