@@ -4,9 +4,11 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -188,3 +190,101 @@ def test_sampling_deterministic_epochs_and_ranks(corpus):
     r0.skip(4)
     assert list(r0) == [8, 10, 12, 14, 16, 18] and len(r0) == 10
     assert list(r0)[:2] == [0, 2]  # the skip applies to the next iteration only
+
+
+def test_val_ids_out_of_vocab_name_the_shard(corpus, tmp_path):
+    # a validation shard altered on disk fails naming the file and the rebuild, as the training
+    # shards do (WindowDataset), rather than as an IndexError inside the embedding mid-training
+    import shutil
+
+    from fp4lightning.data import DataCorruptError
+
+    data = shutil.copytree(corpus, tmp_path / "data")
+    shard = np.memmap(data / "val-00000.bin", dtype=np.uint16, mode="r+")
+    shard[::100] = 60000
+    shard.flush()
+    del shard
+    dm = TokenDataModule(data, seq_len=32, micro_batch_size=4, train_batches=4, val_batches=2)
+    with pytest.raises(DataCorruptError, match=r"(?s)val-00000\.bin holds token id 60000.*data prepare .*--force"):
+        next(iter(dm.val_dataloader()))
+
+
+class BatchRecorder(L.Callback):
+    """Every training micro-batch and its loss, by batch index in the run; optionally sends this
+    process SIGTERM after micro-batch ``stop_after`` (Lightning saves a checkpoint, then exits)."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.batches: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, float] = {}
+        self.stop_after = stop_after
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches[batch_idx] = batch.detach().clone()
+        self.losses[batch_idx] = outputs["loss"].item()
+        if batch_idx == self.stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _positions(ds: WindowDataset, batches: list[torch.Tensor], micro_batch_size: int) -> list[int]:
+    """The sample position of every row of ``batches`` (searched among the first few hundred)."""
+    first = [ds[p] for p in range(40 * micro_batch_size)]
+    return [next((p for p, w in enumerate(first) if torch.equal(w, row)), -1) for b in batches for row in b]
+
+
+def _run(cfg, resume: bool = False, stop_after: int | None = None) -> BatchRecorder:
+    from fp4lightning.pretrain import train
+
+    rec = BatchRecorder(stop_after)
+    if stop_after is None:
+        train(cfg, resume=resume, callbacks=[rec])
+    else:
+        with pytest.raises(SystemExit):  # SIGTERM: checkpoint saved, exit status 143
+            train(cfg, resume=resume, callbacks=[rec])
+    return rec
+
+
+def test_extending_a_finished_run_reads_the_next_unseen_samples(corpus, tmp_path):
+    # docs/training.md, "Resuming with a changed schedule": a finished 4-step run extended to 6,
+    # then to 8 steps, reads exactly what an uninterrupted 8-step run reads (positions 0, 1, 2, ...:
+    # a sample's position does not depend on the run's length)
+    from fp4lightning.recipe import load_recipe
+    from tests.test_train import tiny_overrides
+
+    runs = []
+    for steps in (4, 6, 8):
+        cfg = load_recipe(None, tiny_overrides(corpus, tmp_path, f"schedule.max_steps={steps}"))
+        runs.append(_run(cfg, resume=steps > 4))
+    ds = WindowDataset(PreparedData(corpus).shards("train"), 64, cfg.seed)
+    read = [_positions(ds, [r.batches[i] for i in sorted(r.batches)], 4) for r in runs]
+    assert read == [list(range(0, 16)), list(range(16, 24)), list(range(24, 32))]
+
+
+def test_interrupt_mid_accumulation_restarts_the_cycle(corpus, tmp_path):
+    # SIGTERM after micro-batch 4 of 8 (the first of step 3's two): the partial gradient is lost,
+    # so the resumed run redoes step 3 from its first micro-batch (docs/training.md,
+    # "Interrupting and resuming") and ends bitwise where an uninterrupted run ends
+    from fp4lightning.pretrain import LAST_CKPT
+    from fp4lightning.recipe import load_recipe
+    from tests.test_train import tiny_overrides
+
+    extra = ("data.global_batch_size=8", "schedule.max_steps=4", "trainer.checkpoint_every_n_steps=100")
+    full = _run(load_recipe(None, tiny_overrides(corpus, tmp_path / "full", *extra)))
+    cfg = load_recipe(None, tiny_overrides(corpus, tmp_path / "cut", *extra))
+    first = _run(cfg, stop_after=4)
+    second = _run(cfg, resume=True)
+    assert sorted(full.batches) == list(range(8)) and sorted(first.batches) == list(range(5))
+    assert sorted(second.batches) == list(range(4, 8))  # micro-batch 4 again, then 5..7
+    for i in range(8):
+        assert torch.equal((second if i >= 4 else first).batches[i], full.batches[i]), i
+        assert (second if i >= 4 else first).losses[i] == full.losses[i], i
+    a, b = (torch.load(d / "checkpoints" / LAST_CKPT, map_location="cpu", weights_only=True)
+            for d in (tmp_path / "full", tmp_path / "cut"))
+    assert a["global_step"] == b["global_step"] == 4
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    for i, state in a["optimizer_states"][0]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["optimizer_states"][0]["state"][i][k]), (i, k)
+    batches = a["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert b["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"] == batches

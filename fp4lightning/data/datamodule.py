@@ -45,8 +45,34 @@ class TokenDataModule(L.LightningDataModule):
         t = self.trainer
         return (t.global_rank, t.world_size) if t is not None else (0, 1)
 
+    def _accumulate(self) -> int:
+        return self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+
     def _progress(self) -> int:
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        """Micro-batches of the optimizer steps taken (skipped non-finite steps count, as they
+        consume their data): the position a resumed or extended run continues from. Not
+        Lightning's processed-batch counter, which restarts with Lightning's epoch (a finished
+        run that is extended is in epoch 1) and includes an interrupted accumulation cycle."""
+        return self.trainer.global_step * self._accumulate()
+
+    def _restart_cycle(self) -> None:
+        """On resume: rewind the trainer's batch counters to the start of the accumulation
+        cycle a checkpoint interrupted, where the train loader restarts (docs/training.md,
+        "Interrupting and resuming"). Lightning steps the optimizer when its micro-batch count
+        reaches a multiple of the accumulation, so without this the resumed run would step on
+        the cycle's remaining micro-batches alone. The rewound counters are those of a
+        checkpoint saved right after the cycle before (Lightning's RESTARTED_ON_LAST stage)."""
+        loop = self.trainer.fit_loop.epoch_loop
+        partial = loop.batch_progress.current.processed % self._accumulate()
+        if not partial:
+            return  # at a cycle boundary: Lightning's own restart logic applies
+        for progress in (loop.batch_progress.total, loop.batch_progress.current):
+            n = max(0, progress.processed - partial)
+            progress.ready = progress.started = progress.processed = progress.completed = n
+        # the interrupted cycle's zero_grad is counted: uncount it, so it is counted once
+        zero_grad = loop.automatic_optimization.optim_progress.optimizer.zero_grad
+        for progress in (zero_grad.total, zero_grad.current):
+            progress.ready = progress.started = progress.completed = max(0, progress.completed - 1)
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
@@ -55,12 +81,15 @@ class TokenDataModule(L.LightningDataModule):
         sampler = PositionSampler(self.train_batches * self.micro_batch_size, rank, world)
         return ResumableDataLoader(
             ds, batch_size=self.micro_batch_size, sampler=sampler, num_workers=self.num_workers,
-            drop_last=True, progress_fn=self._progress, persistent_workers=self.num_workers > 0,
+            drop_last=True, progress_fn=self._progress, accumulate=self._accumulate(),
+            on_restart=self._restart_cycle if self.trainer is not None else None,
+            persistent_workers=self.num_workers > 0,
         )
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
         n = self.val_batches * self.micro_batch_size * world
-        ds = ValWindowDataset(self.data.shards("val"), self.seq_len, n)
+        ds = ValWindowDataset(self.data.shards("val"), self.seq_len, n, vocab_size=self.tokenizer.vocab_size,
+                              names=[str(p) for p in self.data.shard_files("val")], hint=f"{self.data.hint} --force")
         # each rank evaluates a disjoint slice; the torchmetrics states are summed across ranks
         return DataLoader(Subset(ds, range(rank, len(ds), world)), batch_size=self.micro_batch_size)

@@ -3,8 +3,10 @@
 The training split is cut into non-overlapping windows of ``seq_len + 1`` tokens (shifted by
 a per-epoch random offset) visited in a per-epoch pseudo-random order (a keyed Feistel
 permutation: O(1) memory at any corpus size). The sample at global position ``p`` is a pure
-function of ``(seed, p)``, so a run is deterministic for its seed and resumes mid-epoch by
-skipping to the next position; the DataLoader's ``state_dict`` holds it.
+function of ``(seed, p)`` (not of the run's length), so a run is deterministic for its seed,
+and a resumed or extended run continues at the next unseen position: the DataLoader's
+``state_dict`` holds the micro-batches of the optimizer steps taken (docs/training.md,
+"Interrupting and resuming").
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ def feistel_permute(i: int, n: int, key: int, rounds: int = 4) -> int:
             return x
 
 
+def _check_ids(window: np.ndarray, vocab_size: int | None, names: list[str] | None, hint: str | None,
+               shard: int, start: int) -> None:
+    """Raise :class:`DataCorruptError` naming the shard file if ``window`` holds an id >= ``vocab_size``.
+
+    Such an id means a shard was altered on disk; without this check it fails later, as an
+    IndexError inside the embedding.
+    """
+    if vocab_size is not None and int(window.max()) >= vocab_size:
+        name = names[shard] if names else f"shard {shard}"
+        raise DataCorruptError(
+            f"{name} holds token id {int(window.max())} at tokens {start}..{start + len(window) - 1}, outside the "
+            f"tokenizer's {vocab_size} ids: the shard was altered on disk; rebuild with:\n"
+            f"  {hint or 'fp4lightning data prepare ... --force'}")
+
+
 class WindowDataset(Dataset):
     """Training windows: item ``p`` (a global sample position) -> ``(seq_len + 1,)`` int64 tokens.
 
@@ -84,19 +101,19 @@ class WindowDataset(Dataset):
     def __getitem__(self, p: int) -> torch.Tensor:
         shard, start = self.locate(p)
         window = self.shards[shard][start : start + self.seq_len + 1]
-        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
-            name = self.names[shard] if self.names else f"shard {shard}"
-            raise DataCorruptError(
-                f"{name} holds token id {int(window.max())} at tokens {start}..{start + self.seq_len}, outside the "
-                f"tokenizer's {self.vocab_size} ids: the shard was altered on disk; rebuild with:\n"
-                f"  {self.hint or 'fp4lightning data prepare ... --force'}")
+        _check_ids(window, self.vocab_size, self.names, self.hint, shard, start)
         return torch.from_numpy(window.astype(np.int64))
 
 
 class ValWindowDataset(Dataset):
-    """Validation windows: the first ``max_windows`` non-overlapping windows, in order."""
+    """Validation windows: the first ``max_windows`` non-overlapping windows, in order.
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int, max_windows: int | None = None):
+    ``vocab_size``, ``names`` and ``hint`` check the ids as :class:`WindowDataset` does.
+    """
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int, max_windows: int | None = None,
+                 vocab_size: int | None = None, names: list[str] | None = None, hint: str | None = None):
+        self.vocab_size, self.names, self.hint = vocab_size, names, hint
         self.index = [(s, i * seq_len) for s, arr in enumerate(shards) for i in range((len(arr) - 1) // seq_len)]
         if max_windows is not None:
             self.index = self.index[:max_windows]
@@ -112,14 +129,19 @@ class ValWindowDataset(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         s, start = self.index[i]
-        return torch.from_numpy(self.shards[s][start : start + self.seq_len + 1].astype(np.int64))
+        window = self.shards[s][start : start + self.seq_len + 1]
+        _check_ids(window, self.vocab_size, self.names, self.hint, s, start)
+        return torch.from_numpy(window.astype(np.int64))
 
 
 class PositionSampler(Sampler[int]):
     """Yields this rank's global sample positions ``j * world_size + rank`` for ``j`` in its range.
 
     ``len()`` is always the full per-rank length (Lightning counts the epoch's batches from
-    it); after ``skip(n)`` the next iteration starts ``n`` samples in.
+    it); after ``skip(n)`` the next iteration starts ``n`` samples in. The positions do not
+    depend on the epoch Lightning sets: a run is one epoch, and a finished run that is extended
+    (``--resume`` with a larger ``schedule.max_steps``) is in Lightning's epoch 1 but continues at
+    the position after its last sample, as an uninterrupted run of the new length reads it.
     """
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1):
@@ -127,7 +149,7 @@ class PositionSampler(Sampler[int]):
         self.epoch, self._skip = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.epoch = epoch  # kept for Lightning; the positions do not use it (see above)
 
     def skip(self, n: int) -> None:
         self._skip = n
@@ -137,25 +159,35 @@ class PositionSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         start, self._skip = self._skip, 0
-        base = self.epoch * self.num_samples
-        for j in range(base + start, base + self.num_samples):
+        for j in range(start, self.num_samples):
             yield j * self.world_size + self.rank
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader Lightning checkpoints: ``state_dict()`` records the batches consumed.
+    """A DataLoader Lightning checkpoints: ``state_dict()`` records the micro-batches consumed.
 
-    The count comes from ``progress_fn`` (the trainer's processed-batch counter) rather than
-    from the iterator, because Lightning and the workers prefetch batches ahead of training.
+    ``progress_fn`` counts them (the trainer's optimizer steps x ``accumulate``) rather than the
+    iterator, because Lightning and the workers prefetch batches ahead of training, and counts
+    only whole accumulation cycles: an interrupted cycle's partial gradient is not in the
+    checkpoint, so a resumed run restarts that cycle from its first micro-batch
+    (docs/training.md, "Interrupting and resuming"). ``load_state_dict`` skips that many
+    micro-batches (rounded down to a whole cycle, for checkpoints that counted every processed
+    micro-batch) and calls ``on_restart()`` so the trainer's batch counters can be rewound to the
+    same cycle start (``TokenDataModule._restart_cycle``).
     """
 
-    def __init__(self, *args, progress_fn: Callable[[], int], **kwargs):
+    def __init__(self, *args, progress_fn: Callable[[], int], accumulate: int = 1,
+                 on_restart: Callable[[], None] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._progress_fn = progress_fn
+        self._progress_fn, self._accumulate, self._on_restart = progress_fn, accumulate, on_restart
 
     def state_dict(self) -> dict:
+        # "epoch" is informational: the positions do not depend on it (PositionSampler)
         return {"batches_consumed": int(self._progress_fn()), "epoch": self.sampler.epoch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.set_epoch(state.get("epoch", 0))
-        self.sampler.skip(state["batches_consumed"] * self.batch_size)
+        n = int(state["batches_consumed"])
+        n -= n % self._accumulate
+        self.sampler.skip(n * self.batch_size)
+        if self._on_restart is not None:
+            self._on_restart()
