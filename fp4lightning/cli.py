@@ -14,7 +14,6 @@ else is a bug and keeps its traceback. ``fp4lightning train`` also exits 143 aft
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,7 +94,11 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     _add_recipe_arguments(parser, "recipe overrides, e.g. schedule.max_steps=50 trainer.precision=bf16-mixed")
     parser.add_argument("--resume", action="store_true",
                         help="continue from <out_dir>/checkpoints/last.ckpt, or the newest step=N.ckpt that loads "
-                             "(same as ckpt_path=last)")
+                             "(same as ckpt_path=last); refused if the model, the data order (data.dir, seq_len, "
+                             "batch sizes, devices, seed) or the data's tokenizer changed")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an out_dir that holds an earlier run, deleting its checkpoints, logs "
+                             "and loss.png (without it such a run is refused)")
     parser.add_argument("--verify-data", action="store_true",
                         help="check every data shard against the sha256 recorded by `data prepare` before training "
                              "(sizes are always checked)")
@@ -110,12 +113,8 @@ def _train_run(args: argparse.Namespace) -> int:
 
     recipe, overrides = _recipe_and_overrides(args)
     cfg = load_recipe(recipe, overrides)
-    if os.environ.get("LOCAL_RANK", "0") == "0" and Path(cfg.out_dir).joinpath("checkpoints").exists() \
-            and not args.resume and cfg.ckpt_path is None:
-        print(f"note: {cfg.out_dir} already has checkpoints; this run starts from scratch "
-              "(use --resume to continue)", flush=True)
     try:
-        train(cfg, resume=args.resume, verify_data=args.verify_data)
+        train(cfg, resume=args.resume, verify_data=args.verify_data, overwrite=args.overwrite)
     except SIGTERMException:
         return EXIT_PREEMPTED  # saved and resumable, but not finished: a scheduler must see the difference
     except NonFiniteError as e:

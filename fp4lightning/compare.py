@@ -264,7 +264,8 @@ def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4
 
     model, _, _ = load_checkpoint(checkpoint)  # high-precision weights: capture what FP4 would see
     data = PreparedData(data_dir)
-    ds = ValWindowDataset(data.shards("val"), seq_len, batches * batch_size)
+    ds = ValWindowDataset(data.shards("val"), seq_len, batches * batch_size, vocab_size=data.tokenizer.vocab_size,
+                          names=[str(p) for p in data.shard_files("val")], hint=f"{data.hint} --force")
     windows = [ds[i][:-1] for i in range(len(ds))]
     batch_list = [torch.stack(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
     acts = capture_linear_inputs(model, batch_list)
@@ -381,7 +382,8 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                     from .dge_probe import DGEProbe
 
                     callbacks.append(DGEProbe(probe_path, dge_probe))
-                train(cfg, resume=resume, callbacks=callbacks)
+                # a run started over replaces what an earlier compare left in run_dir
+                train(cfg, resume=resume, callbacks=callbacks, overwrite=not resume)
                 # a resumed run's wall time covers only the part after the resume
                 wall = float("nan") if resume else time.perf_counter() - t0
                 wall_file.write_text(json.dumps({"wall_s": wall}))

@@ -90,9 +90,14 @@ def load_init_weights(cfg) -> tuple[dict[str, torch.Tensor], LlamaConfig, Tokeni
     return model.state_dict(), have, tok, str(src)
 
 
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether token ids mean the same tokens under ``a`` and ``b`` (equal vocabularies)."""
+    return _vocab(a) == _vocab(b)
+
+
 def check_tokenizer(init_tok: Tokenizer | None, data_tok: Tokenizer, source: str, data_dir: str) -> None:
     """Refuse data whose token ids mean something else than the imported model's."""
-    if init_tok is not None and _vocab(init_tok) != _vocab(data_tok):
+    if init_tok is not None and not same_tokenizer(init_tok, data_tok):
         raise InitError(
             f"the initial weights ({source}) were trained with a different tokenizer than {data_dir}/tokenizer.json; "
             "their token ids would not match. Train on data prepared with that model's tokenizer "

@@ -16,7 +16,10 @@ Run folder ``<out_dir>`` (``runs/<name>``)::
 
 Ctrl-C and SIGTERM stop after the current batch and save a checkpoint
 (``ModelCheckpoint(save_on_exception=True)``); ``--resume`` (or ``ckpt_path=last``)
-continues from ``checkpoints/last.ckpt`` with the same data order.
+continues from ``checkpoints/last.ckpt`` with the same data order, and refuses a checkpoint
+whose model, data-order settings (:data:`DATA_ORDER_KEYS`) or tokenizer differ from the
+recipe's. A fresh run refuses an ``out_dir`` that holds an earlier run's checkpoints or logs
+unless ``overwrite`` (``--overwrite``) deletes them first, so every folder holds one run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -39,7 +44,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from fp4lightning.errors import InputNotFoundError, check_writable_dir
-from fp4lightning.checkpoint import AtomicCheckpointIO, remove_stale_temporaries
+from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, remove_stale_temporaries
 from fp4lightning.data import TokenDataModule, prepare_command
 from fp4lightning.lightning_module import LlamaLightningModule
 from fp4lightning.config import FP4Config
@@ -47,6 +52,7 @@ from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
 from fp4lightning.precision_names import FP4_PRECISIONS, MIXED_PRECISION
 from fp4lightning.strategy import is_fsdp
 from fp4lightning.recipe import RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
+from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
 from fp4lightning.trainer import Trainer
 
 __all__ = ["train", "build", "make_module", "PrecisionSetup", "TrainResult", "plot_losses", "read_losses"]
@@ -120,9 +126,136 @@ def _checkpoint_candidates(ckpt_dir: Path) -> list[Path]:
     return ([last] if last.exists() else []) + numbered
 
 
-def _check_resumable(path: Path, cfg: RecipeConfig) -> None:
-    """Raise CheckpointError (naming the file) unless ``path`` is an fp4lightning checkpoint of this model."""
-    from fp4lightning.checkpoint import CheckpointError, read_checkpoint
+class ResumeMismatchError(CheckpointError):
+    """The checkpoint loads but belongs to another model, data order or tokenizer than the recipe's:
+    no other checkpoint of the folder is tried instead."""
+
+
+#: recipe keys that decide which samples each optimizer step reads (fp4lightning.data.sampling: the
+#: sample at position ``p`` is a function of ``(seed, p)`` over the windows of ``data.seq_len + 1``
+#: tokens of ``data.dir``, split into micro-batches per rank): a resumed run must keep them, or it
+#: re-reads or skips data. ``WORLD_SIZE_KEY`` is ``trainer.devices * trainer.num_nodes``.
+WORLD_SIZE_KEY = "trainer.devices x trainer.num_nodes"
+DATA_ORDER_KEYS = ("data.dir", "data.seq_len", "data.micro_batch_size", "data.global_batch_size", WORLD_SIZE_KEY,
+                   "seed")
+_UNRECORDED = object()
+
+
+def _recorded(recipe: dict, key: str):
+    """The value of the dotted ``key`` in a checkpoint's recipe dict, or ``_UNRECORDED``."""
+    if key == WORLD_SIZE_KEY:
+        devices, nodes = _recorded(recipe, "trainer.devices"), _recorded(recipe, "trainer.num_nodes")
+        return _UNRECORDED if _UNRECORDED in (devices, nodes) else devices * nodes
+    value = recipe
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _UNRECORDED
+        value = value[part]
+    return value
+
+
+def _recipe_value(cfg: RecipeConfig, key: str):
+    if key == WORLD_SIZE_KEY:
+        return cfg.world_size
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def data_fingerprint(data_dir: str | Path) -> str | None:
+    """sha256 of what ``fp4lightning data prepare`` recorded in ``<data_dir>/meta.json`` about the
+    tokens (the tokenizer's and every shard's sha256 and token count): equal for a copied or moved
+    folder, different once it is prepared again. None where there is no readable ``meta.json``."""
+    try:
+        meta = json.loads((Path(data_dir) / "meta.json").read_text())
+        what = {"tokenizer_sha256": meta["tokenizer_sha256"], "dtype": meta["dtype"],
+                "splits": {name: [(s["file"], s["tokens"], s["sha256"]) for s in split["shards"]]
+                           for name, split in sorted(meta["splits"].items())}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+class RecordDataFingerprint(L.Callback):
+    """Keep ``data_fingerprint(data.dir)`` in every checkpoint, so ``--resume`` can tell the same
+    data under another path (allowed) from other data under the same path (refused)."""
+
+    def __init__(self, fingerprint: str | None):
+        self.fingerprint = fingerprint
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.fingerprint is not None:
+            checkpoint["data_fingerprint"] = self.fingerprint
+
+
+def _same(key: str, saved, new, ckpt: dict) -> bool:
+    if key == "data.dir" and saved is not None and new is not None:
+        if ckpt.get("data_fingerprint") is not None and data_fingerprint(new) is not None:
+            return ckpt["data_fingerprint"] == data_fingerprint(new)  # the same tokens, wherever they are
+        return saved == new or Path(saved).resolve() == Path(new).resolve()
+    return saved == new
+
+
+def _check_data_order(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:
+    """Raise ResumeMismatchError naming every data-order key that changed since ``path`` was written;
+    return the keys it does not record (a checkpoint from before this check)."""
+    recipe = ckpt["hyper_parameters"].get("recipe") or {}
+    changed, fixes, unrecorded = [], [], []
+    for key in DATA_ORDER_KEYS:
+        saved = _recorded(recipe, key)
+        if saved is _UNRECORDED:
+            unrecorded.append(key)
+            continue
+        new = _recipe_value(cfg, key)
+        if _same(key, saved, new, ckpt):
+            continue
+        if key == "data.dir" and Path(saved).resolve() == Path(new).resolve():
+            changed.append(f"data.dir = {new!r} holds other tokens than when the checkpoint was written "
+                           "(it was prepared again since)")
+            fixes.append(f"{new} prepared again as it was")
+            continue
+        changed.append(f"{key} = {saved!r} in the checkpoint, {new!r} now"
+                       + (" (holding other data)" if key == "data.dir" and "data_fingerprint" in ckpt else ""))
+        trainer = recipe.get("trainer", {})
+        fixes.append(f"trainer.devices={trainer.get('devices')} trainer.num_nodes={trainer.get('num_nodes')}"
+                     if key == WORLD_SIZE_KEY else f"{key}={saved}")
+    if changed:
+        raise ResumeMismatchError(
+            f"cannot resume from {path}: the recipe changes how the data is read ({'; '.join(changed)}), so the "
+            "resumed steps would re-read or skip samples. Resume with the settings that wrote it "
+            f"({' '.join(fixes)}), start a new out_dir, or start from its weights in a new out_dir with "
+            f"init.from_checkpoint={path} (a fresh optimizer and schedule)")
+    return unrecorded
+
+
+def _check_tokenizer(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:
+    """Raise ResumeMismatchError if ``data.dir`` was prepared with another tokenizer than the checkpoint's
+    (the check ``init.*`` makes, fp4lightning.initialize); ``["tokenizer"]`` if the checkpoint has none."""
+    saved = ckpt.get("tokenizer")
+    if not saved:
+        return ["tokenizer"]
+    data_tok = Path(cfg.data.dir) / TOKENIZER_FILE
+    if not data_tok.is_file():
+        return []  # not prepared: TokenDataModule names the command that prepares it
+    from fp4lightning.initialize import same_tokenizer
+
+    ckpt_tok, new_tok = Tokenizer.from_str(saved), Tokenizer.from_file(data_tok)
+    if not same_tokenizer(ckpt_tok, new_tok):
+        raise ResumeMismatchError(
+            f"cannot resume from {path}: it was trained with a different tokenizer ({ckpt_tok.vocab_size} tokens) "
+            f"than {data_tok} ({new_tok.vocab_size} tokens); {cfg.data.dir} was prepared again since, and its token "
+            f"ids mean other tokens. Prepare {cfg.data.dir} again with the arguments that made the checkpoint's "
+            "tokenizer (`fp4lightning data prepare` with the same --source and --vocab-size), point data.dir at "
+            "that data, or train from scratch on the new data in a new out_dir")
+    return []
+
+
+def _check_resumable(path: Path, cfg: RecipeConfig) -> list[str]:
+    """Raise CheckpointError (naming the file) unless ``path`` is an fp4lightning checkpoint of this model,
+    data order and tokenizer (ResumeMismatchError for the last three). Returns what it could not check:
+    the keys a checkpoint written before these checks does not record."""
+    from fp4lightning.checkpoint import read_checkpoint
 
     ckpt, _ = read_checkpoint(path)  # weights_only load; corrupt / foreign files raise CheckpointError
     missing = [k for k in ("optimizer_states", "loops", "global_step") if k not in ckpt]
@@ -133,8 +266,16 @@ def _check_resumable(path: Path, cfg: RecipeConfig) -> None:
     want = dataclasses.asdict(cfg.llama_config())
     diff = [f"{k}={saved.get(k)!r} (recipe: {v!r})" for k, v in want.items() if saved.get(k) != v]
     if diff:
-        raise CheckpointError(f"{path} holds a different model than the recipe: {', '.join(diff)}; "
-                              "resume with the recipe that wrote it or start a new out_dir")
+        raise ResumeMismatchError(f"{path} holds a different model than the recipe: {', '.join(diff)}; "
+                                  "resume with the recipe that wrote it or start a new out_dir")
+    unchecked = _check_tokenizer(path, ckpt, cfg)  # first: the more specific message
+    return _check_data_order(path, ckpt, cfg) + unchecked
+
+
+def _note_unchecked(path: Path, unrecorded: list[str]) -> None:
+    if unrecorded and _is_rank_zero():
+        print(f"note: {path} does not record {', '.join(unrecorded)} (written before fp4lightning checked them); "
+              "resuming without checking that they are unchanged", file=sys.stderr, flush=True)
 
 
 def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
@@ -143,8 +284,6 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
     ``--resume`` / ``ckpt_path=last`` take ``last.ckpt`` or, if it is missing or does not load,
     the newest numbered checkpoint that does (saying which and why). An explicit path must load.
     """
-    from fp4lightning.checkpoint import CheckpointError
-
     ckpt = cfg.ckpt_path
     if resume and ckpt is None:
         ckpt = "last"
@@ -155,7 +294,7 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
         if not path.exists():
             raise InputNotFoundError(
                 f"cannot resume: checkpoint {path} does not exist (train without --resume / ckpt_path to start fresh)")
-        _check_resumable(path, cfg)
+        _note_unchecked(path, _check_resumable(path, cfg))
         return str(path)
     ckpt_dir = Path(cfg.out_dir) / "checkpoints"
     candidates = _checkpoint_candidates(ckpt_dir) if ckpt_dir.is_dir() else []
@@ -166,15 +305,16 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
     problems = []
     for path in candidates:
         try:
-            _check_resumable(path, cfg)
+            unrecorded = _check_resumable(path, cfg)
+        except ResumeMismatchError:
+            raise  # another model / data order / tokenizer: an older checkpoint is no better
         except CheckpointError as e:
-            if "different model" in str(e):
-                raise
             problems.append(f"{path.name}: {e}")
             continue
         if problems and _is_rank_zero():
             print("warning: skipped unusable checkpoints:\n  " + "\n  ".join(problems)
                   + f"\nresuming from {path} instead", file=sys.stderr, flush=True)
+        _note_unchecked(path, unrecorded)
         return str(path)
     raise CheckpointError(f"cannot resume: no checkpoint in {ckpt_dir} loads:\n  " + "\n  ".join(problems))
 
@@ -186,6 +326,59 @@ def _is_rank_zero() -> bool:
 def _check_writable(out: Path) -> None:
     """Fail before any work if the run folder cannot be created or written."""
     check_writable_dir(out, "recipe key `out_dir` =", RecipeError, "choose another out_dir")
+
+
+def _check_devices(cfg: RecipeConfig) -> None:
+    """The GPUs the recipe asks for exist here (before any data is read); not a recipe-load check,
+    since ``data prepare --recipe`` reads GPU recipes on CPU machines."""
+    acc = cfg.trainer.accelerator
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if acc in ("gpu", "cuda") and gpus == 0:
+        raise RecipeError(f"recipe key `trainer.accelerator` = {acc!r} but this machine has no CUDA GPU visible to "
+                          "torch; use trainer.accelerator=cpu (or auto)")
+    if (acc in ("gpu", "cuda") or (acc == "auto" and gpus)) and cfg.trainer.devices > gpus:
+        raise RecipeError(f"recipe key `trainer.devices` = {cfg.trainer.devices} but this machine has {gpus} CUDA "
+                          f"GPU(s); set trainer.devices={gpus} (and data.global_batch_size to match) or run where "
+                          "there are more")
+
+
+def _previous_run(out: Path) -> list[Path]:
+    """What an earlier run left in ``out``: its ``checkpoints`` folder (if it holds a checkpoint), its ``logs``."""
+    found = []
+    ckpt_dir = out / "checkpoints"
+    if ckpt_dir.is_dir() and _checkpoint_candidates(ckpt_dir):
+        found.append(ckpt_dir)
+    logs = out / "logs"
+    if logs.is_dir() and any(logs.iterdir()):
+        found.append(logs)
+    return found
+
+
+def _check_fresh_out_dir(out: Path, overwrite: bool) -> list[Path]:
+    """A fresh run must not write into an earlier run's folder: its checkpoints would be replaced
+    and its log versions merged into the new run's curve. Returns what ``overwrite`` will delete."""
+    previous = _previous_run(out)
+    if not previous or overwrite:
+        return previous
+    if previous[0].name == "checkpoints":
+        raise RecipeError(
+            f"recipe key `out_dir` = {out} already holds a run (checkpoints in {previous[0]}); pass --resume to "
+            "continue it, --overwrite to delete its checkpoints and logs and start again, or choose another out_dir")
+    raise RecipeError(
+        f"recipe key `out_dir` = {out} already holds the logs of an earlier run ({previous[0]}; it left no "
+        "checkpoint to resume); pass --overwrite to delete them and start again, or choose another out_dir")
+
+
+def _remove_previous_run(out: Path, previous: list[Path]) -> None:
+    """``--overwrite``: delete the earlier run's checkpoints, logs and loss curve, saying so."""
+    png = out / "loss.png"
+    removed = [*previous, *([png] if png.exists() else [])]
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    print(f"--overwrite: removed the previous run's {', '.join(str(p) for p in removed)}", flush=True)
 
 
 class LinePrinter(L.Callback):
@@ -254,16 +447,25 @@ def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, toke
     )
 
 
-def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None, verify_data: bool = False):
+def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None, verify_data: bool = False,
+          overwrite: bool = False):
     """(trainer, module, datamodule, ckpt_path) for ``cfg``; no training happens.
 
     ``callbacks`` are added to the Trainer's own (tests use this to record losses). ``verify_data``
     re-hashes every shard against the sha256 in ``meta.json`` (sizes are always checked).
     Raises ``DataNotPreparedError`` naming ``fp4lightning data prepare ...`` if the data is missing.
+    A fresh run (no ``resume`` / ``ckpt_path``) raises RecipeError if ``out_dir`` holds an earlier
+    run's checkpoints or logs, unless ``overwrite``: then they are deleted (after every other check).
     """
     out = Path(cfg.out_dir)
+    _check_devices(cfg)
     _check_writable(out)
     ckpt_path = _resolve_ckpt(cfg, resume)
+    if overwrite and ckpt_path is not None:
+        raise RecipeError("--overwrite starts a new run in out_dir; it cannot be combined with --resume / "
+                          "recipe key `ckpt_path`")
+    # rank 0 alone: ranks Lightning launches later find the folder as rank 0 left it
+    previous = _check_fresh_out_dir(out, overwrite) if ckpt_path is None and _is_rank_zero() else []
     accum = cfg.accumulate_grad_batches
     llama = cfg.llama_config()
     dm = TokenDataModule(
@@ -278,9 +480,6 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
                                      cfg.data.max_tokens, cfg.data.text_key),
         verify=verify_data,
     )
-    if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise RecipeError(f"recipe key `trainer.accelerator` = {cfg.trainer.accelerator!r} but this machine has no "
-                          "CUDA GPU visible to torch; use trainer.accelerator=cpu (or auto)")
     if dm.tokenizer.vocab_size > llama.vocab_size:
         raise RecipeError(
             f"the tokenizer in {cfg.data.dir} has {dm.tokenizer.vocab_size} tokens but `model.vocab_size` is "
@@ -308,6 +507,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     progress = [] if interactive else [LinePrinter(cfg.trainer.log_every_n_steps)]
     loggers = _loggers(cfg, out)
     extra = _throughput_and_init_callbacks(cfg, dm, ckpt_path)
+    if previous:
+        _remove_previous_run(out, previous)
     if _is_rank_zero():
         remove_stale_temporaries(out / "checkpoints")  # left by a save that was killed
     guard = NonFiniteGuard(cfg.trainer.max_nonfinite_skips)
@@ -326,7 +527,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
-        callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), guard, *progress,
+        callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), guard,
+                   RecordDataFingerprint(data_fingerprint(cfg.data.dir)), *progress,
                    *extra, *(callbacks or [])],
         enable_progress_bar=interactive,
         logger=loggers,
@@ -401,8 +603,9 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
 
 
 def _read_csv_losses(log_dir: Path) -> dict[str, dict[int, float]]:
-    """``{"train": {step: loss}, "val": {step: loss}}`` from every CSVLogger version under ``log_dir``;
-    later versions (resumed runs) overwrite earlier steps."""
+    """``{"train": {step: loss}, "val": {step: loss}}`` from every CSVLogger version under ``log_dir``:
+    the versions of one run (its start and its resumes: ``train`` refuses to start another run in a
+    folder with logs unless ``--overwrite`` deletes them); later versions overwrite earlier steps."""
     out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
     versions = sorted(log_dir.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     for path in versions:
@@ -421,7 +624,8 @@ def read_losses(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def plot_losses(log_dir: Path, png: Path) -> Path | None:
-    """Train and validation loss against step from every CSV log version; None if no data."""
+    """Train and validation loss against step from every CSV log version (the run and its resumes);
+    None if no data."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -462,6 +666,10 @@ _QUIET_LOG_SUBSTRINGS = ("litlogger",)
 class _DropMessages(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
+        if " was raised with message: " in msg and ", saved checkpoint to " in msg:
+            # ModelCheckpoint's save-on-exception line: false where AtomicCheckpointIO refused to
+            # write a checkpoint holding inf/NaN (it said so itself)
+            return Path(msg.rsplit(", saved checkpoint to ", 1)[1].strip()).exists()
         return not any(s in msg for s in _QUIET_LOG_SUBSTRINGS)
 
 
@@ -481,18 +689,21 @@ def _quiet_lightning():
 
 
 def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None,
-          verify_data: bool = False) -> TrainResult | None:
+          verify_data: bool = False, overwrite: bool = False) -> TrainResult | None:
     """Train ``cfg``; prints the resolved config first and where the outputs are at the end.
 
     Returns the :class:`TrainResult` on rank 0 (None on other ranks). Re-raises the
     ``KeyboardInterrupt`` / ``SystemExit`` of an interrupted run after reporting it.
+    ``overwrite``: start afresh in an ``out_dir`` holding an earlier run, deleting its
+    checkpoints and logs (see :func:`build`).
     """
     with _quiet_lightning():
-        return _train(cfg, resume, callbacks, verify_data)
+        return _train(cfg, resume, callbacks, verify_data, overwrite)
 
 
-def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data: bool) -> TrainResult | None:
-    trainer, module, dm, ckpt_path = build(cfg, resume, callbacks, verify_data=verify_data)
+def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data: bool,
+           overwrite: bool) -> TrainResult | None:
+    trainer, module, dm, ckpt_path = build(cfg, resume, callbacks, verify_data=verify_data, overwrite=overwrite)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:
         llama = cfg.llama_config()

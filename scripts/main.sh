@@ -10,6 +10,8 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
 FP4=.venv/bin/fp4lightning
 "$FP4" data prepare --source builtin
-"$FP4" train recipes/tiny.yaml "$@"
+# the main job trains runs/tiny from scratch each time: --overwrite deletes an earlier run's
+# checkpoints and logs there (it says which); `fp4lightning train recipes/tiny.yaml --resume` continues one
+"$FP4" train recipes/tiny.yaml --overwrite "$@"
 "$FP4" eval runs/tiny/checkpoints/last.ckpt --tasks offline --out runs/tiny/eval
 echo "[main] done: checkpoint runs/tiny/checkpoints/last.ckpt, loss curve runs/tiny/loss.png, eval runs/tiny/eval/results.md"

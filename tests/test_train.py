@@ -226,7 +226,7 @@ def test_cli_bad_input(corpus, tmp_path, capsys):
     assert f"fp4lightning data prepare --source builtin --out {tmp_path / 'no_data'}" in err
     # ... with the recipe's own data settings, so the prepared folder matches the recipe
     assert cli_main(["train", str(Path(__file__).parents[1] / "recipes" / "llama2-7b.yaml"),
-                     f"data.dir={tmp_path / 'dclm'}"]) == 2
+                     f"data.dir={tmp_path / 'dclm'}", "trainer.accelerator=cpu"]) == 2  # (a GPU is checked first)
     assert (f"fp4lightning data prepare --source hf:mlfoundations/dclm-baseline-1.0 --out {tmp_path / 'dclm'} "
             "--vocab-size 32000 --val-fraction 0.0005 --max-tokens 100000000000") in capsys.readouterr().err
     # --resume without a checkpoint
