@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +28,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from fp4lightning.errors import UserError
 from fp4lightning.models.llama import Llama, LlamaConfig
+from fp4lightning.nonfinite import NonFiniteError, params_nonfinite
 from fp4lightning.tokenizer import Tokenizer
 
 __all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError", "AtomicCheckpointIO",
@@ -52,14 +54,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     target (atomic on POSIX within one filesystem), then fsyncs the folder: the target is
     always either the previous complete checkpoint or the new complete one. On any failure
     the temporary file is removed and the previous file is left as it was. A checkpoint whose
-    weights hold an inf/NaN is never written.
+    weights hold an inf/NaN is never written: that raises :class:`~fp4lightning.nonfinite.NonFiniteError`,
+    except during the save-on-exception of a run that is stopping with one (it diverged), where the
+    refusal is one line on stderr and the run's own error is the one reported.
     """
+
+    _refused_step: Any = object()  # the step whose refusal was last printed (numbered and last.ckpt: one line)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO does not take storage_options")
         path = Path(path)
-        _refuse_nonfinite(checkpoint, path)
+        # the exception Lightning is handling when it calls this from ModelCheckpoint.on_exception
+        # (save_on_exception=True); None on an ordinary save
+        stopping = sys.exc_info()[1]
+        bad = _nonfinite_weight(checkpoint)
+        if bad is not None:
+            step = checkpoint.get("global_step")
+            if not isinstance(stopping, NonFiniteError):
+                raise NonFiniteError(f"refusing to write checkpoint {path}: weight {bad} holds inf/NaN (step {step})",
+                                     step=step)
+            # the run is stopping because it diverged: that error and its advice are what the user must
+            # see (raised here, the refusal would replace them), so the refusal is a secondary line
+            if self._refused_step != step:
+                self._refused_step = step
+                print(f"note: no checkpoint written at step {step}: weight {bad} holds inf/NaN",
+                      file=sys.stderr, flush=True)
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
@@ -98,16 +119,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, f)
 
 
-def _refuse_nonfinite(checkpoint: dict[str, Any], path: Path) -> None:
-    from fp4lightning.nonfinite import NonFiniteError, params_nonfinite
-
+def _nonfinite_weight(checkpoint: dict[str, Any]) -> str | None:
+    """The key of the first state-dict tensor of ``checkpoint`` that holds an inf/NaN (None: all finite)."""
     state = checkpoint.get("state_dict") or {}
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-    if params_nonfinite(tensors):
-        bad = next(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                   and not bool(torch.isfinite(v).all()))
-        raise NonFiniteError(f"refusing to write checkpoint {path}: weight {bad} holds inf/NaN "
-                             f"(step {checkpoint.get('global_step')})", step=checkpoint.get("global_step"))
+    if not params_nonfinite(tensors):
+        return None
+    return next(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                and not bool(torch.isfinite(v).all()))
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:

@@ -394,7 +394,8 @@ def fully_shard_fp4(
     Args:
         model: a model whose linear layers were already converted with ``convert_to_fp4``.
         mesh: 1-D ``DeviceMesh`` of the data-parallel ranks (default: all ranks, on the model's device).
-        fp4_all_gather: all-gather FP4Linear weights as packed FP4 codes + per-row scales.
+        fp4_all_gather: all-gather FP4Linear weights as packed FP4 codes + per-row scales (with a
+            one-rank mesh there is nothing to gather: the layers quantize their own whole weights).
         reshard_after_forward: free gathered weights after forward (ZeRO-3); False keeps them to backward.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. ``param_dtype=torch.bfloat16``).
         block_types: module classes sharded as their own FSDP units (default: the model's ``shard_units``,
@@ -421,6 +422,14 @@ def fully_shard_fp4(
         mesh = init_device_mesh(dev.type if dev.type != "meta" else "cpu", (dist.get_world_size(),))
     world = mesh.size()
     stats = stats or AllGatherStats()
+    if fp4_all_gather and world == 1:
+        # One rank holds the whole weight: the all-gather is the identity, FSDP2 skips the collective
+        # (its world-size-1 path copies the shard, and takes only one all-gather input per parameter
+        # where FP4ShardedWeight has two), and an FP4 gather would save 0 bytes. Each FP4Linear quantizes
+        # its whole weight itself, the codes and scales the FP4 all-gather reproduces, and applies DGE
+        # from the high-precision weight: the unsharded layer, bit for bit.
+        log.info("fully_shard_fp4: one rank, nothing to all-gather; FP4Linear layers quantize their own weights")
+        fp4_all_gather = False
     wrapped = _wrap_weights(model, stats, world) if fp4_all_gather else []
     for m in model.modules():
         if isinstance(m, FP4Linear) and not isinstance(m.weight.data, FP4ShardedWeight):

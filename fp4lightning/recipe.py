@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Sequence
 from fp4lightning.config import PRESETS, FP4Config
 from fp4lightning.errors import UsageError
 from fp4lightning.models.llama import LLAMA_CONFIGS, LlamaConfig
-from fp4lightning.precision_names import RECIPE_PRECISIONS
+from fp4lightning.precision_names import FSDP_PRECISIONS, RECIPE_PRECISIONS, REFUSED_PRECISIONS
 
 __all__ = [
     "RecipeConfig",
@@ -43,9 +43,13 @@ __all__ = [
     "recipe_to_yaml",
     "recipe_from_dict",
     "STRATEGIES",
+    "ACCELERATORS",
 ]
 
 STRATEGIES = ("auto", "ddp", "fsdp")
+#: ``trainer.accelerator``: Lightning's names for the devices fp4lightning runs on ("gpu" = "cuda"); Lightning's
+#: others (tpu, mps) are not supported
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 
 
 class RecipeError(UsageError):
@@ -294,8 +298,16 @@ def _in_range(key: str, value: Any, lo: float, hi: float, hi_open: bool = True) 
 
 def _validate(cfg: RecipeConfig) -> None:
     _check_choice("model.name", cfg.model.name, sorted(LLAMA_CONFIGS))
+    if cfg.trainer.precision in REFUSED_PRECISIONS:
+        raise RecipeError(f"recipe key `trainer.precision` = {cfg.trainer.precision!r} is not supported: "
+                          f"{REFUSED_PRECISIONS[cfg.trainer.precision]}; choose one of: {', '.join(RECIPE_PRECISIONS)}")
     _check_choice("trainer.precision", cfg.trainer.precision, RECIPE_PRECISIONS)
+    _check_choice("trainer.accelerator", cfg.trainer.accelerator, ACCELERATORS)
     _check_choice("trainer.strategy", cfg.trainer.strategy, STRATEGIES)
+    if cfg.trainer.strategy == "fsdp" and cfg.trainer.precision not in FSDP_PRECISIONS:
+        raise RecipeError(f"recipe key `trainer.precision` = {cfg.trainer.precision!r} does not work with "
+                          "`trainer.strategy` = 'fsdp' (Lightning's FSDP2 strategy takes no fp16 autocast or fp64); "
+                          f"choose one of: {', '.join(FSDP_PRECISIONS)}, or trainer.strategy=ddp")
     _check_choice("fp4.preset", cfg.fp4.preset, list(PRESETS))
     _validate_extras(cfg)
     for section in ("model", "data", "schedule", "trainer"):

@@ -46,12 +46,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(fn, out_dir, timeout_s: float = RUN_TIMEOUT_S, expect_ok: bool = True) -> list[dict]:
-    """Run ``fn(rank, out_dir)`` on W gloo ranks; kill them all after ``timeout_s``; return each rank's JSON."""
+def _spawn(fn, out_dir, timeout_s: float = RUN_TIMEOUT_S, expect_ok: bool = True, world: int = W) -> list[dict]:
+    """Run ``fn(rank, out_dir)`` on ``world`` gloo ranks; kill them all after ``timeout_s``; return each rank's JSON."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     seed = torch.initial_seed() % 2**31  # conftest's fresh (printed) seed, handed to the ranks
-    procs = [ctx.Process(target=_worker, args=(r, fn, port, str(out_dir), seed)) for r in range(W)]
+    procs = [ctx.Process(target=_worker, args=(r, fn, port, str(out_dir), seed, world)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -64,7 +64,7 @@ def _spawn(fn, out_dir, timeout_s: float = RUN_TIMEOUT_S, expect_ok: bool = True
             p.join()
     assert not hung, f"ranks {hung} still running after {timeout_s} s"
     out = []
-    for r in range(W):
+    for r in range(world):
         path = os.path.join(out_dir, f"rank{r}.json")
         out.append(json.load(open(path)) if os.path.exists(path) else {"exitcode": procs[r].exitcode})
         out[-1]["exitcode"] = procs[r].exitcode
@@ -73,12 +73,12 @@ def _spawn(fn, out_dir, timeout_s: float = RUN_TIMEOUT_S, expect_ok: bool = True
     return out
 
 
-def _worker(rank: int, fn, port: int, out_dir: str, seed: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(W), RANK=str(rank),
+def _worker(rank: int, fn, port: int, out_dir: str, seed: int, world: int = W) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), FP4_TEST_SEED=str(seed))
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=W, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         result = fn(rank, out_dir)
     except Exception:
@@ -398,3 +398,62 @@ def test_fabric_fsdp2_with_fp4_all_gather(tmp_path):
         assert 0 < r["grad_bytes"] < 0.3 * r["grad_fp32_bytes"], r  # FP8 reduce-scatter
         assert r["losses"][1] < 0.8 * r["losses"][0], r["losses"]
         assert r["nan_step_skipped"] and r["nan_skips"] == 1, r
+
+
+def _one_rank_checks(rank, out_dir, corpus):
+    """World size 1: fully_shard_fp4 trains bit for bit as the unsharded model (with one rank there is nothing
+    to all-gather: every FP4Linear quantizes its whole weight itself), and `fp4lightning train
+    trainer.strategy=fsdp` with one device trains (it crashed at the first forward)."""
+    import lightning as L
+
+    from fp4lightning.fsdp import fully_shard_fp4
+    from fp4lightning.linear import FP4Linear
+    from fp4lightning.pretrain import train
+    from fp4lightning.recipe import load_recipe
+    from tests.test_train import tiny_overrides
+
+    seed = int(os.environ.get("FP4_TEST_SEED", "0"))
+    base = _model("paper", seed)  # DGE on: applied in the layer, from the whole high-precision weight
+    data = torch.randint(0, VOCAB, (3, 2, 17), generator=torch.Generator().manual_seed(seed))
+    ref, sharded = copy.deepcopy(base), fully_shard_fp4(copy.deepcopy(base), fp4_all_gather=True)
+    losses = {}
+    for name, m in (("ref", ref), ("fsdp", sharded)):
+        opt = torch.optim.SGD(m.parameters(), lr=LR)
+        losses[name] = []
+        for batch in data:
+            loss = _loss(m, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+    res = {"losses": losses, "stats": vars(sharded.fp4_gather_stats).copy(),
+           "params_equal": all(torch.equal(_full(p), q) for p, q in zip(sharded.parameters(), ref.parameters()))}
+
+    class Seen(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            linears = [m for m in pl_module.model.modules() if isinstance(m, FP4Linear)]
+            res["lt_fp4_linears"] = len(linears)
+            res.setdefault("lt_losses", []).append(float(outputs["loss"]))
+
+    cfg = load_recipe(None, tiny_overrides(corpus, os.path.join(out_dir, "run"), "trainer.strategy=fsdp",
+                                           "schedule.max_steps=2", "trainer.val_every_n_steps=2",
+                                           "trainer.checkpoint_every_n_steps=2"))
+    result = train(cfg, callbacks=[Seen()])
+    res["lt_checkpoint"] = str(result.checkpoint) if result.checkpoint else None
+    res["lt_val_loss"] = result.val_loss
+    return res
+
+
+def test_fsdp2_fp4_on_one_device(tmp_path, tmp_path_factory):
+    import functools
+    import math
+
+    from tests.test_data import prepared_test_corpus
+
+    corpus = prepared_test_corpus(tmp_path_factory)
+    (r,) = _spawn(functools.partial(_one_rank_checks, corpus=str(corpus)), tmp_path, world=1)
+    assert r["losses"]["fsdp"] == r["losses"]["ref"] and r["params_equal"], r
+    assert r["stats"]["gathers"] == 0 and r["stats"]["fp4_bytes"] == 0, r  # one rank: no collective to shrink
+    assert r["lt_fp4_linears"] == 7 * 2, r  # the run trained in FP4
+    assert len(r["lt_losses"]) == 2 and all(math.isfinite(x) for x in r["lt_losses"]), r
+    assert r["lt_checkpoint"] and os.path.exists(r["lt_checkpoint"]) and math.isfinite(r["lt_val_loss"]), r

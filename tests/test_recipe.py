@@ -127,7 +127,17 @@ def test_overrides_win_over_the_file(tmp_path):
         (["trainer.precison=fp4"], r"`trainer\.precison`.*valid keys in trainer: .*precision"),
         (["schedule.max_steps=ten"], r"`schedule\.max_steps`.*expects int"),
         (["optimizer.lr=fast"], r"`optimizer\.lr`.*expects float"),
-        (["trainer.precision=fp8"], r"`trainer\.precision` = 'fp8'.*choose one of: fp4, fp4-bf16, fp4-fp16, bf16-mixed, bf16-true.*32-true"),
+        (["trainer.precision=fp8"], r"`trainer\.precision` = 'fp8'.*choose one of: fp4, fp4-bf16, fp4-fp16, bf16-mixed, bf16-true, 16-mixed, 32-true"),
+        # pure fp16 weights + AdamW: eps=1e-8 underflows to 0 in fp16 and the first step writes NaN weights
+        (["trainer.precision=16-true"], r"`trainer\.precision` = '16-true'.*fp16.*choose one of: .*fp4-fp16.*16-mixed.*32-true"),
+        # Lightning would accept tpu / mps, fail after the data is loaded; foo is a Lightning traceback
+        (["trainer.accelerator=foo"], r"`trainer\.accelerator` = 'foo'.*choose one of: auto, cpu, gpu, cuda"),
+        (["trainer.accelerator=tpu"], r"`trainer\.accelerator` = 'tpu'.*choose one of: auto, cpu, gpu, cuda"),
+        # Lightning's ModelParallelStrategy (FSDP2) takes 32-true, bf16-mixed, bf16-true (and 16-true) only
+        (["trainer.strategy=fsdp", "trainer.precision=fp4-fp16"],
+         r"`trainer\.precision` = 'fp4-fp16' does not work with `trainer\.strategy` = 'fsdp'.*fp4, fp4-bf16, bf16-mixed, bf16-true, 32-true"),
+        (["trainer.strategy=fsdp", "trainer.precision=16-mixed"], r"`trainer\.precision` = '16-mixed' does not work"),
+        (["trainer.strategy=fsdp", "trainer.precision=64-true"], r"`trainer\.precision` = '64-true' does not work"),
         (["model.name=llama2-70b"], r"`model\.name`.*llama2-13b.*tiny"),
         (["fp4.preset=nvfp8"], r"`fp4\.preset`.*paper, w4a4-direct, fp4-no-dge, fp4-no-occ"),
         (["fp4.overrides.occ_alhpa=0.9"], r"`fp4\.overrides\.occ_alhpa`.*occ_alpha"),
@@ -146,6 +156,30 @@ def test_overrides_win_over_the_file(tmp_path):
 def test_bad_overrides_name_the_key(overrides, pattern):
     with pytest.raises(RecipeError, match=f"(?s){pattern}"):
         load_recipe(None, overrides)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_comments_list_every_choice(path):
+    """The comments above trainer.precision / trainer.accelerator / trainer.strategy / fp4.preset name every
+    choice the schema accepts, and nothing it refuses; so does the README's list of presets."""
+    from fp4lightning.config import PRESETS
+    from fp4lightning.precision_names import RECIPE_PRECISIONS
+    from fp4lightning.recipe import ACCELERATORS, STRATEGIES
+
+    lines = path.read_text().splitlines()
+
+    def comment(key: str) -> str:
+        i = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}:"))
+        return lines[i - 1]
+
+    for key, choices in (("precision", RECIPE_PRECISIONS), ("accelerator", ACCELERATORS),
+                         ("strategy", STRATEGIES), ("preset", list(PRESETS))):
+        words = set(re.findall(r"[\w.-]+", comment(key).split("(type:")[0]))
+        assert set(choices) <= words, f"{path.name}: the {key} comment misses {sorted(set(choices) - words)}"
+    assert "16-true" not in re.findall(r"[\w.-]+", comment("precision"))
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    listed = re.search(r"Presets are (.*?)\. Every knob", readme, re.S).group(1)
+    assert set(PRESETS) <= set(re.findall(r"`([\w-]+)`", listed)), listed
 
 
 def test_fp4_section_builds_one_typed_config():

@@ -173,6 +173,35 @@ def test_persistent_nonfinite_stops_naming_step_and_checkpoint(corpus, tmp_path,
     assert read_checkpoint(tmp_path / "checkpoints" / LAST_CKPT)[0]["global_step"] <= 6
 
 
+class _PoisonWeights(L.Callback):
+    """After optimizer step ``at``, a NaN in one weight: every later step diverges."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                pl_module.model.norm.weight.view(-1)[0] = float("nan")  # used by every token
+
+
+def test_diverged_message_wins_over_the_checkpoint_refusal(corpus, tmp_path, capsys, caplog, one_thread):
+    """Weights gone NaN (what trainer.precision=16-true did at step 1): the run stops with the "diverged"
+    message and its advice; the save-on-exception checkpoint it then refuses is a secondary line, not the
+    error that replaces it."""
+    cfg = load_recipe(None, tiny_overrides(corpus, tmp_path, "schedule.max_steps=6"))
+    with pytest.raises(NonFiniteError, match=r"weights are non-finite at step 3.*The run has diverged: lower "
+                                             r"optimizer\.lr") as e:
+        train(cfg, callbacks=[_PoisonWeights(at=2)])
+    assert "refusing" not in str(e.value)
+    err = capsys.readouterr().err
+    assert err.count("note: no checkpoint written at step 2: weight model.norm.weight holds inf/NaN") == 1, err[-2000:]
+    assert "training stopped at step 2" in err
+    assert not list((tmp_path / "checkpoints").glob("*.ckpt"))  # nothing NaN on disk
+    # and Lightning's "..., saved checkpoint to <file>" line is dropped: no such file was written
+    assert "was raised with message" not in caplog.text + err, caplog.text
+
+
 def test_nonfinite_weights_are_never_checkpointed(tmp_path):
     io = AtomicCheckpointIO()
     good = {"state_dict": {"w": torch.ones(3)}, "global_step": 1}
@@ -602,6 +631,24 @@ def test_corrupt_shard_at_train_time_is_one_line(corpus, tmp_path, capsys, damag
     line = [x for x in err.splitlines() if x.startswith("fp4lightning train: error:")]
     assert line and "train-00000.bin" in line[0] and "Traceback" not in err
     assert "data prepare" in err and "--force" in err
+
+
+def test_damaged_tokenizer_is_one_line(corpus, tmp_path, capsys):
+    """A tokenizer.json that is not a tokenizer (a half-copied file, a stray edit) is "damaged; rebuild with"
+    like the other data files, not the tokenizers library's bare `Exception: expected value`."""
+    import shutil
+
+    from fp4lightning.data import DataCorruptError, PreparedData
+
+    data = shutil.copytree(corpus, tmp_path / "data")
+    (data / "tokenizer.json").write_text("garbage\n")
+    with pytest.raises(DataCorruptError, match=r"(?s)tokenizer\.json is damaged.*data prepare.*--force"):
+        PreparedData(data)
+    rc = cli_main(["train", *tiny_overrides(data, tmp_path / "run", "schedule.max_steps=2")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    line = [x for x in err.splitlines() if x.startswith("fp4lightning train: error:")]
+    assert line and "tokenizer.json" in line[0] and "data prepare" in err and "--force" in err
 
 
 def test_tokenizer_training_on_a_long_unbroken_input_is_bounded(tmp_path):

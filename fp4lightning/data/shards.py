@@ -41,7 +41,12 @@ class PreparedData:
                                    f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
                                    f"rebuild with:\n  {hint} --force")
         self.hint = hint
-        self.tokenizer = Tokenizer.from_file(self.dir / self.meta["tokenizer"])
+        tok_path = self.dir / self.meta["tokenizer"]
+        try:
+            self.tokenizer = Tokenizer.from_file(tok_path)
+        except Exception as e:  # the tokenizers library raises a bare Exception ("expected value at line 1 ...")
+            raise DataCorruptError(f"{tok_path} is damaged ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                                   f"rebuild with:\n  {hint} --force") from e
         self._dtype = np.dtype(self.meta["dtype"])
 
     def shard_files(self, split: str) -> list[Path]:
