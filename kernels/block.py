@@ -8,7 +8,8 @@ bf16 ``tl.dot`` with fp32 accumulation per ``block_k`` columns (several scale bl
 All rounding is exact integer/fp32 arithmetic (``_common.minifloat_bits``), never an
 in-kernel float downcast, so the codes and scales are bit-identical to the reference
 (and hence to torchao) under the interpreter and on a GPU. Scope: round-to-nearest,
-1-D blocks, K a multiple of the block, finite inputs (a NaN block is the reference's job).
+1-D blocks, K a multiple of the block; a block holding a NaN gets the format's NaN scale and
+decodes to NaN, as in the reference.
 Tested under ``TRITON_INTERPRET=1`` (``tests/test_block_kernels.py``); the same tests pass
 compiled on an H200 (docs/perf.md).
 """
@@ -50,20 +51,26 @@ def _mx_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, BL
     amax = tl.max(tl.abs(x), axis=1)
     e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - E8M0_BIAS_C - 2  # 2 = log2 of E2M1's largest power of two
     biased = tl.minimum(tl.maximum(e, -E8M0_BIAS_C), E8M0_BIAS_C + 1) + E8M0_BIAS_C
+    # a NaN in the block (tl.max skips it): the E8M0 NaN byte, so the block decodes to NaN as the
+    # reference's does; its codes are the reference's x / 2^128 (inf): zeros carrying x's sign
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    biased = tl.where(has_nan, 255, biased)
     scale = tl.maximum((biased << 23).to(tl.float32, bitcast=True), F32_MIN_NORMAL_C)
     # --- scale, saturate, round, pack
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -E2M1_MAX_C), E2M1_MAX_C)
+    y = tl.where(x == x, y, 0.0)  # (x / inf is a signed zero already; the NaN itself gets code 0)
     _e2m1_pack_store(y, q_ptr, rows, pid_b * 32, M, stride_qm, BLOCK_M, 32)
     tl.store(s_ptr + rows * stride_sm + pid_b, biased.to(tl.uint8), mask=rows < M)
 
 
 @triton.jit
 def _e4m3_value(bits):
-    """fp32 value of non-negative E4M3 bit patterns (int32, no NaN)."""
+    """fp32 value of non-negative E4M3 bit patterns (int32); the NaN patterns 0x7F / 0xFF give NaN."""
     e = bits >> 3
     m = (bits & 7).to(tl.float32)
     normal = (1.0 + m * 0.125) * ((e + 120) << 23).to(tl.float32, bitcast=True)  # 2^(e - 7)
-    return tl.where(e > 0, normal, m * 0.001953125)  # subnormal: m / 8 * 2^-6
+    value = tl.where(e > 0, normal, m * 0.001953125)  # subnormal: m / 8 * 2^-6
+    return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)  # a NaN block stays NaN
 
 
 @triton.jit
@@ -82,9 +89,14 @@ def _nv_quant_kernel(x_ptr, q_ptr, s_ptr, g_ptr, M, stride_xm, stride_qm, stride
     s = tl.minimum(tl.maximum(tl.math.div_rn(tl.math.div_rn(amax, E2M1_MAX_C), g), F8E4M3_MIN_NORMAL_C),
                    F8E4M3_MAX_C)
     bits = minifloat_bits(s, 3, -6)  # E4M3: F8E4M3_MANT_BITS, F8E4M3_EMIN
+    # a NaN in the block (tl.max skips it): the E4M3 NaN scale 0x7F and zero codes, the reference's
+    # (its x * NaN is NaN, code 0), so the block decodes to NaN
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    bits = tl.where(has_nan, 0x7F, bits)
     s8 = _e4m3_value(bits)
     recip = tl.math.div_rn(tl.math.div_rn(tl.full(s8.shape, 1.0, tl.float32), g), s8)
     y = tl.minimum(tl.maximum(x * recip[:, None], -E2M1_MAX_C), E2M1_MAX_C)
+    y = tl.where(has_nan[:, None], 0.0, y)
     _e2m1_pack_store(y, q_ptr, rows, pid_b * 16, M, stride_qm, BLOCK_M, 16)
     tl.store(s_ptr + rows * stride_sm + pid_b, bits.to(tl.uint8), mask=rows < M)
 
@@ -117,6 +129,8 @@ def triton_quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
 
     x = _check(x, 16, "quantize_nvfp4")
     m, k = x.shape
+    if x.numel() == 0:
+        raise ValueError(f"quantize_nvfp4: empty input {tuple(x.shape)} has no amax for its global scale")
     g = nvfp4_global_scale(torch.linalg.vector_norm(x.float(), float("inf"))).reshape(1)
     q = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     s = torch.empty(m, k // 16, dtype=torch.uint8, device=x.device)
@@ -193,8 +207,23 @@ def triton_block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: fl
     if fmt not in ("mxfp4", "nvfp4"):
         raise ValueError(f"block_gemm: unknown format {fmt!r}; choose 'mxfp4' or 'nvfp4'")
     b = 32 if fmt == "mxfp4" else 16
+    bad = [f"{n}={v}" for n, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k))
+           if v < 16 or v & (v - 1)]
+    if bad:
+        raise ValueError(f"block_gemm: tile sizes must be powers of two >= 16, got {', '.join(bad)}")
     if block_k % b:
         raise ValueError(f"block_gemm: block_k={block_k} must be a multiple of the {fmt} block size {b}")
+    for name, t in (("a_codes", a_codes), ("b_codes", b_codes)):
+        if t.dim() != 2 or t.dtype != torch.uint8:
+            raise TypeError(f"block_gemm: {name} must be 2-D packed uint8 codes, got {tuple(t.shape)} {t.dtype}")
+    scale_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+    for name, t in (("a_scales", a_scales), ("b_scales", b_scales)):
+        if t.dtype != scale_dtype:
+            raise TypeError(f"block_gemm: {fmt} {name} must be {scale_dtype} (the quantizer's scales), got {t.dtype}")
+    devices = {t.device for t in (a_codes, a_scales, b_codes, b_scales)}
+    if len(devices) > 1:
+        raise ValueError(f"block_gemm: operands on different devices {sorted(map(str, devices))}")
+    a_codes, b_codes = a_codes.contiguous(), b_codes.contiguous()  # the kernel reads rows of unit stride
     m, kh = a_codes.shape
     n = b_codes.shape[0]
     k = 2 * kh

@@ -371,12 +371,12 @@ def triton_fp8_gemm(
         col_scale = check_vector("col_scale", col_scale, n, (torch.float32,), "one fp32 scale per column of the output")
     if bias is not None:
         bias = check_vector("bias", bias, n, FLOAT_DTYPES, "one value per output column")
-    if addend is not None and (tuple(addend.shape) != (m, n) or addend.dtype not in FLOAT_DTYPES):
-        raise ValueError(f"addend must be a float tensor of shape ({m}, {n}), got {tuple(addend.shape)} {addend.dtype}")
+    for name, t in (("addend", addend), ("dge_weight", dge_weight)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (m, n) or t.dtype not in FLOAT_DTYPES):
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a float tensor of shape ({m}, {n}), got {got}")
     has_dge = dge_weight is not None
     if has_dge:
-        if tuple(dge_weight.shape) != (m, n) or dge_weight.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"dge_weight must be a float tensor of shape ({m}, {n}), got {tuple(dge_weight.shape)}")
         if dge_weight.stride(1) != 1:
             dge_weight = dge_weight.contiguous()
         if dge_weight_scale is None:

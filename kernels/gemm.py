@@ -254,7 +254,8 @@ def triton_fp4_gemm(
     """Forward FP4 GeMM ``Y = (A_q W_q^T) / (s_a s_w^T) + bias`` -> (M, N) ``out_dtype``.
 
     ``a_packed`` (M, ceil(k/2)) and ``w_packed`` (N, ceil(k/2)) are uint8 with two E2M1
-    codes per byte along K (pad nibble zero, as every quantizer here writes it);
+    codes per byte along K (pad nibble zero, as every quantizer here writes it: the forward
+    multiplies it rather than masking it, so codes of another K, or a set pad nibble, are misread);
     ``a_scale`` (M,) and ``w_scale`` (N,) fp32 multipliers; ``bias`` (N,) any float
     dtype. ``decode`` forces the tensor-core type: ``'fp8'`` (E4M3, sm_90+) or
     ``'fp16'``; default: FP8 where available. ``fast_accum=True`` skips the promotion

@@ -102,8 +102,10 @@ def _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP: tl.constexpr, 
     mask = row_ok[:, None] & (k0 + ke < K)[None, :]
     x = tl.load(x_rows + k0 + ke[None, :], mask=mask, other=0.0).to(tl.float32)
     if CLAMP:
-        # torch.clamp semantics: NaN stays NaN, a NaN bound makes everything NaN
-        xc = tl.where(x < lo, lo, tl.where(x > hi, hi, x))
+        # torch.clamp semantics, min(max(x, lo), hi) (so hi wins if lo > hi): NaN stays NaN, a NaN
+        # bound makes everything NaN
+        xc = tl.where(x < lo, lo, x)
+        xc = tl.where(xc > hi, hi, xc)
         xc = tl.where((lo != lo) | (hi != hi), float("nan"), xc)
         if STORE_RESIDUAL:
             tl.store(r_rows + k0 + ke[None, :], (x - xc).to(r_rows.dtype.element_ty), mask=mask)

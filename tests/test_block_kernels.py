@@ -56,11 +56,47 @@ def test_block_gemm_matches_reference(fmt, k, block_k):
 def test_kernel_inputs_checked():
     with pytest.raises(ValueError, match="multiple of 32"):
         kb.triton_quantize_mxfp4(torch.randn(4, 48, device=DEV))
+    with pytest.raises(ValueError, match="empty input"):
+        kb.triton_quantize_nvfp4(torch.randn(0, 32, device=DEV))
     q, s = kb.triton_quantize_mxfp4(torch.randn(4, 64, device=DEV))
     with pytest.raises(ValueError, match="shapes do not match"):
         kb.triton_block_gemm(q, s, q[:, :16], s, "mxfp4")
-    with pytest.raises(ValueError, match="block_k=48 must be a multiple"):
-        kb.triton_block_gemm(q, s, q, s, "mxfp4", block_k=48)
+    with pytest.raises(ValueError, match="block_k=16 must be a multiple of the mxfp4 block size 32"):
+        kb.triton_block_gemm(q, s, q, s, "mxfp4", block_k=16)
+    with pytest.raises(ValueError, match="powers of two >= 16, got block_k=48"):
+        kb.triton_block_gemm(q, s, q, s, "nvfp4", block_k=48)
+    # layouts and dtypes the kernel cannot read are refused or made readable, never misread
+    with pytest.raises(TypeError, match="a_scales must be torch.uint8"):  # fp32 block scales of the right shape
+        kb.triton_block_gemm(q, s.float(), q, s, "mxfp4")
+    with pytest.raises(TypeError, match="b_codes must be 2-D packed uint8"):
+        kb.triton_block_gemm(q, s, q.to(torch.int16), s, "mxfp4")
+
+
+def test_block_gemm_reads_column_major_codes():
+    a, w = torch.randn(32, 64), torch.randn(32, 64)
+    qa, qw = quantize_mxfp4(a), quantize_mxfp4(w)
+    args = [t.to(DEV) for t in (qa.codes, qa.scales, qw.codes, qw.scales)]
+    want = kb.triton_block_gemm(*args, "mxfp4", block_m=32, block_n=32).cpu()
+    col_major = args[0].t().contiguous().t()  # the same values, unit row stride
+    assert torch.equal(kb.triton_block_gemm(col_major, *args[1:], "mxfp4", block_m=32, block_n=32).cpu(), want)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_nan_block_is_nan_as_in_the_reference(fmt):
+    # a NaN activation must reach the output (loss scaling and the non-finite guard look for it): the
+    # quantizers write the format's NaN scale bitwise as the reference does, and the GeMM decodes it
+    x, w = _inputs(24, 64), torch.randn(16, 64)
+    x[1, 5], x[7, 40] = float("nan"), float("nan")
+    quant, tquant = (quantize_mxfp4, kb.triton_quantize_mxfp4) if fmt == "mxfp4" else \
+        (quantize_nvfp4, kb.triton_quantize_nvfp4)
+    ref, got = quant(x), [t.cpu() for t in tquant(x.to(DEV))]
+    assert torch.equal(got[1].view(torch.uint8), ref.scales.view(torch.uint8)) and torch.equal(got[0], ref.codes)
+    qw = quant(w)
+    factor = 1.0 if fmt == "mxfp4" else float(ref.global_scale * qw.global_scale)
+    y = kb.triton_block_gemm(*[t.to(DEV) for t in (ref.codes, ref.scales, qw.codes, qw.scales)], fmt, factor,
+                             block_m=32, block_n=32).cpu()
+    y_ref = block_gemm_reference(ref, qw)
+    assert torch.equal(y.isnan(), y_ref.isnan()) and y[[1, 7]].isnan().all() and y[[0, 2]].isfinite().all()
 
 
 # --------------------------------------------------------------------------- FP4Linear on the Triton path

@@ -289,6 +289,18 @@ def test_quantize_clamped_matches_occ_then_quantize(dtype, per_tensor, block_kh)
     below(clipped, 0.09, "clipped fraction")
 
 
+@pytest.mark.parametrize("bounds", [(1.0, -1.0), (0.5, 0.5)], ids=["lo>hi", "lo==hi"])
+def test_quantize_clamped_degenerate_bounds_as_torch_clamp(bounds):
+    # occ_bounds never gives lo > hi, but the kernel is public: it clamps as torch.clamp does,
+    # min(max(x, lo), hi), so hi wins (it returned lo below lo)
+    x = torch.randn(8, 64, device=DEV)
+    b = torch.tensor(bounds, device=DEV)
+    codes, scale, resid = kt.triton_quantize_rows_clamped(x, b)
+    ref_codes, ref_scale, ref_resid = _clamped_reference(x, b, False)
+    assert torch.equal(codes, ref_codes) and torch.equal(resid, ref_resid)
+    _assert_same_scale(scale, ref_scale)
+
+
 def _clamped_reference(x, bounds, per_tensor):
     """What FP4Linear does today: occ_clamp, then the reference quantizer on the clamped tensor."""
     xc, r = occ_clamp(x, bounds)
@@ -1139,6 +1151,12 @@ def test_bad_inputs_raise_clear_errors():
         kt.triton_fp4_wgrad(g0, g0_s, a_p, 32, addend=torch.zeros(32, 6, device=DEV))
     with pytest.raises(ValueError, match="g has 5 rows but a_packed has 8"):
         kt.triton_fp4_wgrad(g0[:5], g0_s, a_p, 32)
+    from fp4lightning.kernels import fp8_gemm
+    e4 = torch.zeros(4, 32, device=DEV).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"addend must be a float tensor of shape \(4, 4\), got float"):
+        fp8_gemm.triton_fp8_gemm(e4, e4, addend=1.0)
+    with pytest.raises(ValueError, match=r"dge_weight must be a float tensor .* got \(4, 4\) torch.int32"):
+        fp8_gemm.triton_fp8_gemm(e4, e4, dge_weight=torch.zeros(4, 4, dtype=torch.int32, device=DEV))
     other = torch.device("cpu") if CUDA else torch.device("meta")
     with pytest.raises(ValueError, match="is on"):
         kt.triton_quantize_rows(torch.randn(8, 32, device=other))
