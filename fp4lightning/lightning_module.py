@@ -131,7 +131,8 @@ class LlamaLightningModule(L.LightningModule):
         self._step_tokens += batch[:, 1:].numel()
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
             # one optimizer step ends here: log the mean over its micro-batches
-            self.log("train/loss", self._step_loss_sum / self._step_batches, prog_bar=True)
+            # the mean over all ranks (as val/loss): rank 0's own micro-batches are 1/world of the batch
+            self.log("train/loss", self._step_loss_sum / self._step_batches, prog_bar=True, sync_dist=True)
             now = time.perf_counter()
             if self._t_last is not None:
                 tps = self._step_tokens * self.trainer.world_size / (now - self._t_last)
@@ -176,6 +177,22 @@ class LlamaLightningModule(L.LightningModule):
             opt, lambda s: warmup_cosine(s, hp.max_steps, warmup, hp.min_lr_ratio)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        # A resumed run restores the scheduler's base LRs and each group's current LR from the
+        # checkpoint; the schedule must be this recipe's (docs/training.md, "Resuming with a changed
+        # schedule"): base LR optimizer.lr, and the LR of the next step recomputed from the new
+        # lambda (LambdaLR keeps no lambda in its state, so it is already the new one). Without
+        # this a changed optimizer.lr was ignored and the first resumed step ran at the old LR.
+        sched = self.lr_schedulers()
+        if sched is None:
+            return
+        opt = sched.optimizer
+        sched.base_lrs = [float(self.hparams.lr)] * len(opt.param_groups)
+        for group, base, lmbda in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * lmbda(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in opt.param_groups]
 
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

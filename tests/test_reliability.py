@@ -229,16 +229,26 @@ DDP_SCRIPT = textwrap.dedent("""
                                            "trainer.checkpoint_every_n_steps=2", "trainer.max_nonfinite_skips=3"))
     # rank 1 alone: a NaN in a gradient after synchronisation at step 2, then every step from 4 on
     inj = Injector({{2: "gradient", 3: "embedding"}}, from_step=5, rank=1)
+    import lightning as L
+
+    class LoggedLoss(L.Callback):  # what each rank logs as train/loss (synced: the global-batch mean)
+        losses = {{}}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if "train/loss" in trainer.callback_metrics:
+                self.losses[trainer.global_step] = float(trainer.callback_metrics["train/loss"])
+
     code = 0
     try:
-        train(cfg, callbacks=[inj])
+        train(cfg, callbacks=[inj, LoggedLoss()])
     except NonFiniteError as e:
         code = EXIT_NONFINITE
         msg = str(e)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     digest = {{s: float(sum(p.double().sum() * (i + 1) for i, p in enumerate(ps))) for s, ps in inj.params.items()}}
     Path = __import__("pathlib").Path
-    Path(out, f"rank{{rank}}.json").write_text(json.dumps({{"digest": digest, "msg": msg if code else ""}}))
+    Path(out, f"rank{{rank}}.json").write_text(json.dumps({{"digest": digest, "msg": msg if code else "",
+                                                          "losses": LoggedLoss.losses}}))
     sys.exit(code)
 """)
 
@@ -265,6 +275,8 @@ def test_ddp_ranks_skip_and_stop_together(corpus, tmp_path):
     assert proc.returncode == EXIT_NONFINITE, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / "run" / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["digest"] == r1["digest"]  # identical weights on both ranks at every step
+    # train/loss is the global batch's (synced), not each rank's own half: the ranks log the same value
+    assert r0["losses"] and r0["losses"] == r1["losses"], (r0["losses"], r1["losses"])
     d = r0["digest"]
     assert d["2"] == d["1"] and d["3"] == d["2"] and d["4"] != d["3"]  # steps 2 and 3 skipped on both ranks
     for r in (r0, r1):

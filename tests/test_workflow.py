@@ -5,6 +5,7 @@ TFLOP/s in the logs, resume reporting a changed schedule, and starting from exis
 from __future__ import annotations
 
 import csv
+import math
 import re
 from pathlib import Path
 
@@ -88,13 +89,25 @@ def test_resume_reports_schedule_change_and_init_from_weights(corpus, tmp_path, 
     train(load_recipe(None, tiny_overrides(corpus, base, "schedule.max_steps=4", "trainer.loggers=csv",
                                            "trainer.val_every_n_steps=100", "trainer.checkpoint_every_n_steps=2")))
     capsys.readouterr()
-    # resume with a longer schedule: the change and its effect on the LR are printed
-    train(load_recipe(None, tiny_overrides(corpus, base, "schedule.max_steps=6", "trainer.loggers=csv",
-                                           "trainer.val_every_n_steps=100")), resume=True)
+    # resume with a longer schedule and another peak LR: the change and its effect on the LR are
+    # printed, and the resumed steps run at the LRs printed (the checkpoint's restored LRs must not win)
+    cfg = load_recipe(None, tiny_overrides(corpus, base, "schedule.max_steps=6", "optimizer.lr=0.02",
+                                           "trainer.loggers=csv", "trainer.val_every_n_steps=100"))
+    train(cfg, resume=True)
     printed = capsys.readouterr().out
     assert "resume: schedule.max_steps changed 4 -> 6 since the checkpoint" in printed
-    assert re.search(r"at step \d+ the LR is [0-9.e+-]+ \(the checkpoint's schedule would give [0-9.e+-]+\); "
-                     r"it decays to 1\.000e-03 at step 6", printed), printed[printed.find("resuming"):][:800]
+    assert "resume: optimizer.lr changed" in printed and "-> 0.02 since the checkpoint" in printed
+    said = re.search(r"at step 4 the LR is ([0-9.e+-]+) \(the checkpoint's schedule would give [0-9.e+-]+\); "
+                     r"it decays to 2\.000e-03 at step 6", printed)
+    assert said, printed[printed.find("resuming"):][:800]
+    from fp4lightning.lightning_module import warmup_cosine
+
+    warmup = max(1, math.ceil(cfg.schedule.warmup_fraction * 6))
+    logged = {int(r["step"]): float(r["train/lr"]) for r in _csv_rows(base) if r.get("train/lr")}
+    for step in (4, 5):  # the two resumed steps (logged before their optimizer step)
+        assert logged[step] == pytest.approx(0.02 * warmup_cosine(step, 6, warmup, cfg.schedule.min_lr_ratio),
+                                             rel=1e-6), (step, logged)
+    assert logged[4] == pytest.approx(float(said.group(1)), rel=1e-3)
 
     # HF folder -> import-hf -> checkpoint -> init.from_checkpoint, and init.from_hf directly
     ckpt = base / "checkpoints" / "last.ckpt"
