@@ -52,6 +52,11 @@ def _vocab(tok: Tokenizer) -> dict[str, int]:
     return tok.backend.get_vocab(with_added_tokens=True)
 
 
+# what transformers' from_pretrained looks for in a local folder (single file or sharded index)
+_HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
+
+
 def _from_hf(hf_dir: Path) -> tuple[torch.nn.Module, Tokenizer | None, bool]:
     """(model, tokenizer or None, the folder had a tokenizer at all)."""
     from fp4lightning.models.hf import _require_transformers, from_hf_model
@@ -59,11 +64,28 @@ def _from_hf(hf_dir: Path) -> tuple[torch.nn.Module, Tokenizer | None, bool]:
     transformers = _require_transformers()
     if not (hf_dir / "config.json").is_file():
         raise InitError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    if not any((hf_dir / n).is_file() for n in _HF_WEIGHT_FILES):
+        raise InitError(
+            f"{hf_dir} has config.json but no weights ({', '.join(_HF_WEIGHT_FILES)}); copy the model's "
+            "weight files into it (e.g. `fp4lightning export-hf CKPT DIR` writes model.safetensors)")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     if type(hf).__name__ != "LlamaForCausalLM":
         raise InitError(f"{hf_dir} holds a {type(hf).__name__}; only LlamaForCausalLM imports")
     has_tok = any((hf_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model"))
     return from_hf_model(hf), _hf_tokenizer(hf_dir), has_tok
+
+
+def config_differences(want: LlamaConfig, have: LlamaConfig) -> tuple[list[str], LlamaConfig]:
+    """``(names of the fields that shape weights and differ, have normalized)``.
+
+    Compares normalized configs (``n_kv_heads=None`` means ``n_heads``: an exported multi-head
+    model says 3 where the recipe left it unset). ``init_std`` and ``max_seq_len`` do not shape
+    any weight (RoPE tables are computed).
+    """
+    want, have = want.normalized(), have.normalized()
+    diff = [f.name for f in dataclasses.fields(LlamaConfig)
+            if f.name not in ("init_std", "max_seq_len") and getattr(want, f.name) != getattr(have, f.name)]
+    return diff, have
 
 
 def load_init_weights(cfg) -> tuple[dict[str, torch.Tensor], LlamaConfig, Tokenizer | None, str]:
@@ -79,12 +101,10 @@ def load_init_weights(cfg) -> tuple[dict[str, torch.Tensor], LlamaConfig, Tokeni
     else:
         key, src = "init.from_hf", Path(cfg.init.from_hf)
         model, tok, _ = _from_hf(src)
-    want, have = cfg.llama_config(), model.config
-    # init_std and max_seq_len do not shape any weight (RoPE tables are computed)
-    diff = [f.name for f in dataclasses.fields(LlamaConfig)
-            if f.name not in ("init_std", "max_seq_len") and getattr(want, f.name) != getattr(have, f.name)]
+    have = model.config
+    diff, shape = config_differences(cfg.llama_config(), have)
     if diff:
-        keys = " ".join(f"model.{k}={getattr(have, k)}" for k in diff)
+        keys = " ".join(f"model.{k}={getattr(shape, k)}" for k in diff)
         raise InitError(f"recipe key `{key}` = {src}: its model differs from the recipe's in {', '.join(diff)}; "
                         f"set {keys}")
     return model.state_dict(), have, tok, str(src)

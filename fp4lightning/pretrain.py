@@ -262,8 +262,10 @@ def _check_resumable(path: Path, cfg: RecipeConfig) -> list[str]:
     if missing:
         raise CheckpointError(f"{path} cannot resume training: it has no {', '.join(missing)} "
                               "(a weights-only or exported checkpoint)")
-    saved = ckpt["hyper_parameters"]["model"]
-    want = dataclasses.asdict(cfg.llama_config())
+    saved = dict(ckpt["hyper_parameters"]["model"])
+    if saved.get("n_kv_heads") is None:  # None and n_heads build the same model (LlamaConfig.normalized)
+        saved["n_kv_heads"] = saved.get("n_heads")
+    want = dataclasses.asdict(cfg.llama_config().normalized())
     diff = [f"{k}={saved.get(k)!r} (recipe: {v!r})" for k, v in want.items() if saved.get(k) != v]
     if diff:
         raise ResumeMismatchError(f"{path} holds a different model than the recipe: {', '.join(diff)}; "

@@ -258,3 +258,20 @@ def test_gpu_requests_fail_before_the_data_is_read(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match=r"`trainer.devices` = 2 but this machine has 1 CUDA GPU\(s\); set trainer.devices=1"):
         build(cfg("trainer.accelerator=cuda", "trainer.devices=2", "data.global_batch_size=32"))
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_n_kv_heads_spelled_out_is_the_same_model(corpus, run2, tmp_path):
+    """A checkpoint recording n_kv_heads=None (= n_heads) and a recipe spelling it out describe the same
+    model: resume accepts it (the comparison normalizes both, LlamaConfig.normalized)."""
+    import torch
+
+    from fp4lightning.pretrain import _check_resumable
+    from fp4lightning.recipe import load_recipe
+
+    ckpt = torch.load(run2 / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    model = ckpt["hyper_parameters"]["model"]
+    kv = model["n_kv_heads"]
+    model["n_heads"], model["n_kv_heads"] = kv, None  # recorded the other way: None meaning n_heads
+    torch.save(ckpt, tmp_path / "mha.ckpt")
+    _check_resumable(tmp_path / "mha.ckpt", load_recipe(None, _run_overrides(
+        corpus, run2, f"model.n_heads={kv}", f"model.n_kv_heads={kv}")))

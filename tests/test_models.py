@@ -108,3 +108,48 @@ def test_config_validation():
         LlamaConfig(dim=128, n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="valid choices"):
         llama_config("llama2-70b")
+
+
+# ----------------------------------------------------------------------------- init.from_hf / import-hf
+def _init_cfg(*overrides: str):
+    from fp4lightning.recipe import load_recipe
+
+    shape = ["model.vocab_size=257", "model.dim=96", "model.n_layers=1", "model.n_heads=6", "model.ffn_dim=160",
+             "model.tie_embeddings=true"]
+    return load_recipe(None, [*shape, *overrides])
+
+
+def test_init_accepts_mha_weights_whatever_way_n_kv_heads_is_spelled(tmp_path):
+    """A recipe leaving model.n_kv_heads unset (= n_heads) takes its own export-hf folder, the import-hf
+    checkpoint of it, and a recipe spelling n_kv_heads=n_heads takes a checkpoint that left it unset."""
+    from fp4lightning.checkpoint import load_checkpoint
+    from fp4lightning.initialize import InitError, import_hf, load_init_weights
+
+    ours = _init_cfg().llama_config()
+    assert ours.n_kv_heads is None
+    torch.manual_seed(0)
+    hf_interop.save_hf(Llama(ours), tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "imported.ckpt")
+    assert load_checkpoint(tmp_path / "imported.ckpt").model.config.kv_heads == 6
+    for overrides in ([f"init.from_hf={tmp_path / 'hf'}"], [f"init.from_checkpoint={tmp_path / 'imported.ckpt'}"],
+                      [f"init.from_hf={tmp_path / 'hf'}", "model.n_kv_heads=6"]):
+        sd, have, _, _ = load_init_weights(_init_cfg(*overrides))
+        assert have.kv_heads == 6 and sd["layers.0.self_attn.k_proj.weight"].shape == (96, 96), overrides
+    # a real difference is still refused, naming the key and the value to set
+    with pytest.raises(InitError, match=r"differs from the recipe's in n_kv_heads; set model.n_kv_heads=6"):
+        load_init_weights(_init_cfg(f"init.from_hf={tmp_path / 'hf'}", "model.n_kv_heads=2"))
+
+
+def test_import_hf_folder_without_weights_is_a_one_line_error(tmp_path, capsys):
+    from fp4lightning.cli import main as cli_main
+    from fp4lightning.initialize import InitError, load_init_weights
+
+    hf_interop.to_hf_config(_init_cfg().llama_config()).save_pretrained(tmp_path / "hf")
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["config.json"]
+    with pytest.raises(InitError, match=r"hf has config.json but no weights \(model.safetensors"):
+        load_init_weights(_init_cfg(f"init.from_hf={tmp_path / 'hf'}"))
+    capsys.readouterr()
+    assert cli_main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out.ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "no weights" in err and str(tmp_path / "hf") in err, err
+    assert not (tmp_path / "out.ckpt").exists()

@@ -62,6 +62,11 @@ class LlamaConfig:
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.kv_heads}"
             )
 
+    def normalized(self) -> "LlamaConfig":
+        """This config with defaults spelled out (``n_kv_heads=None`` -> ``n_heads``), for comparing
+        two configs: ``None`` and ``n_heads`` build the same model. (``ffn_dim`` has no derived default.)"""
+        return dataclasses.replace(self, n_kv_heads=self.kv_heads)
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
