@@ -210,7 +210,11 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-limit", type=int, default=None, help="at most this many items per eval task")
     parser.add_argument("--no-occ-report", action="store_true", help="skip the OCC fidelity table")
     parser.add_argument("--reuse", action="store_true",
-                        help="reuse finished runs in the output folder and resume cut-off ones from their last.ckpt")
+                        help="keep runs already in the output folder: a finished run whose recorded recipe "
+                             "(its config.yaml) is this compare's, apart from names, folders, the corpus path and "
+                             "thread counts, is reused; a cut-off one, or one whose only difference is a larger "
+                             "schedule.max_steps, is resumed from its last.ckpt (to the new length); any other "
+                             "difference starts it over. One line per run says which and why")
 
 
 def _compare_run(args: argparse.Namespace) -> int:

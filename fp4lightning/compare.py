@@ -15,8 +15,13 @@ the whole set with seeds ``seed, seed+1, ..., seed+N-1``. It writes
   table (the paper's Table 1 analogue) on a trained model's real activations; and, with
   ``--dge-probe N``, the weights' quantization error and in-interval positions over
   training (``fp4lightning.dge_probe``);
-* ``summary.json`` - the machine-readable core: ``{"recipe", "steps", "tokens", "variants":
-  {NAME: {"preset", "lr", "seeds", "final_val_loss", "mean", "std"}}}``.
+* ``summary.json`` - the machine-readable core: ``{"recipe", "steps", "tokens", "run_set", "variants":
+  {NAME: {"preset", "lr", "seeds", "final_val_loss", "mean", "std"}}}``; ``run_set`` is the resolved
+  recipe without :data:`NOT_THE_RUN` and :data:`PER_RUN` (what ``compare-join`` checks).
+
+``--reuse`` (:func:`reuse_decision`) reuses a finished run only when the recipe it recorded equals this
+one's, resumes a cut-off run or one whose only difference is a larger ``schedule.max_steps``, and starts
+any other over.
 
 Variants: ``bf16`` (bf16-mixed), ``fp32`` (32-true), ``fp4`` (the ``paper`` preset), any FP4
 preset name (``w4a4-direct``, ``fp4-no-dge``, ``fp4-no-occ``, ``paper``, and the block-scaled
@@ -138,6 +143,93 @@ def _pm(s: dict, fmt: str = ".4f", scale: float = 1.0) -> str:
     return f"{scale * s['mean']:{fmt}} ± {scale * s['std']:{fmt.lstrip('+')}}"
 
 
+
+#: resolved-recipe keys that say where a run writes, what it is called or how many threads and loader
+#: workers it uses, not what it computes: a run folder copied under another ``--out``, run with other
+#: thread counts or reading the same prepared corpus from another path is the same run
+NOT_THE_RUN = ("name", "out_dir", "ckpt_path", "data.dir", "data.num_workers", "trainer.num_threads",
+               "trainer.loggers", "trainer.peak_tflops")
+#: set per run by ``compare`` itself (``seed``) or by each variant (recorded per variant as preset and lr):
+#: left out of summary.json's ``run_set``, which says what all of a run set's runs share
+PER_RUN = ("seed", "trainer.precision", "fp4.preset", "optimizer.lr")
+#: the differences a resume can make up for: a longer schedule
+_LONGER = {"schedule.max_steps", "schedule.max_tokens"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))  # an empty dict (no fp4.overrides) records nothing
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def recipe_identity(cfg, leave_out: tuple[str, ...] = NOT_THE_RUN) -> dict:
+    """The resolved recipe as flat ``{dotted key: value}`` (JSON values), without the keys in ``leave_out``
+    (a key or any key under it)."""
+    from .recipe import recipe_to_dict
+
+    flat = json.loads(json.dumps(_flat(recipe_to_dict(cfg)), default=str))
+    return {k: v for k, v in flat.items() if not any(k == x or k.startswith(x + ".") for x in leave_out)}
+
+
+def _run_set(cfg) -> dict:
+    """summary.json's ``run_set``: :func:`recipe_identity` without :data:`PER_RUN`, plus the corpus by
+    content (``data.dir`` is left out by path: the same data may sit elsewhere; other data may not)."""
+    from .pretrain import data_fingerprint
+
+    out = recipe_identity(cfg, NOT_THE_RUN + PER_RUN)
+    fingerprint = data_fingerprint(cfg.data.dir)
+    if fingerprint is not None:
+        out["data.fingerprint"] = fingerprint
+    return out
+
+
+def _differences(old: dict, new: dict) -> dict[str, tuple]:
+    """``{key: (old, new)}`` for every key whose value differs (``"(unset)"`` where a side lacks it)."""
+    return {k: (old.get(k, "(unset)"), new.get(k, "(unset)")) for k in sorted(set(old) | set(new))
+            if old.get(k, "(unset)") != new.get(k, "(unset)")}
+
+
+def _say(diff: dict[str, tuple], limit: int = 6) -> str:
+    items = [f"{k} {a} -> {b}" for k, (a, b) in diff.items()]
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def reuse_decision(run_dir: Path, cfg, need_probe: bool = False) -> tuple[str, str]:
+    """What ``compare --reuse`` does with ``run_dir`` for the resolved recipe ``cfg``: ``("reuse", why)``,
+    ``("resume", why)`` or ``("train", why)`` (start over).
+
+    A run is reused only when the recipe it recorded (``config.yaml``, written by training) equals ``cfg``
+    apart from :data:`NOT_THE_RUN` and it finished (``compare_wall.json``); with the same recipe but cut
+    off, or finished with a shorter schedule (only ``schedule.max_steps`` / ``max_tokens`` differ, the new
+    one longer), it is resumed from its ``last.ckpt``; anything else starts over."""
+    from .recipe import load_recipe
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return "train", f"no {last} to reuse"
+    if need_probe and not (run_dir / "dge_probe.jsonl").exists():
+        return "train", "starting over (the run has no DGE probe record)"
+    recorded = run_dir / "config.yaml"
+    if not recorded.exists():
+        return "train", f"starting over (no {recorded.name} records the run's recipe)"
+    try:
+        old = recipe_identity(load_recipe(recorded))
+    except Exception as e:  # a recipe of another schema version: it cannot be shown to be the same run
+        return "train", f"starting over ({recorded} cannot be read: {str(e).splitlines()[0]})"
+    diff = _differences(old, recipe_identity(cfg))
+    finished = (run_dir / "compare_wall.json").exists()
+    if not diff:
+        return ("reuse", "finished with the same recipe") if finished else \
+            ("resume", "cut off, same recipe: continued from its last.ckpt")
+    if set(diff) <= _LONGER and "schedule.max_steps" in diff and diff["schedule.max_steps"][1] > diff["schedule.max_steps"][0]:
+        return "resume", (f"{_say(diff)}, otherwise the same recipe: continued to the new length from its last.ckpt "
+                          "(the LR schedule is recomputed for the new length)")
+    return "train", f"starting over ({_say(diff)})"
+
 def _final_train_loss(train: dict[int, float], frac: float = 0.1) -> float:
     """Mean train loss over the last ``frac`` of logged steps (single steps are noisy)."""
     steps = sorted(train)
@@ -241,16 +333,24 @@ def val_curve_table(metrics: dict[str, list[dict]]) -> str:
 
 
 def zero_shot_table(evals: dict[str, list[dict]]) -> str:
-    """Every task and metric, mean ± std over seeds, one column per variant."""
+    """Every task and metric, mean ± std over seeds, one column per variant; accuracies in percent (as
+    ``fp4lightning eval``'s results.md), the other metrics as lm-eval reports them."""
+    from .eval.run import _kind  # the one rule for which metric is an accuracy
+
     variants = list(evals)
     keys = list(dict.fromkeys((t, m) for runs in evals.values() for e in runs for t, ms in e.items() for m in ms))
     lines = ["| task | metric | " + " | ".join(variants) + " |", "|---|---" + "|---:" * len(variants) + "|"]
     for task, metric in keys:
+        percent = _kind(task, metric) in ("acc", "acc_norm")  # as eval.run._fmt
         cells = []
         for v in variants:
             vals = [e[task][metric] for e in evals[v] if metric in e.get(task, {})]
-            cells.append(_pm(spread(vals), ".4g") if vals else "-")
-        lines.append(f"| {task} | {metric} | " + " | ".join(cells) + " |")
+            if not vals:
+                cells.append("-")
+            else:
+                cells.append(_pm(spread(vals), ".2f", 100) if percent else _pm(spread(vals), ".4g"))
+        label = f"{metric} (%)" if percent else metric
+        lines.append(f"| {task} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -366,26 +466,28 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             last = run_dir / "checkpoints" / "last.ckpt"
             probe_path = run_dir / "dge_probe.jsonl"
             wall_file = run_dir / "compare_wall.json"  # written only when a run finished
-            usable = reuse and last.exists() and (not dge_probe or probe_path.exists())
             t0 = time.perf_counter()
-            if usable and wall_file.exists():
-                print(f"[compare] {v.name} seed {seed}: reusing {last}", flush=True)
+            action, why = reuse_decision(run_dir, cfg, need_probe=bool(dge_probe)) if reuse else ("train", "")
+            if action == "reuse":
+                print(f"[compare] {v.name} seed {seed}: reusing {last} ({why})", flush=True)
                 wall = json.loads(wall_file.read_text())["wall_s"]
             else:
-                # --reuse continues a run that was cut off (bit-exact resume from its last.ckpt)
-                # instead of counting it as finished or starting it over
-                resume = usable
-                print(f"[compare] {'resuming' if resume else 'training'} {v.name} seed {seed} "
-                      f"({' '.join(v.overrides())})", flush=True)
+                # --reuse continues a run that was cut off or is to run longer (bit-exact resume from its
+                # last.ckpt) instead of counting it as finished or starting it over
+                resume = action == "resume"
+                before = json.loads(wall_file.read_text())["wall_s"] if resume and wall_file.exists() else float("nan")
+                print(f"[compare] {'resuming' if resume else 'training'} {v.name} seed {seed}"
+                      + (f": {why}" if why else f" ({' '.join(v.overrides())})"), flush=True)
                 callbacks = []
                 if dge_probe:
                     from .dge_probe import DGEProbe
 
                     callbacks.append(DGEProbe(probe_path, dge_probe))
                 # a run started over replaces what an earlier compare left in run_dir
+                wall_file.unlink(missing_ok=True)  # finished again only when this training returns
                 train(cfg, resume=resume, callbacks=callbacks, overwrite=not resume)
-                # a resumed run's wall time covers only the part after the resume
-                wall = float("nan") if resume else time.perf_counter() - t0
+                # a resumed run's wall time: the finished part's plus this one (unknown for a cut-off run)
+                wall = before + time.perf_counter() - t0 if resume else time.perf_counter() - t0
                 wall_file.write_text(json.dumps({"wall_s": wall}))
             m = read_losses(run_dir)
             if not m["val"]:
@@ -471,6 +573,8 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                format_block_table(act_rows, w_rows, g_rows), ""]
     tokens = base.schedule.max_steps * base.data.global_batch_size * base.data.seq_len
     core = {"recipe": recipe or "tiny", "steps": base.schedule.max_steps, "tokens": tokens,
+            # what every run of the set shares: compare-join refuses a file whose record differs
+            "run_set": _run_set(base),
             "variants": {v.name: {"preset": v.preset, "lr": lrs[v.name], "seeds": seed_list,
                                   "final_val_loss": summary["variants"][v.name]["val_loss"]["values"],
                                   "mean": summary["variants"][v.name]["val_loss"]["mean"],
@@ -485,19 +589,34 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
 
 
 # ----------------------------------------------------------------------------- joining summaries
+def _same_recipe(a: str, b: str) -> bool:
+    """Two recipe paths as written in summaries: the same string, file (resolved from here) or content."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if not (pa.is_file() and pb.is_file()):
+        return False
+    return pa.resolve() == pb.resolve() or pa.read_bytes() == pb.read_bytes()
+
+
 def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dict, str]:
-    """Join ``summary.json`` files of one recipe (seeds run on other machines or at other times, whose run
+    """Join ``summary.json`` files of one run set (seeds run on other machines or at other times, whose run
     folders are gone) into one summary of the same schema, and a Markdown table: every variant's final
     validation loss over all its seeds, and its gap to ``reference`` paired over the seeds both share.
 
-    The files must agree on recipe, steps and tokens, and a variant on its preset and learning rate; a
-    seed that two files both report must have the same value (else they are different runs: refused).
-    ``reference`` defaults, as in :func:`compare`, to the BF16 variant with the lowest mean.
+    The files must agree on steps and tokens and on ``run_set``, the resolved recipe without the keys each
+    run may set otherwise (:data:`NOT_THE_RUN`: names, folders, the corpus path, thread counts) or that
+    are recorded per variant or seed (:data:`PER_RUN`); the refusal names the keys that differ. A file
+    written before ``run_set`` was recorded is checked on its recipe path only (the same string, or the
+    same file or content as seen from here), with a printed note. A variant must agree on its preset and
+    learning rate; a seed that two files both report must have the same value (else they are different
+    runs: refused). ``reference`` defaults, as in :func:`compare`, to the BF16 variant with the lowest mean.
     """
     if not paths:
         raise UsageError("give at least one summary.json")
     joined: dict = {}
     seeds_of: dict[str, dict[int, float]] = {}
+    run_set, run_set_from = None, None
     for path in paths:
         path = Path(path)
         if not path.is_file():
@@ -507,13 +626,30 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
             head = {k: doc[k] for k in ("recipe", "steps", "tokens")}
             variants = {name: {k: v[k] for k in ("preset", "lr", "seeds", "final_val_loss")}
                         for name, v in doc["variants"].items()}
+            mine_set = doc.get("run_set")
+            if mine_set is not None and not isinstance(mine_set, dict):
+                raise TypeError(f"run_set is a {type(mine_set).__name__}, not a mapping")
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise UsageError(f"{path} is not a compare summary.json ({type(e).__name__}: {e})") from e
         if not joined:
             joined = {**head, "variants": {}}
-        elif any(joined[k] != head[k] for k in head):
+        elif any(joined[k] != head[k] for k in ("steps", "tokens")):
             raise UsageError(f"{path} is from another run set ({head}) than the first file "
                              f"({ {k: joined[k] for k in head} }); join summaries of one recipe and schedule only")
+        if mine_set is None:
+            print(f"[compare-join] note: {path} has no run_set record (written before compare recorded one); "
+                  f"only its recipe path {head['recipe']!r}, steps and tokens are checked", flush=True)
+            if not _same_recipe(joined["recipe"], head["recipe"]):
+                raise UsageError(f"{path} is from another run set (recipe {head['recipe']!r}) than the first file "
+                                 f"(recipe {joined['recipe']!r}); join summaries of one recipe and schedule only")
+        elif run_set is None:
+            run_set, run_set_from = mine_set, path
+        else:
+            diff = _differences(run_set, mine_set)
+            if diff:
+                keys = "; ".join(f"{k}: {a!r} in {run_set_from}, {b!r} here" for k, (a, b) in diff.items())
+                raise UsageError(f"{path} is from another run set than {run_set_from}: {keys}; join summaries "
+                                 "of one recipe and schedule only")
         for name, v in variants.items():
             mine = joined["variants"].setdefault(name, {"preset": v["preset"], "lr": v["lr"]})
             if (mine["preset"], mine["lr"]) != (v["preset"], v["lr"]):
@@ -525,6 +661,8 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
                     raise UsageError(f"seed {seed} of {name!r} is {val} in {path} but {got[seed]} in "
                                      "an earlier file: two different runs of one seed cannot be joined")
                 got[seed] = val
+    if run_set is not None:
+        joined["run_set"] = run_set
     for name, got in seeds_of.items():
         seeds = sorted(got)
         s = spread([got[k] for k in seeds])

@@ -3,6 +3,7 @@ summary.json appear (a smoke test of the tool, not a result), and the OCC fideli
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 
 import pytest
@@ -49,7 +50,10 @@ def test_compare_seeds_through_cli(tmp_path_factory, capsys):
     assert "| bf16 |" in md and "| fp4@lr=3e-3 |" in md and "vs bf16" in md and " ± " in md
     assert "seed 7 | seed 8" in md and "Zero-shot" in md and "OCC fidelity" in md and "DGE probe" in md
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"recipe", "steps", "tokens", "variants"}
+    assert set(summary) == {"recipe", "steps", "tokens", "variants", "run_set"}
+    assert summary["run_set"]["model.max_seq_len"] == 512 and "seed" not in summary["run_set"]
+    assert len(summary["run_set"]["data.fingerprint"]) == 64  # the corpus by content (pretrain.data_fingerprint)
+    assert "| fp4l_cloze | acc_norm (%) |" in md  # percent, as `fp4lightning eval` prints it
     assert summary["steps"] == 4 and summary["tokens"] == 4 * 4 * 64
     assert set(summary["variants"]) == {"bf16", "fp4@lr=3e-3"}
     for name, preset, lr in (("bf16", "bf16", 1e-2), ("fp4@lr=3e-3", "paper", 3e-3)):
@@ -125,6 +129,78 @@ def test_compare_reuse_resumes_a_cut_off_run(tmp_path_factory, capsys):
     assert (run_dir / "compare_wall.json").is_file()
     assert "reusing" in run(4, "--reuse")  # now finished: reused as is
 
+
+
+@pytest.mark.slow
+def test_compare_reuse_checks_the_recorded_recipe(tmp_path_factory, capsys, monkeypatch):
+    """--reuse keeps a finished run only when its recorded recipe (config.yaml) is the one this compare
+    would run: a longer schedule resumes it to the new length, another setting starts it over, each with
+    one line saying why; a run folder moved to another --out (and other thread counts) is still reused.
+    summary.json records the run set, and compare-join refuses another recipe naming the key."""
+    from fp4lightning.compare import join_summaries
+    from fp4lightning.errors import UsageError
+
+    corpus = prepared_test_corpus(tmp_path_factory)
+    out = tmp_path_factory.mktemp("compare-reuse-recipe")
+    run_dir = out / "bf16" / "seed1234"
+
+    def run(steps, *extra, where=out):
+        args = ["compare", *tiny_overrides(corpus, where / "unused", f"schedule.max_steps={steps}",
+                                           "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2",
+                                           *extra),
+                "--variants", "bf16", "--out", str(where), "--eval-tasks", "none", "--no-occ-report", "--reuse"]
+        assert cli_main(args) == 0
+        return capsys.readouterr().out
+
+    def step():
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+
+    run(2)
+    short = json.loads((out / "summary.json").read_text())
+    printed = run(4)  # the same recipe, twice the steps: continued from step 2, not reused as 2 steps
+    assert "reusing" not in printed
+    assert "resuming bf16 seed 1234: schedule.max_steps 2 -> 4" in printed and step() == 4
+    long = json.loads((out / "summary.json").read_text())
+    assert long["steps"] == 4 and long["variants"]["bf16"]["final_val_loss"] != short["variants"]["bf16"]["final_val_loss"]
+    printed = run(4, "optimizer.weight_decay=0.0")  # another recipe: started over
+    assert "training bf16 seed 1234: starting over (optimizer.weight_decay 0.1 -> 0.0)" in printed and step() == 4
+    other = json.loads((out / "summary.json").read_text())
+    printed = run(2, "optimizer.weight_decay=0.0")  # fewer steps cannot be had by resuming: started over
+    assert "starting over (schedule.max_steps 4 -> 2)" in printed and step() == 2
+    # the finished run's folder under another --out, with another thread count: reused as it is
+    moved = tmp_path_factory.mktemp("compare-reuse-moved")
+    (moved / "bf16").mkdir()
+    shutil.copytree(run_dir, moved / "bf16" / "seed1234")
+    printed = run(2, "optimizer.weight_decay=0.0", "trainer.num_threads=2", where=moved)
+    assert "reusing" in printed and "bf16 seed 1234: reusing" in printed
+    # summary.json records what defines the run set; compare-join compares it and names what differs
+    assert long["run_set"]["optimizer.weight_decay"] == 0.1 and "seed" not in long["run_set"]
+    assert not {"out_dir", "name", "data.dir", "trainer.num_threads"} & set(long["run_set"])
+    (out / "long.json").write_text(json.dumps(long))
+    (out / "other.json").write_text(json.dumps({**other, "variants": {"bf16": {**other["variants"]["bf16"],
+                                                                              "seeds": [1235]}}}))
+    with pytest.raises(UsageError, match=r"other\.json .*optimizer\.weight_decay: 0\.1 .* 0\.0"):
+        join_summaries([out / "long.json", out / "other.json"])
+    # the same recipe as a relative and as an absolute path joins; a summary without the record joins with a note
+    monkeypatch.chdir(out)
+    legacy = {k: v for k, v in long.items() if k != "run_set"}
+    (out / "rel.json").write_text(json.dumps({**legacy, "recipe": "r.yaml"}))
+    (out / "r.yaml").write_text("seed: 1234\n")
+    (out / "abs.json").write_text(json.dumps({**long, "recipe": str(out / "r.yaml")}))
+    joined, _ = join_summaries([out / "abs.json", out / "rel.json"])
+    assert joined["variants"]["bf16"]["seeds"] == [1234]
+    assert "rel.json has no run_set record" in capsys.readouterr().out
+
+
+def test_zero_shot_table_in_percent():
+    """Accuracies print in percent, as `fp4lightning eval`'s results.md; perplexities as they are."""
+    from fp4lightning.compare import zero_shot_table
+
+    table = zero_shot_table({"bf16": [{"fp4l_cloze": {"acc_norm": 0.125}, "fp4l_ppl": {"word_perplexity": 1988.0}}],
+                             "fp4": [{"fp4l_cloze": {"acc_norm": 0.25}, "fp4l_ppl": {"word_perplexity": 1603.0}},
+                                     {"fp4l_cloze": {"acc_norm": 0.35}, "fp4l_ppl": {"word_perplexity": 1605.0}}]})
+    assert "| fp4l_cloze | acc_norm (%) | 12.50 | 30.00 ± 7.07 |" in table
+    assert "| fp4l_ppl | word_perplexity | 1988 | 1604 ± 1.414 |" in table
 
 def test_occ_report_on_model_activations():
     cfg = llama_config("tiny", vocab_size=256, dim=64, n_layers=2, n_heads=2, ffn_dim=176, max_seq_len=32)
