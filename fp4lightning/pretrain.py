@@ -372,9 +372,9 @@ def _check_fresh_out_dir(out: Path, overwrite: bool) -> list[Path]:
 
 
 def _remove_previous_run(out: Path, previous: list[Path]) -> None:
-    """``--overwrite``: delete the earlier run's checkpoints, logs and loss curve, saying so."""
-    png = out / "loss.png"
-    removed = [*previous, *([png] if png.exists() else [])]
+    """``--overwrite``: delete the earlier run's checkpoints, logs, loss curve and evaluation
+    (``fp4lightning eval ... --out <out_dir>/eval``: scores of a checkpoint that is gone), saying so."""
+    removed = [*previous, *(p for p in (out / "loss.png", out / "eval") if p.exists())]
     for path in removed:
         if path.is_dir():
             shutil.rmtree(path)

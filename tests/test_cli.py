@@ -230,10 +230,14 @@ def test_fresh_run_in_a_used_out_dir_needs_overwrite(corpus, run2, tmp_path, cap
     assert len(err) == 1 and str(out) in err[0], err
     assert "--overwrite" in err[0] and "--resume" in err[0] and "choose another out_dir" in err[0], err
     assert _step(last) == 2 and len(list((out / "logs" / "csv").glob("version_*"))) == 1  # untouched
-    # --overwrite: the old checkpoints and logs go (and the log says so); curve and checkpoints are the new run's
+    # --overwrite: the old checkpoints, logs and evaluation go (and the log says so); curve and
+    # checkpoints are the new run's
+    (out / "eval").mkdir()
+    (out / "eval" / "results.md").write_text("the old checkpoint's scores")
     assert main(["train", *overrides, "--overwrite"]) == 0
     printed = capsys.readouterr().out
     assert "removed" in printed and str(out / "checkpoints") in printed and str(out / "logs") in printed
+    assert str(out / "eval") in printed and not (out / "eval").exists()
     assert _step(last) == 1 and all(_step(p) == 1 for p in (out / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in (out / "logs" / "csv").glob("version_*")] == ["version_0"]
     assert sorted(read_losses(out)["train"]) == [0]
