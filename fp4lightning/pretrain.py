@@ -330,6 +330,11 @@ def _check_writable(out: Path) -> None:
     check_writable_dir(out, "recipe key `out_dir` =", RecipeError, "choose another out_dir")
 
 
+#: what a multi-node launcher sets (torchrun / torchelastic, SLURM, or Lightning's manual NODE_RANK +
+#: MASTER_ADDR): with none of them, a ``num_nodes > 1`` run has no one to rendezvous with
+_MULTINODE_LAUNCH_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "NODE_RANK", "MASTER_ADDR", "WORLD_SIZE")
+
+
 def _check_devices(cfg: RecipeConfig) -> None:
     """The GPUs the recipe asks for exist here (before any data is read); not a recipe-load check,
     since ``data prepare --recipe`` reads GPU recipes on CPU machines."""
@@ -338,6 +343,12 @@ def _check_devices(cfg: RecipeConfig) -> None:
     if acc in ("gpu", "cuda") and gpus == 0:
         raise RecipeError(f"recipe key `trainer.accelerator` = {acc!r} but this machine has no CUDA GPU visible to "
                           "torch; use trainer.accelerator=cpu (or auto)")
+    if cfg.trainer.num_nodes > 1 and not any(v in os.environ for v in _MULTINODE_LAUNCH_VARS):
+        raise RecipeError(
+            f"recipe key `trainer.num_nodes` = {cfg.trainer.num_nodes} but this process was not started as part of a "
+            "multi-node job (none of " + ", ".join(_MULTINODE_LAUNCH_VARS) + " is set), so it would wait for the "
+            "other nodes forever; launch it on every node with torchrun or srun (docs/distributed.md), or set "
+            "trainer.num_nodes=1")
     if (acc in ("gpu", "cuda") or (acc == "auto" and gpus)) and cfg.trainer.devices > gpus:
         raise RecipeError(f"recipe key `trainer.devices` = {cfg.trainer.devices} but this machine has {gpus} CUDA "
                           f"GPU(s); set trainer.devices={gpus} (and data.global_batch_size to match) or run where "

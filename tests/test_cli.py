@@ -262,6 +262,18 @@ def test_gpu_requests_fail_before_the_data_is_read(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match=r"`trainer.devices` = 2 but this machine has 1 CUDA GPU\(s\); set trainer.devices=1"):
         build(cfg("trainer.accelerator=cuda", "trainer.devices=2", "data.global_batch_size=32"))
     assert not (tmp_path / "run").exists()
+    # num_nodes > 1 outside a multi-node launch would wait forever for the other nodes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "NODE_RANK", "MASTER_ADDR", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RecipeError, match="`trainer.num_nodes` = 2 but this process was not started as part of a "
+                                          "multi-node job.*torchrun or srun"):
+        build(cfg("trainer.num_nodes=2", "data.global_batch_size=32"))
+    monkeypatch.setenv("NODE_RANK", "0")  # launched (here: by hand, Lightning's manual multi-node variables)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(Exception, match="no-data") as e:  # past the check: the missing data folder is next
+        build(cfg("trainer.num_nodes=2", "data.global_batch_size=32"))
+    assert not isinstance(e.value, RecipeError) or "num_nodes" not in str(e.value)
 
 
 def test_resume_n_kv_heads_spelled_out_is_the_same_model(corpus, run2, tmp_path):
