@@ -156,29 +156,19 @@ PER_RUN = ("seed", "trainer.precision", "fp4.preset", "optimizer.lr")
 _LONGER = {"schedule.max_steps", "schedule.max_tokens"}
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))  # an empty dict (no fp4.overrides) records nothing
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def recipe_identity(cfg, leave_out: tuple[str, ...] = NOT_THE_RUN) -> dict:
     """The resolved recipe as flat ``{dotted key: value}`` (JSON values), without the keys in ``leave_out``
     (a key or any key under it)."""
-    from .recipe import recipe_to_dict
+    from .recipe import flat_recipe_dict, recipe_to_dict
 
-    flat = json.loads(json.dumps(_flat(recipe_to_dict(cfg)), default=str))
+    flat = json.loads(json.dumps(flat_recipe_dict(recipe_to_dict(cfg)), default=str))
     return {k: v for k, v in flat.items() if not any(k == x or k.startswith(x + ".") for x in leave_out)}
 
 
 def _run_set(cfg) -> dict:
     """summary.json's ``run_set``: :func:`recipe_identity` without :data:`PER_RUN`, plus the corpus by
     content (``data.dir`` is left out by path: the same data may sit elsewhere; other data may not)."""
-    from .pretrain import data_fingerprint
+    from .data import data_fingerprint
 
     out = recipe_identity(cfg, NOT_THE_RUN + PER_RUN)
     fingerprint = data_fingerprint(cfg.data.dir)
@@ -364,8 +354,7 @@ def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4
 
     model, _, _ = load_checkpoint(checkpoint)  # high-precision weights: capture what FP4 would see
     data = PreparedData(data_dir)
-    ds = ValWindowDataset(data.shards("val"), seq_len, batches * batch_size, vocab_size=data.tokenizer.vocab_size,
-                          names=[str(p) for p in data.shard_files("val")], hint=f"{data.hint} --force")
+    ds = ValWindowDataset(data.shards("val"), seq_len, batches * batch_size, **data.id_check("val"))
     windows = [ds[i][:-1] for i in range(len(ds))]
     batch_list = [torch.stack(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
     acts = capture_linear_inputs(model, batch_list)

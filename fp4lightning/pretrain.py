@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -45,13 +43,13 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from fp4lightning.errors import InputNotFoundError, check_writable_dir
 from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, remove_stale_temporaries
-from fp4lightning.data import TokenDataModule, prepare_command
+from fp4lightning.data import TokenDataModule, data_fingerprint, prepare_command
 from fp4lightning.lightning_module import LlamaLightningModule
 from fp4lightning.config import FP4Config
 from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
 from fp4lightning.precision_names import FP4_PRECISIONS, MIXED_PRECISION
 from fp4lightning.strategy import is_fsdp
-from fp4lightning.recipe import RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
+from fp4lightning.recipe import RecipeConfig, RecipeError, flat_recipe_dict, recipe_to_dict, recipe_to_yaml
 from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
 from fp4lightning.trainer import Trainer
 
@@ -138,43 +136,14 @@ class ResumeMismatchError(CheckpointError):
 WORLD_SIZE_KEY = "trainer.devices x trainer.num_nodes"
 DATA_ORDER_KEYS = ("data.dir", "data.seq_len", "data.micro_batch_size", "data.global_batch_size", WORLD_SIZE_KEY,
                    "seed")
-_UNRECORDED = object()
 
 
-def _recorded(recipe: dict, key: str):
-    """The value of the dotted ``key`` in a checkpoint's recipe dict, or ``_UNRECORDED``."""
-    if key == WORLD_SIZE_KEY:
-        devices, nodes = _recorded(recipe, "trainer.devices"), _recorded(recipe, "trainer.num_nodes")
-        return _UNRECORDED if _UNRECORDED in (devices, nodes) else devices * nodes
-    value = recipe
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return _UNRECORDED
-        value = value[part]
-    return value
-
-
-def _recipe_value(cfg: RecipeConfig, key: str):
-    if key == WORLD_SIZE_KEY:
-        return cfg.world_size
-    value = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def data_fingerprint(data_dir: str | Path) -> str | None:
-    """sha256 of what ``fp4lightning data prepare`` recorded in ``<data_dir>/meta.json`` about the
-    tokens (the tokenizer's and every shard's sha256 and token count): equal for a copied or moved
-    folder, different once it is prepared again. None where there is no readable ``meta.json``."""
-    try:
-        meta = json.loads((Path(data_dir) / "meta.json").read_text())
-        what = {"tokenizer_sha256": meta["tokenizer_sha256"], "dtype": meta["dtype"],
-                "splits": {name: [(s["file"], s["tokens"], s["sha256"]) for s in split["shards"]]
-                           for name, split in sorted(meta["splits"].items())}}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+def _data_order(recipe: dict) -> dict:
+    """``DATA_ORDER_KEYS`` -> value of a nested recipe dict (the keys it records)."""
+    flat = flat_recipe_dict(recipe)
+    if "trainer.devices" in flat and "trainer.num_nodes" in flat:
+        flat[WORLD_SIZE_KEY] = flat["trainer.devices"] * flat["trainer.num_nodes"]
+    return {k: flat[k] for k in DATA_ORDER_KEYS if k in flat}
 
 
 class RecordDataFingerprint(L.Callback):
@@ -189,44 +158,40 @@ class RecordDataFingerprint(L.Callback):
             checkpoint["data_fingerprint"] = self.fingerprint
 
 
-def _same(key: str, saved, new, ckpt: dict) -> bool:
-    if key == "data.dir" and saved is not None and new is not None:
-        if ckpt.get("data_fingerprint") is not None and data_fingerprint(new) is not None:
-            return ckpt["data_fingerprint"] == data_fingerprint(new)  # the same tokens, wherever they are
-        return saved == new or Path(saved).resolve() == Path(new).resolve()
-    return saved == new
-
-
 def _check_data_order(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:
     """Raise ResumeMismatchError naming every data-order key that changed since ``path`` was written;
-    return the keys it does not record (a checkpoint from before this check)."""
-    recipe = ckpt["hyper_parameters"].get("recipe") or {}
-    changed, fixes, unrecorded = [], [], []
-    for key in DATA_ORDER_KEYS:
-        saved = _recorded(recipe, key)
-        if saved is _UNRECORDED:
-            unrecorded.append(key)
+    return the keys it does not record (a checkpoint from before this check).
+
+    ``data.dir`` is compared by content where the checkpoint has a fingerprint (a moved corpus
+    resumes, one prepared again in place does not), else by path."""
+    recorded = ckpt["hyper_parameters"].get("recipe") or {}
+    saved, now = _data_order(recorded), _data_order(recipe_to_dict(cfg))
+    old_fp, new_fp = ckpt.get("data_fingerprint"), data_fingerprint(cfg.data.dir)
+    same_dir = "data.dir" in saved and Path(saved["data.dir"]).resolve() == Path(now["data.dir"]).resolve()
+    changed, fixes = [], []
+    for key in saved:
+        if key == "data.dir" and old_fp is not None and new_fp is not None:
+            if old_fp == new_fp:
+                continue  # the same tokens, wherever they are
+            if same_dir:
+                changed.append(f"data.dir = {now[key]!r} holds other tokens than when the checkpoint was written "
+                               "(it was prepared again since)")
+                fixes.append(f"{now[key]} prepared again as it was")
+                continue
+        elif saved[key] == now[key] or (key == "data.dir" and same_dir):
             continue
-        new = _recipe_value(cfg, key)
-        if _same(key, saved, new, ckpt):
-            continue
-        if key == "data.dir" and Path(saved).resolve() == Path(new).resolve():
-            changed.append(f"data.dir = {new!r} holds other tokens than when the checkpoint was written "
-                           "(it was prepared again since)")
-            fixes.append(f"{new} prepared again as it was")
-            continue
-        changed.append(f"{key} = {saved!r} in the checkpoint, {new!r} now"
-                       + (" (holding other data)" if key == "data.dir" and "data_fingerprint" in ckpt else ""))
-        trainer = recipe.get("trainer", {})
+        changed.append(f"{key} = {saved[key]!r} in the checkpoint, {now[key]!r} now"
+                       + (" (holding other data)" if key == "data.dir" and old_fp is not None else ""))
+        trainer = recorded.get("trainer", {})
         fixes.append(f"trainer.devices={trainer.get('devices')} trainer.num_nodes={trainer.get('num_nodes')}"
-                     if key == WORLD_SIZE_KEY else f"{key}={saved}")
+                     if key == WORLD_SIZE_KEY else f"{key}={saved[key]}")
     if changed:
         raise ResumeMismatchError(
             f"cannot resume from {path}: the recipe changes how the data is read ({'; '.join(changed)}), so the "
             "resumed steps would re-read or skip samples. Resume with the settings that wrote it "
             f"({' '.join(fixes)}), start a new out_dir, or start from its weights in a new out_dir with "
             f"init.from_checkpoint={path} (a fresh optimizer and schedule)")
-    return unrecorded
+    return [k for k in DATA_ORDER_KEYS if k not in saved]
 
 
 def _check_tokenizer(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:

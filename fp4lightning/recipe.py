@@ -40,6 +40,7 @@ __all__ = [
     "fp4_config_from_spec",
     "load_recipe",
     "recipe_to_dict",
+    "flat_recipe_dict",
     "recipe_to_yaml",
     "recipe_from_dict",
     "STRATEGIES",
@@ -455,6 +456,18 @@ def recipe_to_dict(cfg: RecipeConfig) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     d["fp4"]["overrides"] = cfg.fp4.changes()
     return d
+
+
+def flat_recipe_dict(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested recipe dict (``recipe_to_dict``, or one a checkpoint saved) as ``{dotted key: value}``;
+    an empty section (no ``fp4.overrides``) records nothing."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_recipe_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def recipe_to_yaml(cfg: RecipeConfig) -> str:

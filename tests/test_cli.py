@@ -160,9 +160,10 @@ def _truncate_train_shard(dst: Path) -> Path:
 
 def test_resume_from_the_same_data_under_another_path(corpus, run2, tmp_path):
     """Moving or copying the prepared data is not a change: the checkpoint records a fingerprint of
-    the tokens (fp4lightning.pretrain.data_fingerprint), not only the path."""
+    the tokens (fp4lightning.data.data_fingerprint), not only the path."""
     from fp4lightning.checkpoint import CheckpointError
-    from fp4lightning.pretrain import data_fingerprint, train
+    from fp4lightning.data import data_fingerprint
+    from fp4lightning.pretrain import train
     from fp4lightning.recipe import load_recipe
 
     out = _copy(run2, tmp_path / "run")

@@ -52,7 +52,7 @@ def test_compare_seeds_through_cli(tmp_path_factory, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"recipe", "steps", "tokens", "variants", "run_set"}
     assert summary["run_set"]["model.max_seq_len"] == 512 and "seed" not in summary["run_set"]
-    assert len(summary["run_set"]["data.fingerprint"]) == 64  # the corpus by content (pretrain.data_fingerprint)
+    assert len(summary["run_set"]["data.fingerprint"]) == 64  # the corpus by content (data.data_fingerprint)
     assert "| fp4l_cloze | acc_norm (%) |" in md  # percent, as `fp4lightning eval` prints it
     assert summary["steps"] == 4 and summary["tokens"] == 4 * 4 * 64
     assert set(summary["variants"]) == {"bf16", "fp4@lr=3e-3"}

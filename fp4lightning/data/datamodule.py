@@ -76,8 +76,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
-        ds = WindowDataset(self.data.shards("train"), self.seq_len, self.seed, vocab_size=self.tokenizer.vocab_size,
-                           names=[str(p) for p in self.data.shard_files("train")], hint=f"{self.data.hint} --force")
+        ds = WindowDataset(self.data.shards("train"), self.seq_len, self.seed, **self.data.id_check("train"))
         sampler = PositionSampler(self.train_batches * self.micro_batch_size, rank, world)
         return ResumableDataLoader(
             ds, batch_size=self.micro_batch_size, sampler=sampler, num_workers=self.num_workers,
@@ -89,7 +88,6 @@ class TokenDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
         n = self.val_batches * self.micro_batch_size * world
-        ds = ValWindowDataset(self.data.shards("val"), self.seq_len, n, vocab_size=self.tokenizer.vocab_size,
-                              names=[str(p) for p in self.data.shard_files("val")], hint=f"{self.data.hint} --force")
+        ds = ValWindowDataset(self.data.shards("val"), self.seq_len, n, **self.data.id_check("val"))
         # each rank evaluates a disjoint slice; the torchmetrics states are summed across ranks
         return DataLoader(Subset(ds, range(rank, len(ds), world)), batch_size=self.micro_batch_size)

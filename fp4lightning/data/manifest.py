@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ from fp4lightning.data._common import _sha256
 from fp4lightning.errors import InputNotFoundError
 
 __all__ = ["META_FILE", "MIN_VOCAB", "FORMAT_VERSION", "DataNotPreparedError", "DataCorruptError",
-           "default_data_dir", "prepare_command", "shard_problems"]
+           "default_data_dir", "prepare_command", "shard_problems", "data_fingerprint"]
 
 META_FILE = "meta.json"
 MIN_VOCAB = 258  # the 256 byte tokens of byte-level BPE + BOS + EOS
@@ -86,3 +88,18 @@ def shard_problems(out_dir: Path, meta: dict, checksums: bool = False) -> list[s
             elif checksums and not shard.get("sha256"):
                 problems.append(f"shard {path} has no sha256 in {META_FILE} (prepared by an older version)")
     return problems
+
+
+def data_fingerprint(data_dir: str | Path) -> str | None:
+    """sha256 of what ``prepare`` recorded in ``<data_dir>/meta.json`` about the tokens (the
+    tokenizer's and every shard's sha256 and token count): equal for a copied or moved folder,
+    different once it is prepared again. None where there is no readable ``meta.json``. Checkpoints
+    keep it (``--resume`` compares the corpus by content) and so do ``compare`` summaries."""
+    try:
+        meta = json.loads((Path(data_dir) / META_FILE).read_text())
+        what = {"tokenizer_sha256": meta["tokenizer_sha256"], "dtype": meta["dtype"],
+                "splits": {name: [(s["file"], s["tokens"], s["sha256"]) for s in split["shards"]]
+                           for name, split in sorted(meta["splits"].items())}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()

@@ -59,5 +59,11 @@ class PreparedData:
             if s["tokens"] > 0
         ]
 
+    def id_check(self, split: str) -> dict:
+        """Keyword arguments of ``WindowDataset`` / ``ValWindowDataset`` that check every window's ids
+        against the tokenizer and name the shard and the rebuild command on a bad one."""
+        return {"vocab_size": self.tokenizer.vocab_size, "names": [str(p) for p in self.shard_files(split)],
+                "hint": f"{self.hint} --force"}
+
     def num_tokens(self, split: str) -> int:
         return self.meta["splits"][split]["tokens"]
