@@ -274,16 +274,15 @@ def _fmt(value: float | None, kind: str) -> str:
 
 
 def _averages(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The paper's two averages: accuracy (one ``acc`` per task) and perplexity (one per task)."""
-    accs = [m["acc"] for t, m in metrics.items() if "acc" in m]
-    ppls = [m.get("perplexity", m.get("word_perplexity")) for m in metrics.values()]
-    ppls = [p for p in ppls if p is not None]
-    out = {}
-    if accs:
-        out["acc"] = sum(accs) / len(accs)
-    if ppls:
-        out["ppl"] = sum(ppls) / len(ppls)
-    return out
+    """The paper's averages, one per metric name: ``acc`` and each perplexity metric, each over the
+    tasks that report that same metric. lambada's ``perplexity`` (per target token) and wikitext's
+    ``word_perplexity`` are different units, so they never share an average."""
+    groups: dict[str, list[float]] = {}
+    for task, ms in metrics.items():
+        for metric, value in ms.items():
+            if metric == "acc" or _kind(task, metric) == "ppl":
+                groups.setdefault(metric, []).append(value)
+    return {metric: sum(vs) / len(vs) for metric, vs in groups.items()}
 
 
 def results_table(metrics: dict[str, dict[str, float]]) -> str:
@@ -292,11 +291,9 @@ def results_table(metrics: dict[str, dict[str, float]]) -> str:
     for task, ms in metrics.items():
         for metric, value in ms.items():
             lines.append(f"| {task} | {metric} | {_fmt(value, _kind(task, metric))} |")
-    avg = _averages(metrics)
-    if "acc" in avg:
-        lines.append(f"| **Average** | acc | {_fmt(avg['acc'], 'acc')} |")
-    if "ppl" in avg:
-        lines.append(f"| **Average** | perplexity | {_fmt(avg['ppl'], 'ppl')} |")
+    for metric, value in _averages(metrics).items():
+        kind = "acc" if metric == "acc" else "ppl"
+        lines.append(f"| **Average** | {metric} | {_fmt(value, kind)} |")
     return "\n".join(lines)
 
 
@@ -315,10 +312,10 @@ def compare_table(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]
     common = [t for t in a if t in b]
     avg_a = _averages({t: a[t] for t in common})
     avg_b = _averages({t: b[t] for t in common})
-    for key, name in (("acc", "acc"), ("ppl", "perplexity")):
-        if key in avg_a and key in avg_b:
-            lines.append(f"| **Average** | {name} | {_fmt(avg_a[key], key)} | {_fmt(avg_b[key], key)} | "
-                         f"{_fmt_delta(avg_a[key] - avg_b[key], key)} |")
+    for metric in [m for m in avg_a if m in avg_b]:
+        kind = "acc" if metric == "acc" else "ppl"
+        lines.append(f"| **Average** | {metric} | {_fmt(avg_a[metric], kind)} | {_fmt(avg_b[metric], kind)} | "
+                     f"{_fmt_delta(avg_a[metric] - avg_b[metric], kind)} |")
     return "\n".join(lines)
 
 

@@ -329,6 +329,27 @@ def test_eval_command_and_compare(bf16_ckpt, fp4_ckpt, tasks_dir, data_dir, tmp_
     assert "| fp4l_cloze | acc |" in table and table.strip() in printed
 
 
+def test_averages_never_mix_perplexity_units():
+    """lambada's ``perplexity`` (per target token) and wikitext's ``word_perplexity`` are different
+    units: each metric is averaged only over the tasks that report that same metric."""
+    from fp4lightning.eval.run import compare_table, results_table
+
+    a = {"lambada_openai": {"acc": 0.5, "perplexity": 10.0}, "lambada_standard": {"acc": 0.3, "perplexity": 30.0},
+         "wikitext": {"word_perplexity": 100.0, "bits_per_byte": 1.0},
+         "pile_10k": {"word_perplexity": 300.0, "bits_per_byte": 1.5}}
+    b = {t: {m: 2 * v for m, v in ms.items()} for t, ms in a.items()}
+    table = results_table(a)
+    assert "| **Average** | acc | 40.00 |" in table
+    assert "| **Average** | perplexity | 20.00 |" in table
+    assert "| **Average** | word_perplexity | 200.00 |" in table
+    assert "110.00" not in table  # the mean of all four perplexities, which mixes the units
+    side = compare_table(a, b, "FP4", "BF16")
+    assert "| **Average** | perplexity | 20.00 | 40.00 | -20.00 |" in side
+    assert "| **Average** | word_perplexity | 200.00 | 400.00 | -200.00 |" in side
+    assert "| **Average** | acc | 40.00 | 80.00 | -40.00 |" in side
+    assert "bits_per_byte | 1.2500" not in table + side  # bits per byte is reported, never averaged
+
+
 # ----------------------------------------------------------------------------- Hugging Face parity
 @pytest.mark.slow
 def test_matches_lm_eval_hf_model_on_exported_checkpoint(bf16_ckpt, tasks_dir, tmp_path):
