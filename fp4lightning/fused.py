@@ -196,9 +196,9 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     # GeMM with a transposed operand costs about twice the plain one) and the column reduction
     # becomes a row reduction. An fp32 carrier (fp32 training, or bf16 GeMMs emulated on fp32
     # kernels, fp4lightning.cpu_bf16) stays row-major: MKL's fp32 GeMM takes the transposed view
-    # at no cost, and the strided pass over the transposed view cost 22 ms against 9 ms at
-    # 2048 x 2816 (2 threads, AVX2, 2026-12-02; the wgrad GeMM plus this pass: median 142 against
-    # 160 ms). Same values and scales either way, bit for bit.
+    # at no cost, while the strided pass over the transposed view costs more than twice the
+    # row-major one (docs/perf.md, "Measured design choices"). Same values and scales either way,
+    # bit for bit.
     transposed = carrier is not None and dim == 0 and carrier != torch.float32
     if transposed:
         x, dim = x.t(), 1

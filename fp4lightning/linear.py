@@ -229,8 +229,8 @@ def _compact_wgrad(dy2d: torch.Tensor, resid: tuple, shape) -> torch.Tensor:
     idx, vals, overflow = resid
     m, k = shape
     # one spare element takes the padding slots: every index is unique, so a plain scatter
-    # (no atomics, deterministic) puts R back; measured on an H200 (2026-11-30) index_add_'s
-    # bf16 atomics cost ~0.7 ms at 8192 x 4096
+    # (no atomics, deterministic) puts R back; index_add_'s bf16 atomics cost about half of a
+    # whole bf16 layer's forward + backward on an H200 (docs/perf.md, "Measured design choices")
     dense = torch.zeros(m * k + 1, dtype=vals.dtype, device=vals.device)
     dense.scatter_(0, idx.long(), vals)
     comp = _mm_f32(dy2d.t(), dense[:m * k].view(m, k))
@@ -238,9 +238,9 @@ def _compact_wgrad(dy2d: torch.Tensor, resid: tuple, shape) -> torch.Tensor:
 
 
 #: OCC's CPU sparse product ``R^T dY`` takes dY in column chunks of about this many fp32 bytes, so
-#: that a chunk stays in cache while every non-zero of R^T reads a row of it (measured 2026-12-01,
-#: 2 threads, 2048 tokens x 2816 at 2% density: 53 ms in one product, 25-30 ms in chunks of 256
-#: columns; the same bits: each output element is the same sum in the same order)
+#: that a chunk stays in cache while every non-zero of R^T reads a row of it: about twice as fast
+#: as one product over the whole of dY (docs/perf.md, "Measured design choices"), with the same
+#: bits, since each output element is the same sum in the same order
 SPARSE_CHUNK_BYTES = 1 << 21
 
 
@@ -276,9 +276,9 @@ def _nonzero_values(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bit patterns (no separate mask pass), then by value over the elements of the few non-zero
     words, which are gathered once and also give the values (-0.0 has a non-zero bit pattern and
     drops out in the second step; NaN is a non-zero). 1-D ``index_select`` throughout (advanced
-    indexing costs several times more on CPU). Measured 2026-12-02 at 2048 x 2816 bf16, 2% density:
-    CSR of R^T in 19 against 29 ms with a bool mask and ``nonzero`` over its words. The same
-    indices and values in the same order as ``r.reshape(-1).nonzero()``.
+    indexing costs several times more on CPU). About two thirds of the time of a bool mask with
+    ``nonzero`` over its words (docs/perf.md, "Measured design choices"). The same indices and
+    values in the same order as ``r.reshape(-1).nonzero()``.
     """
     flat = r.reshape(-1)  # contiguous: reshape copies a non-contiguous r
     per = 8 // flat.element_size()

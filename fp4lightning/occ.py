@@ -54,8 +54,8 @@ def _sample_index(n: int, size: int, device: torch.device) -> torch.Tensor:
 def _kth_quantiles(flat: torch.Tensor, probs: tuple[float, float]) -> torch.Tensor:
     """Linear-interpolated quantiles (torch.quantile's default) by selection."""
     n = flat.numel()
-    # On CUDA one sort of a sample-sized tensor replaces four single-block kthvalue selections
-    # (those took 1.1 ms at 65,536 samples on an H200, 2026-11-30): the same order statistics.
+    # On CUDA one sort of a sample-sized tensor replaces four kthvalue selections, each run by
+    # a single thread block (docs/perf.md, "Measured design choices"): the same order statistics.
     srt = flat.sort().values if flat.is_cuda and n <= _SORT_MAX else None
     ranks = sorted({r for p in probs for r in (int(p * (n - 1)), int(p * (n - 1)) + 1) if r < n})
     low = [r for r in ranks if 2 * r < n]

@@ -153,7 +153,7 @@ def triton_transpose_fp8(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- FP8 GeMM
 # Hopper rows (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, where): the tile shapes Triton's
 # FP8 matmul tutorials and cuBLAS use, each compiled for sm_90a and read from the SASS
-# (kernels/compile_check.py --all-configs, 2026-12-02, triton 3.7.1). ``where`` keeps a
+# (kernels/compile_check.py --all-configs; docs/perf.md, "Static counts"). ``where`` keeps a
 # row off the launches on which ptxas spills it: 128x256 with 8 warps spills 168 bytes
 # with the fp32 promotion of precise accumulation (fine with fast accumulation, where it
 # is the best loop: 0.19 issue cycles per tensor cycle). The first row is the default

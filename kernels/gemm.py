@@ -68,16 +68,17 @@ GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.flo
 
 
 # --------------------------------------------------------------------------- autotune configs
-# How the sweeps were chosen (no GPU was available to time them, see docs/kernels.md):
-# start from the tile shapes cuBLAS and the Triton matmul tutorials use (128x128 /
-# 128x256 output tiles, 4 or 8 warps, 3-4 stages; 64-row tiles for skinny problems).
+# How the sweeps were chosen (by static analysis of the compiled code, not by timing; see
+# docs/kernels.md, and docs/perf.md for the GPU timings of the defaults): start from the
+# tile shapes cuBLAS and the Triton matmul tutorials use (128x128 / 128x256 output tiles,
+# 4 or 8 warps, 3-4 stages; 64-row tiles for skinny problems).
 # Then every candidate was compiled ahead of time (kernels/compile_check.py
 # --all-configs; triton.compile with a GPUTarget needs no GPU), the ones ptxas spilled
 # dropped, and the static roofline of the main loop read from the SASS (issue cycles
 # per tensor-core cycles, see compile_check). On Hopper the FP8 forward with 128 codes
 # of K per dot (BLOCK_KH=128 bytes: 256 codes per iteration) halves the share of the
-# fp32 promotions per tensor op against 64 and lands at 0.90 (2026-11-30, triton
-# 3.7.1), the 128x256 tiles spill. Hopper (wgmma, operands from shared memory) and
+# fp32 promotions per tensor op against 64 and lands at 0.90 (docs/perf.md, "Static
+# counts"); the 128x256 tiles spill. Hopper (wgmma, operands from shared memory) and
 # older GPUs (mma.sync, operands in registers) spill on different tiles, hence two
 # families; the first row of each is the default (FP4LIGHTNING_AUTOTUNE=0).
 # Rows: (output rows, second tile dim, BLOCK_KH, stages, warps).
