@@ -153,13 +153,14 @@ def triton_transpose_fp8(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- FP8 GeMM
 # Hopper rows (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, where): the tile shapes Triton's
 # FP8 matmul tutorials and cuBLAS use, each compiled for sm_90a and read from the SASS
-# (kernels/compile_check.py --all-configs; docs/perf.md, "Static counts"). ``where`` keeps a
-# row off the launches on which ptxas spills it: 128x256 with 8 warps spills 168 bytes
-# with the fp32 promotion of precise accumulation (fine with fast accumulation, where it
-# is the best loop: 0.19 issue cycles per tensor cycle). The first row is the default
-# (FP4LIGHTNING_AUTOTUNE=0): spill-free everywhere, 0.49 issue cycles per tensor cycle with
-# precise accumulation, 0.21 without. Kept short on purpose: every row is one more compile
-# per kernel variant in the first autotuned call (scripts/gpu_check.sh has 8 minutes).
+# (kernels/compile_check.py --all-configs; docs/kernels.md, "How the GeMMs use the tensor
+# cores"). ``where`` keeps a row off the launches on which ptxas spills it: 128x256 with
+# 8 warps spills 168 bytes with the fp32 promotion of precise accumulation (fine with fast
+# accumulation, where it is the best loop: 0.19 issue cycles per tensor cycle). The first
+# row is the default (FP4LIGHTNING_AUTOTUNE=0): spill-free everywhere, 0.49 issue cycles per
+# tensor cycle with precise accumulation, 0.21 without. Kept short on purpose: every row is
+# one more compile per kernel variant in the first autotuned call (scripts/gpu_check.sh has
+# 8 minutes).
 # Dropped after compiling: 64x256 (spills with precise accumulation), 128x128 with 4 warps
 # (spills 48 bytes in the DGE epilogue; 0.50 otherwise), 128x64 (0.71).
 _SWEEP = [(256, 128, 128, 3, 8, "all"), (128, 128, 128, 4, 8, "all"), (128, 256, 128, 3, 8, "fast-accum")]

@@ -77,10 +77,10 @@ GRAD_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.flo
 # dropped, and the static roofline of the main loop read from the SASS (issue cycles
 # per tensor-core cycles, see compile_check). On Hopper the FP8 forward with 128 codes
 # of K per dot (BLOCK_KH=128 bytes: 256 codes per iteration) halves the share of the
-# fp32 promotions per tensor op against 64 and lands at 0.90 (docs/perf.md, "Static
-# counts"); the 128x256 tiles spill. Hopper (wgmma, operands from shared memory) and
-# older GPUs (mma.sync, operands in registers) spill on different tiles, hence two
-# families; the first row of each is the default (FP4LIGHTNING_AUTOTUNE=0).
+# fp32 promotions per tensor op against 64 and lands at 0.90 (docs/kernels.md, "How the
+# GeMMs use the tensor cores"); the 128x256 tiles spill. Hopper (wgmma, operands from
+# shared memory) and older GPUs (mma.sync, operands in registers) spill on different
+# tiles, hence two families; the first row of each is the default (FP4LIGHTNING_AUTOTUNE=0).
 # Rows: (output rows, second tile dim, BLOCK_KH, stages, warps).
 
 # Forward: (BLOCK_M, BLOCK_N, ...)
