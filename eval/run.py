@@ -141,7 +141,7 @@ def prepare_hf_environment(need_hub: bool, probe_timeout: float = 3.0) -> bool:
         except OSError:
             reachable = False
     if not reachable:
-        if "datasets" in sys.modules or "huggingface_hub" in sys.modules:
+        if need_hub and ("datasets" in sys.modules or "huggingface_hub" in sys.modules):
             if not (_truthy("HF_HUB_OFFLINE") and _truthy("HF_DATASETS_OFFLINE")):
                 print("[eval] warning: the Hugging Face libraries were imported before the offline switches "
                       "could be set; hub tasks may retry for a while", file=sys.stderr)
@@ -275,7 +275,7 @@ def _fmt(value: float | None, kind: str) -> str:
 
 def _averages(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
     """The paper's averages, one per metric name: ``acc`` and each perplexity metric, each over the
-    tasks that report that same metric. lambada's ``perplexity`` (per target token) and wikitext's
+    tasks that report that same metric. lambada's ``perplexity`` (per target word) and wikitext's
     ``word_perplexity`` are different units, so they never share an average."""
     groups: dict[str, list[float]] = {}
     for task, ms in metrics.items():
@@ -394,6 +394,10 @@ def evaluate_checkpoint(
     data_dir = Path(data_dir) if data_dir is not None else _default_data_dir(lm.recipe)
     if offline_names:
         task_objs.update(_load_tasks(offline_names, data_dir.resolve(), reachable))
+    from fp4lightning.fused import compile_enabled
+
+    if lm.linear == "fp4" and lm.device.type == "cpu" and compile_enabled(lm.device):
+        print("[eval] compiling the CPU kernels (first batch only; a minute or more)", file=sys.stderr, flush=True)
     results = lm_eval.simple_evaluate(
         model=lm, tasks=[task_objs[n] for n in names], task_manager=_TASK_MANAGERS.pop(),
         limit=limit, bootstrap_iters=bootstrap_iters,
@@ -513,6 +517,11 @@ def _default_out(ckpt: Path, linear: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``fp4lightning eval`` from parsed arguments; returns the exit code."""
+    if not sys.stderr.isatty():
+        # a log, not a terminal: no progress bars (lm-eval's, datasets'); tqdm and datasets read these
+        # when first imported, which is below
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     args.limit = _limit(args.limit)
     if args.out:  # before any evaluation: a bad output path fails first
         check_writable_dir(args.out, "--out")

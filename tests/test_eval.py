@@ -330,7 +330,7 @@ def test_eval_command_and_compare(bf16_ckpt, fp4_ckpt, tasks_dir, data_dir, tmp_
 
 
 def test_averages_never_mix_perplexity_units():
-    """lambada's ``perplexity`` (per target token) and wikitext's ``word_perplexity`` are different
+    """lambada's ``perplexity`` (per target word) and wikitext's ``word_perplexity`` are different
     units: each metric is averaged only over the tasks that report that same metric."""
     from fp4lightning.eval.run import compare_table, results_table
 
