@@ -22,8 +22,8 @@ before it is quantized and adds the residual's products in high precision (fprop
 wgrad); DGE multiplies the weight gradient by ``f'(W * s)`` with ``s`` each weight
 element's block encode scale.
 
-Two GeMM paths, picked per device like the paper recipe's (``gemm_dispatch.backend_for``:
-CUDA tensors, or ``FP4LIGHTNING_BACKEND=triton``):
+Two GeMM paths, picked per device like the paper recipe's quantizers
+(``gemm_dispatch.triton_quantizers``: CUDA tensors, or ``FP4LIGHTNING_BACKEND=triton``):
 
 * reference (PyTorch): each operand is quantized and decoded in one pass to
   ``e2m1 * block_scale`` (exact in bf16 and fp32; nothing is packed), each GeMM is one dense
@@ -94,7 +94,7 @@ def _gemm(a, b, a_extra: torch.Tensor | None = None) -> torch.Tensor:
 def _use_triton(t: torch.Tensor) -> bool:
     from . import gemm_dispatch
 
-    return gemm_dispatch.backend_for(t.device) == "triton"
+    return gemm_dispatch.triton_quantizers(t.device)  # the Triton and the scaled_mm backends on CUDA
 
 
 def _quant_packed(t: torch.Tensor, fmt: str, cfg, operand: str, block_2d: bool = False):

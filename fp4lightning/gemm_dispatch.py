@@ -16,10 +16,17 @@ Every function here has a PyTorch reference (``*_reference``), which runs on any
 device and is what CPU training uses, and a Triton twin (``fp4lightning.kernels``,
 ``triton_*``); the plain name (``fp4_gemm``, ``quantize_fp8``, ...) picks between them. ``FP4LIGHTNING_BACKEND`` selects:
 
-* ``auto`` (default) - Triton kernels on CUDA when they are importable, else the reference;
+* ``auto`` (default) - on CUDA the vendor FP8 GeMM (``scaled_mm``) where the GPU has FP8 tensor
+  cores (sm_89+), else the Triton kernels when they are importable; on CPU the reference;
 * ``reference``      - always PyTorch;
 * ``triton``         - always Triton (on CPU this needs ``TRITON_INTERPRET=1`` set
-  before import, and is only meant for testing the kernels).
+  before import, and is only meant for testing the kernels);
+* ``scaled_mm``      - the three GeMMs on ``torch._scaled_mm`` (cuBLASLt / CUTLASS FP8 GeMM with
+  row-wise scales, ``kernels/scaled_mm.py``): the FP4 codes as E4M3 operands, dY in FP8, every
+  scale that is left a per-row or per-column epilogue scale. On CUDA the quantizers are the
+  Triton kernels; on CPU (tests only: torch's CPU ``_scaled_mm`` is slow) the references.
+  Feature sizes that are not multiples of 16 fall back to the Triton GeMM on CUDA, the
+  reference on CPU; a bf16/fp16 dY (``grad_format='bf16'``) runs the backward GeMMs the same way.
 """
 from __future__ import annotations
 
@@ -48,13 +55,15 @@ __all__ = [
     "fp4_dgrad",
     "fp4_wgrad",
     "block_gemm",
+    "triton_quantizers",
+    "scaled_mm_unavailable",
     "fp4_gemm_reference",
     "fp4_dgrad_reference",
     "fp4_wgrad_reference",
     "quantize_fp8_reference",
 ]
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "scaled_mm")
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,8 +82,36 @@ def _triton_kernels():
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_kernels():
+    """``kernels/scaled_mm.py`` (the torch._scaled_mm GeMMs), or None where it cannot be imported."""
+    try:
+        from .kernels import scaled_mm
+
+        return scaled_mm
+    except Exception:  # triton missing: its operand kernels and the module's imports need it
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def scaled_mm_unavailable(device: torch.device) -> str | None:
+    """Why the ``scaled_mm`` backend cannot run on ``device``, or None when it can."""
+    if not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_mm"
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return (f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]}) has no FP8 tensor cores "
+                    "(sm_89 or newer)")
+    elif device.type != "cpu":
+        return f"torch._scaled_mm is not used on {device.type} devices here"
+    if _scaled_mm_kernels() is None:
+        return "fp4lightning.kernels cannot be imported (is triton installed?)"
+    return None
+
+
 def backend_for(device: torch.device) -> str:
-    """'triton' or 'reference' for tensors on ``device``, honouring FP4LIGHTNING_BACKEND."""
+    """'scaled_mm', 'triton' or 'reference' for tensors on ``device``, honouring FP4LIGHTNING_BACKEND."""
     choice = os.environ.get("FP4LIGHTNING_BACKEND", "auto").lower()
     if choice not in BACKENDS:
         raise ValueError(f"FP4LIGHTNING_BACKEND={choice!r} is not one of {BACKENDS}")
@@ -87,7 +124,48 @@ def backend_for(device: torch.device) -> str:
                 "(is triton installed? on a CPU-only machine set TRITON_INTERPRET=1 before importing)"
             )
         return "triton"
-    return "triton" if device.type == "cuda" and _triton_kernels() is not None else "reference"
+    if choice == "scaled_mm":
+        why = scaled_mm_unavailable(torch.device(device))
+        if why:
+            raise RuntimeError(f"FP4LIGHTNING_BACKEND=scaled_mm: {why}; set FP4LIGHTNING_BACKEND to triton or "
+                               "reference")
+        return "scaled_mm"
+    if device.type != "cuda":
+        return "reference"
+    if scaled_mm_unavailable(torch.device(device)) is None:
+        return "scaled_mm"
+    return "triton" if _triton_kernels() is not None else "reference"
+
+
+def triton_quantizers(device: torch.device) -> bool:
+    """Whether the quantizers (and the block recipes' GeMM) run as Triton kernels on ``device``: on
+    the Triton backend, and on the scaled_mm backend on CUDA (its CPU form, for tests, uses the
+    references)."""
+    backend = backend_for(device)
+    return backend == "triton" or (backend == "scaled_mm" and device.type == "cuda"
+                                   and _triton_kernels() is not None)
+
+
+def _gemm_backend(device: torch.device, fits_scaled_mm: bool) -> str:
+    """The backend of one GeMM: the scaled_mm backend's GeMMs whose operands do not suit
+    ``_scaled_mm`` (feature sizes not multiples of 16, a bf16 dY) run the Triton GeMM on CUDA and the
+    reference on CPU."""
+    backend = backend_for(device)
+    if backend == "scaled_mm" and not fits_scaled_mm:
+        return "triton" if device.type == "cuda" and _triton_kernels() is not None else "reference"
+    return backend
+
+
+def _fits(*dims: int) -> bool:
+    return all(d % 16 == 0 for d in dims)
+
+
+def _fp8(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _e4m3(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == torch.float8_e4m3fn
 
 
 def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -116,12 +194,17 @@ def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool 
 
     ``values`` is the E2M1-grid tensor in ``values_dtype`` (exact in fp32, bf16 and fp16)
     when the reference path computed it anyway (it saves the forward GeMM a decode), else None.
+    On the scaled_mm backend ``values`` is the forward GeMM's E4M3 operand (M, K), whatever
+    ``values_dtype``.
     """
-    if backend_for(x2d.device) == "triton":
+    scaled = backend_for(x2d.device) == "scaled_mm"
+    if triton_quantizers(x2d.device):
         codes, scale = _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor)
         return codes, scale, None
-    return quantize_rows_reference(x2d, scale_mode, per_tensor=per_tensor, packed=True, return_values=True,
-                         values_dtype=values_dtype)
+    codes, scale, values = quantize_rows_reference(x2d, scale_mode, per_tensor=per_tensor, packed=True,
+                                                   return_values=True,
+                                                   values_dtype=torch.float32 if scaled else values_dtype)
+    return codes, scale, (values.to(torch.float8_e4m3fn) if scaled else values)
 
 
 def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
@@ -135,21 +218,31 @@ def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: st
     residual folded in, ``q + s * residual`` (fp32, then ``values_dtype``, rounded to
     ``values_round`` on the way when given): the forward GeMM on them adds the compensation
     ``R W^T`` (values is None on the Triton path).
-    The Triton backend and the compiled reference do it in one fused pass over x.
+    The Triton backend and the compiled reference do it in one fused pass over x. On the
+    scaled_mm backend ``fold`` must be False and ``values`` is the E4M3 operand of the clamped
+    tensor's E2M1 values (M, K).
     """
-    if backend_for(x2d.device) == "triton":
+    scaled = backend_for(x2d.device) == "scaled_mm"
+    if fold and scaled:
+        raise ValueError("quantize_fp4_clamped(fold=True): the scaled_mm backend folds OCC's compensation with "
+                         "quantize_fp4_folded (an E4M3 operand), not into decoded values")
+    if triton_quantizers(x2d.device):
         codes, scale, resid = _triton_kernels().triton_quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode,
                                                                       per_tensor=per_tensor)
         return codes, scale, None, resid
+    if scaled:
+        values_dtype, values_round = torch.float32, None
     if x2d.dtype != torch.float64 and x2d.shape[1] % 2 == 0 and scale_mode in ("float", "pow2"):
-        return fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype, bounds, fold, values_round)
+        codes, scale, values, resid = fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype,
+                                                     bounds, fold, values_round)
+        return codes, scale, (values.to(torch.float8_e4m3fn) if scaled else values), resid
     xc, resid = occ_clamp(x2d, bounds)
     codes, scale, values = quantize_rows_reference(xc, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
     if fold:
         values = values + resid.float() * scale[:, None]
     if values_round is not None:
         values = values.to(values_round)
-    return codes, scale, values.to(values_dtype), resid
+    return codes, scale, values.to(torch.float8_e4m3fn if scaled else values_dtype), resid
 
 
 def quantize_fp4_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
@@ -163,7 +256,7 @@ def quantize_fp4_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str
     would otherwise saturate to a finite value and hide a diverged step). The Triton backend
     does it in one kernel (``kernels/quantize.py``, bit-identical to this).
     """
-    if backend_for(x2d.device) == "triton":
+    if triton_quantizers(x2d.device):
         return _triton_kernels().triton_quantize_rows_folded(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
     if x2d.dtype != torch.float64 and scale_mode in ("float", "pow2"):
         return fused.fp4_rows_folded(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, bounds)
@@ -208,11 +301,13 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
     ``carrier`` (reference path only): return the FP8 values held exactly in this dtype (the
     reference GeMM's), saving it a conversion pass; the Triton path returns FP8 tensors.
     """
-    if backend_for(x2d.device) == "triton" and fmt != "bf16":
+    if triton_quantizers(x2d.device) and fmt != "bf16":
         # the fold (one multiply by 1/div per element) happens in the kernel's registers, as the
         # reference computes it: no fp32 copy of dY is written and read back
         return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0,
                                                      divide_by=div.float())
+    if backend_for(x2d.device) == "scaled_mm":
+        carrier = None  # _scaled_mm reads the FP8 tensor itself
     if fmt == "bf16":
         n = x2d.shape[0] if dim == 1 else x2d.shape[1]
         inv = torch.reciprocal(div.float())
@@ -225,7 +320,7 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
 
 
 def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
-    if backend_for(x2d.device) == "triton" and fmt != "bf16":
+    if triton_quantizers(x2d.device) and fmt != "bf16":
         # per-column scales feed fp4_wgrad, which reads a column-major dY without a transpose
         return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0)
     return quantize_fp8_reference(x2d, dim, fmt)
@@ -311,15 +406,27 @@ def fp4_wgrad_reference(
 
 
 # --------------------------------------------------------------------------- GeMMs (dispatch)
+# On the scaled_mm backend ``a_values`` / ``w_values`` in E4M3 are the operands the quantizers
+# wrote (kernels/scaled_mm.py expands the packed codes when they are not given).
 def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, a_values=None,
              w_values=None):
-    if backend_for(a_packed.device) == "triton":
+    backend = _gemm_backend(a_packed.device, _fits(k, w_packed.shape[0]))
+    if backend == "scaled_mm":
+        sm = _scaled_mm_kernels()
+        a8 = a_values if _e4m3(a_values) else sm.e4m3_rows(a_packed, k)
+        w8 = w_values if _e4m3(w_values) else sm.e4m3_rows(w_packed, k)
+        return sm.scaled_fp4_gemm(a8, a_scale, w8, w_scale, out_dtype, bias)
+    if backend == "triton":
         return _triton_kernels().triton_fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
     return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values, w_values)
 
 
 def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
-    if backend_for(g.device) == "triton":
+    backend = _gemm_backend(g.device, _fp8(g) and _fits(k, w_packed.shape[0]))
+    if backend == "scaled_mm":
+        sm = _scaled_mm_kernels()
+        return sm.scaled_fp4_dgrad(g, g_scale, sm.e4m3_cols(w_packed, k), out_dtype)
+    if backend == "triton":
         return _triton_kernels().triton_fp4_dgrad(g, g_scale, w_packed, k, out_dtype=out_dtype)
     return fp4_dgrad_reference(g, g_scale, w_packed, k, out_dtype)
 
@@ -330,23 +437,37 @@ def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float
 
     ``values_dtype`` (reference path): the dtype the reference GeMM reads E in (E4M3 values are
     exact in bf16 and fp32); default the compute dtype of ``out_dtype``."""
-    if backend_for(a_fold.device) == "triton":
+    backend = _gemm_backend(a_fold.device, _fits(k, w_packed.shape[0]))
+    if backend == "scaled_mm":
+        sm = _scaled_mm_kernels()
+        w8 = w_values if _e4m3(w_values) else sm.e4m3_rows(w_packed, k)
+        return sm.scaled_fp4_gemm(a_fold, a_scale, w8, w_scale, out_dtype, bias)
+    if backend == "triton":
         return _triton_kernels().triton_folded_gemm(a_fold, a_scale, w_packed, w_scale, k, out_dtype=out_dtype,
                                                     bias=bias)
     a_vals = a_fold.to(values_dtype or _compute_dtype(out_dtype, a_fold.device))
-    return fp4_gemm_reference(a_fold, a_scale, w_packed, w_scale, k, out_dtype, bias, a_vals, w_values)
+    w_vals = None if w_values is None or _fp8(w_values) else w_values
+    return fp4_gemm_reference(a_fold, a_scale, w_packed, w_scale, k, out_dtype, bias, a_vals, w_vals)
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
               dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None):
+    backend = _gemm_backend(g.device, _fp8(g) and _fits(k, g.shape[1]))
+    if backend == "scaled_mm":
+        sm = _scaled_mm_kernels()
+        # A's values transposed (tokens contiguous): from its packed codes, or the folded E4M3 operand
+        a8t = sm.fp8_cols(a_values) if a_values is not None else sm.e4m3_cols(a_packed, k)
+        return sm.scaled_fp4_wgrad(g, g_scale, a8t, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp, addend)
     if a_values is not None:  # the E4M3-folded activation operand (FP4Config.occ_fold_e4m3)
-        if backend_for(g.device) == "triton":
+        # the Triton GeMM needs an FP8 dY (it says so in one line on the Triton backend); the
+        # scaled_mm backend's bf16 dY takes the reference
+        if backend == "triton" and (_fp8(g) or backend_for(g.device) == "triton"):
             return _triton_kernels().triton_folded_wgrad(
                 g, g_scale, a_values, out_dtype=out_dtype, dge_weight=dge_weight,
                 dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp, addend=addend)
         return fp4_wgrad_reference(g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k,
                                    dge_clamp, addend, gemm_dtype, a_values)
-    if backend_for(g.device) == "triton":
+    if backend == "triton":
         return _triton_kernels().triton_fp4_wgrad(
             g, g_scale, a_packed, k, out_dtype=out_dtype, dge_weight=dge_weight,
             dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp, addend=addend,
@@ -366,7 +487,7 @@ def block_gemm(a, b) -> torch.Tensor:
     if a.shape[1] != b.shape[1] or a.fmt != b.fmt:
         raise ValueError(f"block_gemm: operands differ ({a.fmt} {a.shape} vs {b.fmt} {b.shape}); "
                          "they must share the format and the reduction (last) dimension")
-    if backend_for(a.codes.device) != "triton":
+    if not triton_quantizers(a.codes.device):
         return block_gemm_reference(a, b, torch.float32)
     from .kernels import block as kb
 

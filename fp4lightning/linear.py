@@ -85,6 +85,8 @@ class _FP4LinearFn(torch.autograd.Function):
             # the reference GeMMs run on decoded values in this dtype (bf16 under autocast; fp32
             # holding bf16 values where CPU bf16 GeMMs are emulated, fp4lightning.cpu_bf16)
             vals_dtype, vals_round = gemm_dispatch.operand_dtype(out_dtype, x.device)
+            # Triton and scaled_mm: the residual stays dense and the compensation runs as GeMMs
+            dense_comp = gemm_dispatch.backend_for(x.device) != "reference"
             a_fold = None  # the E4M3 activation operand of cfg.occ_fold_e4m3 (saved for wgrad)
             if cfg.occ and cfg.occ_fold_e4m3:
                 # Y = (E W_q^T) / (s_a 2^-shift s_w) with E = E4M3((A_q + s_a R) 2^-shift): the
@@ -100,12 +102,12 @@ class _FP4LinearFn(torch.autograd.Function):
                 # entries of the operand change; they are held in the compute dtype, bf16
                 # under autocast, like nn.Linear's operands.
                 a_codes, a_scale, a_vals, r = gemm_dispatch.quantize_fp4_clamped(
-                    x2d, bounds, cfg.scale_mode, per_tensor_a, fold=cfg.occ_compensation, values_dtype=vals_dtype,
-                    values_round=vals_round)
-                if cfg.occ_compensation and a_vals is None:
-                    # Triton path: R in the compute dtype (bf16 under autocast, as the reference
-                    # path's folded operand and nn.Linear's operands), kept for backward in a
-                    # fixed-capacity compact form built without a host sync
+                    x2d, bounds, cfg.scale_mode, per_tensor_a, fold=cfg.occ_compensation and not dense_comp,
+                    values_dtype=vals_dtype, values_round=vals_round)
+                if cfg.occ_compensation and dense_comp:
+                    # Triton / scaled_mm path: R in the compute dtype (bf16 under autocast, as the
+                    # reference path's folded operand and nn.Linear's operands), kept for backward
+                    # in a fixed-capacity compact form built without a host sync
                     r = r.to(vals_round or vals_dtype)  # the compute dtype, never its fp32 carrier
                     resid = _compact_residual(r, cfg.occ_alpha)
                 elif cfg.occ_compensation:
@@ -121,15 +123,16 @@ class _FP4LinearFn(torch.autograd.Function):
             if a_fold is not None:
                 y = gemm_dispatch.fp4_gemm_folded(a_fold, a_scale, w_codes, w_scale, k, out_dtype, bias=bias,
                                                   w_values=w_vals, values_dtype=vals_dtype)
-            elif r is not None and a_vals is not None:  # compensation already folded into a_vals
+            elif r is not None and not dense_comp:  # compensation already folded into a_vals
                 y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
             elif r is not None:
-                # Triton path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM on the
-                # dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse one,
-                # which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
+                # Triton / scaled_mm path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM
+                # on the dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse
+                # one, which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
                 # R and the E2M1 values are exact in R's dtype, the accumulation is fp32.
-                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias)
+                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias,
+                                           a_values=a_vals, w_values=w_vals)
                 w_q = gemm_dispatch.decode_packed_fp4(w_codes, k, r.dtype)
                 y = y.add_(_mm_f32(r, w_q.t()).div_(w_scale[None, :])).to(out_dtype)
             else:

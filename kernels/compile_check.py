@@ -50,7 +50,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp4lightning.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,  # noqa: E402
                                     F8E5M2_MANT_BITS, F8E5M2_MAX)
-from fp4lightning.kernels import fp8_gemm, gemm, quantize  # noqa: E402
+from fp4lightning.kernels import fp8_gemm, gemm, quantize, scaled_mm  # noqa: E402
 from fp4lightning.kernels._common import DOT_BF16, DOT_FP8E4, DOT_FP8E5, DOT_FP16  # noqa: E402
 
 _I = "i32"
@@ -131,7 +131,22 @@ def _cases(all_configs: bool = False):
             label = name if i == 0 else f"{name} cfg{i}"
             cases.append(_case(label, arch, kind, kernel, types, consts, row, names, is_default=(i == 0)))
     cases += _expand_cases(all_configs)
+    cases += _scaled_mm_cases()
     return cases
+
+
+def _scaled_mm_cases():
+    """The Triton kernels around the scaled_mm backend's ``torch._scaled_mm`` GeMMs
+    (kernels/scaled_mm.py): the weight gradient's epilogue (addend, DGE factor)."""
+    bn, bk = scaled_mm.FINISH_BLOCK
+    return [dict(name="scaled_mm wgrad epilogue + addend * DGE", arch=90, kind="quantize",
+                 fn=scaled_mm._wgrad_finish_kernel,
+                 types=dict(y_ptr="*fp32", c_ptr="*fp32", w_ptr="*fp32", sw_ptr="*fp32", N=_I, K=_I, stride_y=_I,
+                            stride_cn=_I, stride_ck=_I, stride_w=_I),
+                 consts=dict(HAS_ADDEND=True, HAS_DGE=True, DGE_INV_K=0.2, DGE_POW=-0.8, DGE_CLAMP=3.0, BLOCK_N=bn,
+                             BLOCK_K=bk),
+                 num_warps=4, num_stages=1, block_m=None, block_n=None, block_k=None, mma_dtype=None,
+                 is_default=True, elements_per_thread=bn * bk // 128)]
 
 
 #: Shapes the quantizer cases are compiled for (LLaMA-2 7B, 8192 tokens): the launch parameters

@@ -1,7 +1,8 @@
 """Triton backend of ``fp4lightning.gemm_dispatch``: the FP4 quantizer, the FP8 dY quantizer, three GeMMs.
 
 This module is what ``fp4lightning.gemm_dispatch`` imports when the backend is ``triton``
-(FP4LIGHTNING_BACKEND; default on CUDA). Each function is the kernel twin of a
+(FP4LIGHTNING_BACKEND; the default on CUDA GPUs without FP8 tensor cores), and for the quantizers
+of the ``scaled_mm`` backend (the default on sm_89+, ``kernels/scaled_mm.py``). Each function is the kernel twin of a
 PyTorch reference (arXiv 2501.17116, sections 3.1-3.3; docs/method.md sections 1-3):
 
 * ``triton_quantize_rows`` - ``fp4lightning.quantize.quantize_rows_reference``: bit-identical codes and scales;

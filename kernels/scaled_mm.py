@@ -1,0 +1,254 @@
+"""FP4Linear's three GeMMs on the vendor FP8 GeMM, ``torch._scaled_mm`` (cuBLASLt or CUTLASS).
+
+Every E2M1 value is exactly an E4M3 value (arXiv 2501.17116, section 3.1; docs/method.md section
+1), and folding each GeMM's reduction-dimension scale into dY before its FP8 cast (docs/method.md
+section 3) leaves every GeMM with one scale per output row and one per output column: the
+row-wise scaling ``_scaled_mm`` applies in its epilogue. The layouts are those of torchao's
+row-wise float8 training (first operand row-major, second column-major, the only pair Hopper's
+cuBLASLt takes; the second is passed as the transposed view of a row-major copy):
+
+    forward  Y  = _scaled_mm(A8,  W8t.T,  1/s_a  (M, 1), 1/s_w (1, N)) [+ bias]
+    dgrad    dA = _scaled_mm(G1,  W8tt.T, 1/s_g1 (M, 1), 1     (1, K))
+    wgrad    dW = _scaled_mm(G2t, A8t.T,  1/s_g2 (N, 1), 1     (1, K)) [+ addend] [* f'(W s_w)]
+
+with A8 (M, K) and W8 (N, K) the E4M3 copies of the FP4 codes, ``W8tt`` (K, N) = W8 transposed,
+G1 (M, N) the FP8 ``dY / s_w`` quantized per row, G2t (N, M) the FP8 ``dY / s_a`` quantized per
+column and laid out tokens-contiguous, and A8t (K, M) = A8 transposed (or the folded-OCC E4M3
+operand transposed, ``FP4Config.occ_fold_e4m3``). The first operand may be E5M2 (dY), the second
+is always E4M3: CUTLASS's row-wise kernel takes no other second operand.
+
+Shapes: ``_scaled_mm`` reads rows whose length is a multiple of 16 (cuBLASLt: K and N multiples of
+16, 16-byte aligned row strides). The feature sizes K and N are (FP4Linear requires it,
+``linear.FEATURE_ALIGN``); ``fits`` tells the dispatch, which falls back to the Triton GeMM on CUDA
+or the PyTorch reference on CPU for other sizes. The token count M is free in the forward and
+dgrad (the first operand's row count) and is the reduction dimension of wgrad, where both
+operands are padded with zero columns to a multiple of 16 (a copy of each only when M is not one;
+zeros add nothing to the sums).
+
+Numerics: the operands are bit-identical to the reference path's (E2M1 codes exact in E4M3, the
+same FP8 dY bits); the products are exact and summed in fp32 (``use_fast_accum=False``: cuBLAS
+promotes Hopper's FP8 partial sums, like the Triton kernels' precise accumulation;
+FP4LIGHTNING_FP8_FAST_ACCUM=1 turns it off); the epilogue multiplies by the scales' IEEE
+reciprocals and rounds once to the output dtype. Against the reference (IEEE divisions, and
+under bf16 the GeMM's output rounded before the scales) that is within one rounding of the output
+dtype plus fp32 summation error (tests/test_scaled_mm.py states the bound). A fused bias is
+rounded to the output dtype first, as ``nn.Linear`` under autocast rounds it.
+
+On CPU torch runs ``_scaled_mm`` as well (slowly: it dequantizes and runs an fp32 GeMM), which is
+what ``FP4LIGHTNING_BACKEND=scaled_mm`` tests on a machine without a GPU. torch's CPU kernel takes
+any layout, so ``_scaled`` enforces cuBLASLt's rules on every device: a layout bug fails the CPU
+tests, not the first GPU run.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4lightning.formats import decode_packed_fp4
+
+from ._common import FP8_FAST_ACCUM
+from ._common import check_same_device as check_kernel_devices
+from .gemm import _dge_factor
+
+__all__ = ["ALIGN", "fits", "e4m3_rows", "e4m3_cols", "fp8_cols", "scaled_fp4_gemm", "scaled_fp4_dgrad",
+           "scaled_fp4_wgrad", "triton_wgrad_finish"]
+
+#: cuBLASLt's FP8 GeMM reads rows whose length and stride are multiples of 16 elements (bytes)
+ALIGN = 16
+E4M3 = torch.float8_e4m3fn
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fits(*dims: int) -> bool:
+    """Whether feature sizes ``dims`` suit ``_scaled_mm`` (the dispatch falls back otherwise)."""
+    return all(d % ALIGN == 0 for d in dims)
+
+
+def _round_up(x: int) -> int:
+    return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _pad_cols(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows, c) with unit column stride, as a tensor whose column count and row stride are
+    multiples of 16 (zeros in the added columns); ``t`` itself when it already is one."""
+    r, c = t.shape
+    if c % ALIGN == 0 and t.stride(1) == 1 and (r <= 1 or t.stride(0) % ALIGN == 0):
+        return t
+    out = torch.zeros(r, _round_up(c), dtype=torch.uint8, device=t.device)
+    out[:, :c] = t.view(torch.uint8) if t.stride(1) == 1 else t.contiguous().view(torch.uint8)
+    return out.view(t.dtype)
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """One device for all operands (any device: ``_scaled_mm`` runs on CPU without the Triton interpreter)."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    for n, t in items[1:]:
+        if t.device != items[0][1].device:
+            raise ValueError(f"{n} is on {t.device} but {items[0][0]} is on {items[0][1].device}; "
+                             "put all operands on one device")
+
+
+# --------------------------------------------------------------------------- operands
+def e4m3_rows(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Packed FP4 codes (R, k/2) -> their exact E4M3 values (R, k), row-major (the forward's
+    operands): the Triton expansion on CUDA, a decode on CPU."""
+    if packed.is_cuda:
+        from .fp8_gemm import triton_expand_fp4
+        return triton_expand_fp4(packed, k)
+    return decode_packed_fp4(packed, k, torch.float32).to(E4M3)
+
+
+def e4m3_cols(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Packed FP4 codes (R, k/2) -> their E4M3 values transposed, (k, R16) row-major with R16 = R
+    rounded up to 16 and zeros past R: the second operand of dgrad (from W) and wgrad (from A)."""
+    if packed.is_cuda:
+        from .fp8_gemm import triton_expand_fp4
+        t = triton_expand_fp4(packed, k, transpose=True)  # (k, r) view of a (k, R16) buffer, zeros past r
+        return t.as_strided((k, t.stride(0)), (t.stride(0), 1))
+    return _pad_cols(decode_packed_fp4(packed, k, torch.float32).to(E4M3).t().contiguous())
+
+
+def fp8_cols(x: torch.Tensor) -> torch.Tensor:
+    """An (R, C) FP8 tensor transposed, (C, R16) row-major with zeros past R (the folded-OCC E4M3
+    operand as wgrad's second operand)."""
+    if x.is_cuda:
+        from .fp8_gemm import triton_transpose_fp8
+        t = triton_transpose_fp8(x)  # its pad is not written: padded here when R is not a multiple of 16
+        return t if x.shape[0] % ALIGN == 0 else _pad_cols(t)
+    return _pad_cols(x.t().contiguous())
+
+
+def _tokens_contiguous(g: torch.Tensor) -> torch.Tensor:
+    """An (M, N) FP8 dY, row- or column-major, as (N, M16) with tokens contiguous (wgrad's first operand)."""
+    gt = g.t() if g.shape[0] > 1 and g.stride(0) == 1 else g.t().contiguous()
+    return _pad_cols(gt)
+
+
+# --------------------------------------------------------------------------- the GeMM call
+def _scaled(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, ...)`` after checking what cuBLASLt on Hopper requires (torch's CPU
+    kernel would accept more): ``a`` (M, K) row-major, ``b`` (K, N) column-major, K and N multiples
+    of 16, 16-byte row strides and bases, FP8 operands with an E4M3 second one."""
+    if a.dtype not in FP8 or b.dtype != E4M3:
+        raise TypeError(f"_scaled_mm operands: first FP8, second E4M3; got {a.dtype} and {b.dtype}")
+    k, n = b.shape
+    if a.shape[1] != k or k % ALIGN or n % ALIGN:
+        raise ValueError(f"_scaled_mm shapes {tuple(a.shape)} x {tuple(b.shape)}: K and N must be multiples of {ALIGN}")
+    if a.stride(1) != 1 or b.stride(0) != 1 or (a.shape[0] > 1 and a.stride(0) % ALIGN) or b.stride(1) % ALIGN:
+        raise ValueError(f"_scaled_mm layouts: first operand row-major, second column-major, 16-byte row strides; "
+                         f"got strides {a.stride()} and {b.stride()}")
+    if a.data_ptr() % ALIGN or b.data_ptr() % ALIGN:
+        raise ValueError("_scaled_mm operands must start at 16-byte aligned addresses")
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=FP8_FAST_ACCUM)
+
+
+def _row_scale(s: torch.Tensor) -> torch.Tensor:
+    """(n, 1) fp32 reciprocals: ``_scaled_mm`` multiplies, the references divide by ``s``."""
+    return torch.reciprocal(s.float()).reshape(-1, 1)
+
+
+def _unit_cols(n: int, device: torch.device) -> torch.Tensor:
+    # row-wise scaling takes no tensor-wise partner: a row of ones
+    return torch.ones(1, n, dtype=torch.float32, device=device)
+
+
+# --------------------------------------------------------------------------- the three GeMMs
+def scaled_fp4_gemm(a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                    out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward ``Y = (A8 W8^T) / (s_a s_w^T) + bias``: ``a8`` (M, K) and ``w8`` (N, K) E4M3 row-major
+    (the FP4 values, or the folded-OCC operand for ``a8``), ``a_scale`` (M,), ``w_scale`` (N,) fp32."""
+    check_same_device(a8=a8, w8=w8, a_scale=a_scale, w_scale=w_scale, bias=bias)
+    fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    y = _scaled(a8, w8.t(), _row_scale(a_scale), _row_scale(w_scale).reshape(1, -1), out_dtype,
+                bias.to(out_dtype) if fused_bias else None)
+    if bias is not None and not fused_bias:  # fp32 output: _scaled_mm takes no bias there
+        y = y.add_(bias.to(y.dtype))
+    return y
+
+
+def scaled_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w8t: torch.Tensor,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dA = (G W_q) / s_g[:, None]``: ``g`` (M, N) FP8 (one scale per row), ``w8t`` (K, N) E4M3
+    row-major, W's values transposed (``e4m3_cols`` of W's codes)."""
+    check_same_device(g=g, g_scale=g_scale, w8t=w8t)
+    if g.stride(1) != 1 or (g.shape[0] > 1 and g.stride(0) % ALIGN):
+        g = g.contiguous()
+    return _scaled(g, w8t.t(), _row_scale(g_scale), _unit_cols(w8t.shape[0], g.device), out_dtype)
+
+
+def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                     dge_weight: torch.Tensor | None = None, dge_weight_scale: torch.Tensor | None = None,
+                     dge_k: float = 5.0, dge_clamp: float = 3.0, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """``dW = ((G^T A) / s_g[:, None] + addend) * f'(W s_w)``: ``g`` (M, N) FP8, one scale per column,
+    row- or column-major; ``a8t`` (K, M16) E4M3 row-major, A's values transposed with zeros past M
+    (``e4m3_cols`` / ``fp8_cols``). The GeMM's output is fp32; the addend and the DGE factor follow in
+    one elementwise pass (the Triton kernel below on CUDA, ``fused.wgrad_epilogue`` on CPU)."""
+    check_same_device(g=g, g_scale=g_scale, a8t=a8t, addend=addend, dge_weight=dge_weight)
+    gt = _tokens_contiguous(g)
+    if gt.shape[1] != a8t.shape[1]:
+        raise ValueError(f"wgrad: dY has {g.shape[0]} tokens but the activation operand {a8t.shape[1]} columns")
+    k = a8t.shape[0]
+    dw = _scaled(gt, a8t.t(), _row_scale(g_scale), _unit_cols(k, g.device), torch.float32)
+    if addend is None and dge_weight is None:
+        return dw.to(out_dtype)
+    if dw.is_cuda:
+        return triton_wgrad_finish(dw, addend, dge_weight, dge_weight_scale, dge_k, dge_clamp).to(out_dtype)
+    from fp4lightning import fused
+    ones = torch.ones(dw.shape[0], dtype=torch.float32, device=dw.device)  # the scales are applied already
+    return fused.wgrad_epilogue(dw, ones, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
+                                dge_k, dge_clamp, out_dtype)
+
+
+# --------------------------------------------------------------------------- wgrad's epilogue on a GPU
+@triton.jit
+def _wgrad_finish_kernel(y_ptr, c_ptr, w_ptr, sw_ptr, N, K, stride_y, stride_cn, stride_ck, stride_w,
+                         HAS_ADDEND: tl.constexpr, HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr,
+                         DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    mask = n_ok[:, None] & (offs_k < K)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    ptrs = y_ptr + rows * stride_y + offs_k[None, :]
+    v = tl.load(ptrs, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        v += tl.load(c_ptr + rows * stride_cn + offs_k.to(tl.int64)[None, :] * stride_ck, mask=mask,
+                     other=0.0).to(tl.float32)
+    if HAS_DGE:
+        sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
+        w = tl.load(w_ptr + rows * stride_w + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = v * _dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+    tl.store(ptrs, v, mask=mask)
+
+
+#: tile of the epilogue kernel (elementwise, bandwidth-bound: 4K elements per program)
+FINISH_BLOCK = (32, 128)
+
+
+def triton_wgrad_finish(dw: torch.Tensor, addend: torch.Tensor | None = None, dge_weight: torch.Tensor | None = None,
+                        dge_weight_scale: torch.Tensor | None = None, dge_k: float = 5.0,
+                        dge_clamp: float = 3.0) -> torch.Tensor:
+    """In place on the fp32 (N, K) ``dw``: ``(dw + addend) * f'(W s_w)``, with the DGE factor of the
+    Triton wgrad epilogue (``gemm._dge_factor``, so ``triton_dge_factor`` bit for bit)."""
+    if dw.dtype != torch.float32 or dw.dim() != 2 or dw.stride(1) != 1:
+        raise ValueError(f"dw must be a row-major fp32 matrix, got {dw.dtype} with strides {dw.stride()}")
+    n, k = dw.shape
+    if dge_weight is not None:
+        if dge_weight_scale is None:
+            raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
+        if dge_weight.stride(1) != 1:
+            dge_weight = dge_weight.contiguous()
+    check_kernel_devices(dw=dw, addend=addend, dge_weight=dge_weight, dge_weight_scale=dge_weight_scale)
+    c = addend if addend is not None else dw
+    w = dge_weight if dge_weight is not None else dw
+    sw = dge_weight_scale if dge_weight is not None else dw
+    bn, bk = FINISH_BLOCK
+    _wgrad_finish_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        dw, c, w, sw, n, k, dw.stride(0), c.stride(0), c.stride(1), w.stride(0),
+        HAS_ADDEND=addend is not None, HAS_DGE=dge_weight is not None, DGE_INV_K=1.0 / float(dge_k),
+        DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp), BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return dw

@@ -1,0 +1,257 @@
+"""The scaled_mm backend (``FP4LIGHTNING_BACKEND=scaled_mm``, kernels/scaled_mm.py): FP4Linear's three
+GeMMs on ``torch._scaled_mm`` against the reference path, on CPU (where torch runs ``_scaled_mm``
+too, slowly) at small shapes.
+
+* operands: the quantizers' codes and scales are the reference's bit for bit, and the E4M3 operand
+  holds exactly the reference's E2M1 values;
+* GeMMs: against the float64 product of the same operands, within one rounding to the output dtype
+  plus the fp32 summation error bound (see ``_bound``); the layouts cuBLASLt needs on Hopper are
+  enforced on CPU too (torch's CPU kernel would take any);
+* FP4Linear end to end against the reference backend.
+"""
+import os
+
+import pytest
+import torch
+
+from fp4lightning import FP4Config, FP4Linear
+from fp4lightning import fused, gemm_dispatch
+from fp4lightning.dge import dge_derivative
+from fp4lightning.formats import decode_packed_fp4
+from fp4lightning.kernels import gemm as kgemm
+from fp4lightning.kernels import scaled_mm as sm
+from fp4lightning.quantize import quantize_rows_reference
+
+from ._numerics import above, below, sqnr
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+#: unit roundoff (half an ulp, relative) of each output dtype, and of fp32 (the accumulation)
+U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+
+
+@pytest.fixture
+def scaled(monkeypatch):
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
+
+
+def _bound(ref64: torch.Tensor, abs64: torch.Tensor, k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """How far a GeMM of exact products may land from the float64 result ``ref64``: one rounding to
+    ``out_dtype`` (u |y|), the fp32 sum of ``k`` products in any order (k u32 sum|products|, the
+    textbook bound of recursive summation), and three fp32 roundings of the scales (the epilogue's
+    reciprocals and multiplies; torch's CPU kernel scales the operands before the GeMM, also inside
+    this bound). ``abs64`` is the product of the operands' absolute values with the same scales."""
+    u32 = U[torch.float32]
+    return U[out_dtype] * ref64.abs() + (k + 4) * u32 * abs64 * (1 + U[out_dtype]) + 1e-30
+
+
+def _check(actual, ref64, abs64, k, out_dtype, what, extra=None):
+    assert actual.dtype == out_dtype, (what, actual.dtype)
+    if CUDA:  # Hopper's FP8 MMA adds each instruction's products in reduced precision (tests/test_kernels.py)
+        above(sqnr(actual, ref64), 74.0 if out_dtype == torch.float32 else 40.0, what)
+        return
+    bound = _bound(ref64, abs64, k, out_dtype) + (0 if extra is None else extra)
+    ratio = ((actual.double() - ref64).abs() / bound).max().item()
+    below(ratio, 1.0 + 1e-9, what)
+
+
+def _operands(m, k, n, dtype=torch.float32):
+    x = torch.randn(m, k, device=DEV) * torch.exp(torch.randn(m, 1, device=DEV))
+    w = torch.randn(n, k, device=DEV) * 0.05
+    return x.to(dtype), w
+
+
+# --------------------------------------------------------------------------- the backend
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("FP4LIGHTNING_BACKEND", raising=False)
+    cpu = torch.device("cpu")
+    assert gemm_dispatch.backend_for(cpu) == "reference"  # the CPU default does not change
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
+    assert gemm_dispatch.backend_for(cpu) == "scaled_mm"
+    assert not gemm_dispatch.triton_quantizers(cpu)  # on CPU the quantizers are the references
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "cublas")
+    with pytest.raises(ValueError, match="'cublas' is not one of .*scaled_mm"):
+        gemm_dispatch.backend_for(cpu)
+
+
+@gpu
+def test_auto_backend_on_cuda_is_scaled_mm_where_fp8_tensor_cores(monkeypatch):
+    monkeypatch.delenv("FP4LIGHTNING_BACKEND", raising=False)
+    fp8 = torch.cuda.get_device_capability(DEV) >= (8, 9)
+    assert gemm_dispatch.backend_for(DEV) == ("scaled_mm" if fp8 else "triton")
+
+
+# --------------------------------------------------------------------------- operands
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizers_write_the_reference_codes_and_an_exact_e4m3_operand(dtype, scaled, monkeypatch):
+    x, _ = _operands(40, 96, 16, dtype)
+    codes, scale, e4 = gemm_dispatch.quantize_fp4(x, values_dtype=torch.bfloat16)
+    rc, rs, rv = quantize_rows_reference(x, packed=True, return_values=True)
+    assert torch.equal(codes, rc) and torch.equal(scale, rs)
+    assert e4.dtype == torch.float8_e4m3fn and e4.shape == x.shape
+    assert torch.equal(e4.float(), rv) and torch.equal(e4.float(), decode_packed_fp4(codes, 96))
+    bounds = torch.tensor([-1.5, 2.0])
+    c2, s2, e2, r2 = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
+    rc2, rs2, rv2, rr2 = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    assert torch.equal(c2, rc2) and torch.equal(s2, rs2) and torch.equal(r2, rr2)
+    assert torch.equal(e2.float(), rv2)
+    # dY: the same FP8 bits, returned as FP8 (no carrier: _scaled_mm reads it)
+    dy = torch.randn(40, 48, device=DEV).to(dtype)
+    div = torch.rand(48, device=DEV) + 0.5
+    rq, rsc = gemm_dispatch.quantize_fp8_divided(dy, div, dim=1, fmt="e5m2")
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
+    q, qs = gemm_dispatch.quantize_fp8_divided(dy, div, dim=1, fmt="e5m2", carrier=torch.float32)
+    assert q.dtype == torch.float8_e5m2 and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(qs, rsc)
+    with pytest.raises(ValueError, match="folds OCC's compensation with quantize_fp4_folded"):
+        gemm_dispatch.quantize_fp4_clamped(x, bounds, fold=True)
+
+
+# --------------------------------------------------------------------------- the three GeMMs
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [37, 64])  # 37: wgrad pads the tokens (its reduction) to 48
+def test_gemms_within_one_rounding_of_the_float64_product(out_dtype, m, scaled):
+    k, n = 96, 48
+    x, w = _operands(m, k, n)
+    a_p, a_s, a8 = gemm_dispatch.quantize_fp4(x)
+    w_p, w_s, w8 = gemm_dispatch.quantize_fp4(w)
+    aq, wq = a8.double(), w8.double()
+    # forward, with and without bias
+    c = 1 / (a_s.double()[:, None] * w_s.double()[None, :])
+    ref, mag = (aq @ wq.t()) * c, (aq.abs() @ wq.abs().t()) * c
+    _check(gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype), ref, mag, k, out_dtype, "forward")
+    _check(gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype, a_values=a8, w_values=w8), ref, mag, k,
+           out_dtype, "forward, the quantizers' E4M3 operands")
+    bias = torch.randn(n, device=DEV)
+    # a fused bias is rounded to the output dtype first (as nn.Linear's under autocast)
+    _check(gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype, bias=bias), ref + bias.double(), mag, k, out_dtype,
+           "forward + bias", extra=2 * U[out_dtype] * bias.double().abs())
+    dy = torch.randn(m, n, device=DEV)
+    for fmt in ("e5m2", "e4m3"):
+        g1, s1 = gemm_dispatch.quantize_fp8_divided(dy, w_s, dim=1, fmt=fmt)
+        g = g1.double() / s1.double()[:, None]
+        _check(gemm_dispatch.fp4_dgrad(g1, s1, w_p, k, out_dtype), g @ wq, g.abs() @ wq.abs(), n, out_dtype,
+               f"dgrad {fmt}")
+        g2, s2 = gemm_dispatch.quantize_fp8_divided(dy, a_s, dim=0, fmt=fmt)
+        g = g2.double() / s2.double()[None, :]
+        _check(gemm_dispatch.fp4_wgrad(g2, s2, a_p, k, out_dtype), g.t() @ aq, g.abs().t() @ aq.abs(), m, out_dtype,
+               f"wgrad {fmt}")
+        # column-major dY (the Triton quantizer's layout) is read without a copy: same result
+        assert torch.equal(gemm_dispatch.fp4_wgrad(g2.t().contiguous().t(), s2, a_p, k, out_dtype),
+                           gemm_dispatch.fp4_wgrad(g2, s2, a_p, k, out_dtype))
+
+
+def test_wgrad_epilogue_adds_the_addend_then_multiplies_by_the_dge_factor(scaled):
+    m, k, n = 40, 64, 32
+    x, w = _operands(m, k, n)
+    a_p, a_s, _ = gemm_dispatch.quantize_fp4(x)
+    _, w_s, _ = gemm_dispatch.quantize_fp4(w)
+    g2, s2 = gemm_dispatch.quantize_fp8_divided(torch.randn(m, n, device=DEV), a_s, dim=0)
+    addend = torch.randn(n, k, device=DEV)
+    plain = gemm_dispatch.fp4_wgrad(g2, s2, a_p, k)
+    full = gemm_dispatch.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, addend=addend)
+    ones = torch.ones(n, device=DEV)
+    assert torch.equal(full, fused.wgrad_epilogue(plain, ones, addend, w, w_s, 5.0, 3.0, torch.float32))
+    dge = dge_derivative(w.double() * w_s.double()[:, None])
+    above(sqnr(full, (plain.double() + addend.double()) * dge), 120.0, "wgrad + addend, * DGE")
+
+
+def test_wgrad_finish_kernel_matches_the_triton_dge_factor():
+    # the GPU path's epilogue (kernels/scaled_mm.py) under the interpreter on CPU, or compiled
+    n, k = 40, 200  # not multiples of the 32 x 128 tile
+    w = torch.randn(n, k, device=DEV) * 0.05
+    _, w_s = quantize_rows_reference(w)
+    acc, addend = torch.randn(n, k, device=DEV), torch.randn(n, k, device=DEV)
+    got = sm.triton_wgrad_finish(acc.clone(), addend.t().contiguous().t(), w, w_s)  # a strided addend
+    assert torch.equal(got, (acc + addend) * kgemm.triton_dge_factor(w, w_s))
+    assert torch.equal(sm.triton_wgrad_finish(acc.clone(), addend), acc + addend)
+    with pytest.raises(ValueError, match="dge_weight_scale"):
+        sm.triton_wgrad_finish(acc.clone(), dge_weight=w)
+
+
+def test_hopper_layout_rules_are_enforced_on_cpu_too():
+    a = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    b = torch.randn(48, 64).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(32, 1), torch.ones(1, 48)
+    assert sm._scaled(a, b.t(), sa, sb, torch.float32).shape == (32, 48)
+    with pytest.raises(ValueError, match="second column-major"):  # torch's CPU kernel would take it
+        sm._scaled(a, b.t().contiguous(), sa, sb, torch.float32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        sm._scaled(a[:, :40], b[:, :40].t(), sa, sb, torch.float32)
+    with pytest.raises(TypeError, match="second E4M3"):
+        sm._scaled(a, b.to(torch.float8_e5m2).t(), sa, sb, torch.float32)
+
+
+def test_sizes_that_do_not_fit_fall_back_to_the_reference(scaled, monkeypatch):
+    # K = 40 is no multiple of 16 (FP4Linear refuses it; the GeMMs themselves fall back)
+    m, k, n = 24, 40, 32
+    x, w = _operands(m, k, n)
+    a_p, a_s, a8 = gemm_dispatch.quantize_fp4(x)
+    w_p, w_s, w8 = gemm_dispatch.quantize_fp4(w)
+    g1, s1 = gemm_dispatch.quantize_fp8_divided(torch.randn(m, n), w_s, dim=1)
+    got = (gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, torch.bfloat16, a_values=a8, w_values=w8),
+           gemm_dispatch.fp4_dgrad(g1, s1, w_p, k))
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
+    want = (gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, torch.bfloat16), gemm_dispatch.fp4_dgrad(g1, s1, w_p, k))
+    assert all(torch.equal(g, r) for g, r in zip(got, want))
+
+
+# --------------------------------------------------------------------------- FP4Linear
+def _run(lin, x, dy, backend, monkeypatch, autocast=False):
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
+    xx = x.clone().requires_grad_(True)
+    lin.zero_grad()
+    with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=autocast):
+        y = lin(xx)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), xx.grad, lin.weight.grad.clone(), lin.bias.grad.clone()
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "fp4-no-occ"])
+def test_fp4linear_matches_the_reference(preset, monkeypatch):
+    lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset)).to(DEV)
+    x, dy = torch.randn(3, 13, 96, device=DEV), torch.randn(3, 13, 48, device=DEV)
+    ref = _run(lin, x, dy, "reference", monkeypatch)
+    got = _run(lin, x, dy, "scaled_mm", monkeypatch)
+    # fp32: the same operands and exact products; fp32 sums in another order, the DGE factor the same
+    for name, t, r in zip(("y", "dx", "dw", "db"), got, ref):
+        above(sqnr(t, r), 110.0, name)
+    # under bf16 autocast the outputs are rounded to bf16 once (the reference rounds the GeMM's
+    # product, then the scaled result): no further from the fp32 result than the reference's own
+    ref_bf = _run(lin, x, dy, "reference", monkeypatch, autocast=True)
+    got_bf = _run(lin, x, dy, "scaled_mm", monkeypatch, autocast=True)
+    for name, t, r, r32 in zip(("y", "dx", "dw"), got_bf, ref_bf, ref):
+        assert t.dtype == r.dtype, name
+        above(sqnr(t, r32), sqnr(r, r32) - 3.0, f"{name} (bf16) against fp32")
+
+
+def test_fp4linear_nan_row_and_saved_bytes(monkeypatch):
+    from fp4lightning.fidelity import saved_tensor_bytes
+    lin = FP4Linear(64, 32, config=FP4Config.from_preset("w4a4-direct")).to(DEV)
+    x = torch.randn(20, 64, device=DEV)
+    x[3, 5] = float("nan")
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
+    y = lin(x)
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[torch.arange(20) != 3]).all()
+    # backward keeps the packed FP4 activation (half a byte per element), not the E4M3 operand
+    xs = torch.randn(32, 64, device=DEV).requires_grad_(True)
+    got = saved_tensor_bytes(lin, lambda: lin(xs))
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
+    assert got == saved_tensor_bytes(lin, lambda: lin(xs))
+
+
+def test_bf16_dy_runs_the_backward_gemms_of_the_reference(monkeypatch):
+    # grad_format='bf16': _scaled_mm takes no bf16 operand, so dgrad and wgrad fall back (on CPU
+    # to the reference: the same bits; the forward runs on _scaled_mm)
+    lin = FP4Linear(64, 32, config=FP4Config(grad_format="bf16")).to(DEV)
+    x, dy = torch.randn(24, 64, device=DEV), torch.randn(24, 32, device=DEV)
+    _, dx_r, dw_r, _ = _run(lin, x, dy, "reference", monkeypatch)
+    _, dx_s, dw_s, _ = _run(lin, x, dy, "scaled_mm", monkeypatch)
+    if not CUDA:
+        assert torch.equal(dx_s, dx_r) and torch.equal(dw_s, dw_r)
+    else:  # the Triton GeMMs on a GPU
+        above(sqnr(dx_s, dx_r), 100.0, "dx")
+        above(sqnr(dw_s, dw_r), 100.0, "dw")
