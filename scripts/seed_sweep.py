@@ -39,7 +39,7 @@ def _pytest(args: list[str], log: Path, out: Path) -> int:
                TRANSFORMERS_OFFLINE="1")
     env.pop("FP4_TEST_SEED", None)
     # --jobs processes side by side on small tensors: one intra-op thread each (two threads per
-    # process oversubscribe a 2-core machine; measured 2026-12-01, one thread each ran the sweep
+    # process oversubscribe a 2-core machine; measured: one thread each ran the sweep
     # about 1.4x faster)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")

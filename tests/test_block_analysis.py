@@ -26,7 +26,7 @@ def test_report_on_model_activations_and_weights():
 
 def test_rht_rows_score_the_rotated_tensor():
     # an exact spike per 16-token group is what the RHT flattens: its MXFP4 wgrad row must not get
-    # worse. Measured over seeds 0-59 (2026-11-30): never worse, 57 slightly better, 3 equal
+    # worse. Measured over seeds 0-59: never worse, 57 slightly better, 3 equal
     # to the last digit, so a strict ">" failed at random.
     x = torch.randn(256, 64) * 0.01
     x[::16] = heavy_tailed(16, 64) * 100

@@ -37,8 +37,8 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no oracle her
                "extra: pip install --no-deps 'torchao==0.18.0'"
 needs_torchao = pytest.mark.skipif(_TORCHAO is not None, reason=_TORCHAO or "")
 
-# Measured quantize-dequantize SQNR on heavy_tailed(256, 512): NVFP4 ~19.9 dB, MXFP4 ~16.4 dB
-# (2026-11-30); thresholds a few dB under.
+# Measured quantize-dequantize SQNR on heavy_tailed(256, 512): NVFP4 ~19.9 dB, MXFP4 ~16.4 dB;
+# thresholds a few dB under.
 NVFP4_MIN_SQNR_DB = 17.0
 MXFP4_MIN_SQNR_DB = 13.5
 # SR mean over N draws: the standard error is <= 0.5 * grid gap / sqrt(N); 6 sigma.

@@ -103,7 +103,7 @@ def test_nan_block_is_nan_as_in_the_reference(fmt):
 # The block recipes' FP4Linear with FP4LIGHTNING_BACKEND=triton (what CUDA tensors get) against the
 # reference path: the same codes, scales and stochastic draws, so the two differ only in fp32
 # accumulation order (and where OCC's residual joins: the reference folds R / s into A's fp32
-# values, the Triton path adds R W_q^T after the kernel). Audit 2026-12-01, seeds 0-999: worst 138.2 dB
+# values, the Triton path adds R W_q^T after the kernel). Audit over seeds 0-999: worst 138.2 dB
 # (y with OCC, seed 160); every other output bit-identical at these shapes.
 LINEAR_PATHS_MIN_SQNR_DB = 100.0
 

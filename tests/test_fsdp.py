@@ -32,7 +32,7 @@ LR = 0.5  # SGD: the update is linear in the gradient, so differences are not am
 # 5.5e-8 to 5.7e-8, i.e. fp32 rounding; later steps then differ where a weight sits on an FP4 rounding edge.
 DGE_GRAD_RTOL = 1e-6
 # The losses of that run: the first is bitwise the unsharded one (same forward); the later ones follow
-# parameters that differ by that rounding, so they may differ in the last bits. Measured 2026-12-01 on an
+# parameters that differ by that rounding, so they may differ in the last bits. Measured on an
 # AMD EPYC VM: step 2 differed by 1 ulp (8.6e-8 relative), steps 3-4 were equal; elsewhere all four were equal.
 DGE_LOSS_RTOL = 1e-5
 # First-step gradient of every parameter after the FP8 E4M3 reduce-scatter (one power-of-two scale per
@@ -90,7 +90,7 @@ def _worker(rank: int, fn, port: int, out_dir: str, seed: int, world: int = W) -
         json.dump(result, f)
     dist.destroy_process_group()
     # The result is on disk. Skip the interpreter's teardown: in a spawned child it once aborted after
-    # a passing run ("terminate called without an active exception", CI of 2026-12-03), which this
+    # a passing run ("terminate called without an active exception", in CI), which this
     # test's exit-code check read as a failure. Cause (torch, traced in a torch-only reproduction,
     # docs/distributed.md): gloo's worker thread frees the last work's tensors, which takes the GIL,
     # while the interpreter finalizes; FSDP2/DTensor keep the process group and its threads alive past

@@ -43,7 +43,7 @@ GEMM_SQNR_DB = 80.0
 # Compiled on a Hopper GPU the FP8 tensor cores (wgmma) accumulate each instruction's partial sum
 # with limited precision (about 14 mantissa bits, not fp32's 23; the kernels promote to fp32
 # between K blocks), so at realistic sizes the GeMMs sit near 6 dB x 14 bits: measured on an H200
-# (2026-12-01, scripts/gpu_check.sh) 79.1-79.9 dB for wgrad with E4M3 dY at 4096 and 2048x11008x4096,
+# (scripts/gpu_check.sh) 79.1-79.9 dB for wgrad with E4M3 dY at 4096 and 2048x11008x4096,
 # above 80 dB for every other GeMM. The bound below allows two bits less (12 bits, ~72 dB) plus margin.
 GPU_FP8_GEMM_SQNR_DB = 74.0
 # FP4Linear, Triton vs reference backend: forward and dA are bit-identical; dW differs
@@ -53,7 +53,7 @@ LINEAR_WGRAD_DGE_SQNR_DB = 120.0
 # FP8 row quantizer's 8; every GeMM 0).
 COMPILED_STACK_BYTES_MAX = 64
 # Static roofline of the sm_90a default GeMMs (issue cycles / tensor-core cycles per main-
-# loop iteration, kernels/compile_check.py; 2026-11-30, triton 3.7.1). Targets: forward
+# loop iteration, kernels/compile_check.py; triton 3.7.1). Targets: forward
 # <= 1.0, dgrad/wgrad <= 1.3 (issue 12). Measured: forward 0.90, dgrad 1.27, wgrad 1.27
 # (column-major dY, the GPU path's layout; fp32 output with the chunked DGE epilogue).
 HOPPER_ISSUE_PER_TENSOR_MAX = {
@@ -61,7 +61,7 @@ HOPPER_ISSUE_PER_TENSOR_MAX = {
     "fp4_dgrad e5m2 dY": 1.3,
     "fp4_wgrad e5m2 dY + DGE + addend": 1.3,
     # the expand path (kernels/fp8_gemm.py): no decode in the loop, measured 0.49 with precise
-    # accumulation (the fp32 promotions) and 0.21 without (2026-12-02, triton 3.7.1)
+    # accumulation (the fp32 promotions) and 0.21 without (triton 3.7.1)
     "fp8_gemm forward (expand path)": 0.6,
     "fp8_gemm forward fast-accum (expand path)": 0.3,
     "fp8_gemm dgrad e5m2 (expand path)": 0.6,
@@ -74,7 +74,7 @@ HOPPER_ISSUE_PER_TENSOR_MAX = {
     "fp8_gemm wgrad e5m2 x e4m3 folded + DGE (expand path, TMA)": 0.6,
 }
 # SASS instructions per element of the quantizers as launched at the 7B shapes (compile_check's
-# ins/elem; 2026-12-03, triton 3.7.1: 27.8, 34.8, 31.8, 31.2, 37.2, 15.8, 37.0). The budgets for 70%
+# ins/elem; triton 3.7.1: 27.8, 34.8, 31.8, 31.2, 37.2, 15.8, 37.0). The budgets for 70%
 # of a copy's bandwidth on an H200 are ~30 (FP4 rows), ~54 (FP4 + OCC residual), ~36 (FP8), docs/perf.md;
 # these bounds keep the measured counts from creeping back (the IEEE division per element cost ~20)
 QUANTIZER_SASS_PER_ELEMENT_MAX = {
@@ -85,8 +85,8 @@ QUANTIZER_SASS_PER_ELEMENT_MAX = {
     "quantize_fp8 rows e5m2 / divisor, N=11008 (two passes)": 41.0,
     "fp8 column absmax / divisor": 19.0,
     "quantize_fp8 columns e5m2 / divisor, column-major": 41.0,
-    # FP4Config.occ_fold_e4m3's quantizer (2 B in, 1 B out per element): measured 31.8 and 38.2
-    # (2026-12-03); its first version, with the reference's steps spelled out, read 70.5 and 117.8
+    # FP4Config.occ_fold_e4m3's quantizer (2 B in, 1 B out per element): measured 31.8 and 38.2;
+    # its first version, with the reference's steps spelled out, read 70.5 and 117.8
     "quantize_fp4 folded e4m3 (OCC), K=4096": 35.0,
     "quantize_fp4 folded e4m3 (OCC), K=11008 (two passes)": 42.0,
     "transpose e4m3 (folded wgrad operand)": 12.0,

@@ -383,7 +383,7 @@ def test_occ_fold_e4m3_matches_float64_reference_of_same_math(grad_format):
     # and it stays close to exact compensation (E4M3 rounds only the ~2% outlier entries)
     exact = FP4Linear.from_linear(layer, FP4Config.from_preset("paper", occ_quantile="exact", grad_format=grad_format))
     ey, _, edw = _run(exact, x, dy)
-    # (over 300 draws 2026-12-03: 23.7-38 dB with x * 500 outliers; without compensation 0-1 dB)
+    # (over 300 draws: 23.7-38 dB with x * 500 outliers; without compensation 0-1 dB)
     above(sqnr(y, ey), 20.0, "fold vs exact compensation, y SQNR dB")
     above(sqnr(dw, edw), 20.0, "fold vs exact compensation, dW SQNR dB")
 

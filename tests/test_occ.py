@@ -7,8 +7,8 @@ from fp4lightning.quantize import fake_quantize
 
 from ._numerics import above, below, close, heavy_tailed, sqnr
 
-# Sampled quantiles (65,536 samples) move the clamped fraction: over seeds 0-999 (threshold audit
-# 2026-12-01) its error had an RMS of 0.00041 at alpha=0.99 and 0.00082 at alpha=0.97, worst 0.00292
+# Sampled quantiles (65,536 samples) move the clamped fraction: over seeds 0-999 (threshold audit)
+# its error had an RMS of 0.00041 at alpha=0.99 and 0.00082 at alpha=0.97, worst 0.00292
 # (alpha 0.97, seed 976), which came within 0.00008 of the old bound 0.003. Now about 5 RMS of the
 # alpha=0.97 case.
 CLAMP_FRACTION_TOL = 0.004
@@ -73,7 +73,7 @@ def test_clamp_plus_residual_is_exact():
     xc, r = occ_clamp(x, occ_bounds(x, 0.99))
     # r = x - xc is exact (Sterbenz) unless |x| > 2 |bound|; then r and xc + r each round once, an
     # error below 2 u |x| (u = 2^-24), i.e. one fp32 ulp of x. rtol 1e-7 (< 2^-23) failed on 43 of
-    # 1,000 seeds (worst seen 1.08e-7, seed 52; audit 2026-12-01); the bound below is 2 ulp.
+    # 1,000 seeds (worst seen 1.08e-7, seed 52; threshold audit); the bound below is 2 ulp.
     close(xc + r, x, rtol=2.0**-22, atol=0, what="clamped + residual")
     assert xc.max() <= occ_bounds(x, 0.99).max()
 
@@ -93,7 +93,7 @@ def test_table1_ordering_on_heavy_tailed_activations():
     # Student-t(5) activations: heavy tails in every row. (Whether clamping alone beats
     # no clamping depends on how much of the energy sits in the tails; with t(5) it
     # usually does by ~0.6 dB, as in the paper's real activations: measured 15.4 / 16.0 /
-    # 17.8 / 20.2 / 21.6 dB. Not always: over 874 seeds (0-447 and 500-925, audit 2026-12-01)
+    # 17.8 / 20.2 / 21.6 dB. Not always: over 874 seeds (0-447 and 500-925, threshold audit)
     # clamping alone lost on 2 draws, by 0.17 and 0.28 dB (seeds 18, 645), so that one comparison
     # allows 0.6 dB; compensation beat both on every seed.)
     x = torch.distributions.StudentT(5.0).sample((1024, 1024))

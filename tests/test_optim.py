@@ -23,14 +23,14 @@ SQNR_EXP_AVG_FP16_DB = 60.0
 SQNR_EXP_AVG_SQ_FP16_DB = 60.0
 # Largest |p - p_ref| of any parameter element after 3 steps of lr 1e-3 (fp32 AdamW as reference).
 # An element whose first moment sits near its tensor's E4M3 resolution can take a step that differs
-# by up to about lr, so the bound is 1.5 lr. Audit (2026-12-01, seeds 0-999, tests/README.md):
+# by up to about lr, so the bound is 1.5 lr. Audit (seeds 0-999, tests/README.md):
 # E4M3 moments 99th percentile 2.0e-4, worst 5.9e-4 (seed 424, which failed the old 5e-4 bound);
 # fp16 moments worst 1.8e-6.
 PARAM_ATOL = 1.5e-3
 # Relative gap of the final full-batch loss after TRAJ_STEPS steps against torch.optim.AdamW
 # (same init, same batches). 300 steps of a small classifier amplify any difference chaotically
 # (AdamW itself on another batch order differs by up to 6%), so per seed this is a gross check;
-# the moment SQNRs above carry the precision claim. Audit (2026-12-01, seeds 0-999): median 0.59%,
+# the moment SQNRs above carry the precision claim. Audit (seeds 0-999): median 0.59%,
 # 99th percentile 2.8%, worst 5.0% (seed 809); the old 3% bound failed on 7 of 1,000 seeds.
 TRAJ_STEPS = 300
 TRAJ_MAX_GAP = 0.08

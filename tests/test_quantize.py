@@ -120,7 +120,7 @@ def test_folded_fp8_dy_equals_the_division_but_at_rare_rounding_ties(dim):
     # FP4Linear's backward folds the FP4 scale of the reduction dimension into dY as
     # dY * (1 / s) (one IEEE reciprocal per scale, one multiply per element: what the Triton
     # quantizers compute without a division per element). Against quantizing fp32 dY / s: fresh
-    # draws, measured 2026-12-03 at 2.4e-7 of the FP8 codes different (a quotient an ulp or two
+    # draws, measured at 2.4e-7 of the FP8 codes different (a quotient an ulp or two
     # from an FP8 rounding boundary) and ~20% of the scales an ulp or two apart (an amax moved by an ulp)
     from fp4lightning.gemm_dispatch import quantize_fp8_divided, quantize_fp8_reference
 
@@ -131,5 +131,5 @@ def test_folded_fp8_dy_equals_the_division_but_at_rare_rounding_ties(dim):
     q_div, sc_div = quantize_fp8_reference(dy.float() / (s[None, :] if dim == 1 else s[:, None]), dim, "e5m2")
     codes_differ = (q.view(torch.uint8) != q_div.view(torch.uint8)).float().mean().item()
     below(codes_differ, 1e-5, "fraction of FP8 codes unlike the division's")
-    # (worst of 80 draws: 1.9e-7 relative, 1.3e-6 of the codes; 2026-12-03)
+    # (worst of 80 draws: 1.9e-7 relative, 1.3e-6 of the codes)
     close(sc, sc_div, 5e-7, 0.0, "scales within a few ulp of the division's")

@@ -678,7 +678,7 @@ def test_tokenizer_training_on_a_long_unbroken_input_is_bounded(tmp_path):
     t0 = time.perf_counter()
     tok = Tokenizer.train(iter([word, "plain text " * 10_000]), vocab_size=300, progress=messages.append)
     elapsed = time.perf_counter() - t0
-    assert elapsed < 120, elapsed  # measured ~4 s on a shared 2-core machine (2026-11-30); over 290 s before
+    assert elapsed < 120, elapsed  # measured ~4 s on a shared 2-core machine; over 290 s before
     assert messages and "1.1M characters in all" in messages[-1]
     assert tok.decode(tok.encode(word[:5000], bos=False)) == word[:5000]
 
