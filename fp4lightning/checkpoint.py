@@ -11,13 +11,20 @@ A checkpoint written by ``fp4lightning train`` is a Lightning ``.ckpt`` holding
   ``<run_dir>/tokenizer.json``).
 
 FSDP runs save sharded checkpoint folders; they are consolidated in memory here.
+
+Loading never runs code from the checkpoint: files are read with ``torch.load(weights_only=True)``,
+and a sharded folder's pickled ``.metadata`` with an unpickler that admits only the types
+torch.distributed.checkpoint writes there (:func:`_read_sharded`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
+import pickle
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +39,7 @@ from fp4lightning.nonfinite import NonFiniteError, params_nonfinite
 from fp4lightning.tokenizer import Tokenizer
 
 __all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError", "AtomicCheckpointIO",
-           "TMP_GLOB"]
+           "TMP_GLOB", "resume_candidates"]
 
 #: temporary files of an unfinished save (removed by the next run: see AtomicCheckpointIO)
 TMP_GLOB = ".*.ckpt.*.tmp"
@@ -84,6 +91,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint is shared like any output file
             with os.fdopen(fd, "wb") as f:
                 self._write(checkpoint, f)
                 f.flush()
@@ -117,6 +125,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @staticmethod
     def _write(checkpoint: dict[str, Any], f: Any) -> None:
         torch.save(checkpoint, f)
+
+
+def _umask() -> int:
+    # reading the umask means setting it; put it straight back
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _nonfinite_weight(checkpoint: dict[str, Any]) -> str | None:
@@ -158,32 +173,181 @@ def _resolve(path: Path) -> Path:
     return path
 
 
+#: what torch.distributed.checkpoint pickles into a sharded folder's ``.metadata`` (module -> names), torch
+#: dtypes aside; a pickle naming anything else is refused before it runs (unpickling calls what it names)
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a torch.layout by its name
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset"}),
+}
+
+
+class _ForeignPickle(pickle.UnpicklingError):
+    """A pickle names a global outside the admitted ones (the message is its dotted name)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _ForeignPickle(f"{module}.{name}")
+
+
+def _why(e: BaseException) -> str:
+    """One line saying why a file did not load."""
+    msg = str(e)
+    if isinstance(e, _ForeignPickle):
+        code = msg
+    else:  # torch.load(weights_only=True) words its refusal over several lines that advise weights_only=False
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", msg)
+        code = found.group(1) if found else None
+    if code:
+        return f"it holds a pickled {code}, code that loading would run; fp4lightning never runs code from a checkpoint"
+    refusal = re.search(r"WeightsUnpickler error: ([^\n]+?)(?:\.\s|\n|$)", msg)
+    lines = msg.strip().splitlines()
+    return f"{type(e).__name__}: {(refusal.group(1) if refusal else lines[0] if lines else '')[:300]}"
+
+
+def _corrupt(what: str | Path, e: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint {what} is corrupt or not a PyTorch checkpoint ({_why(e)}); "
+                           "use another checkpoint (e.g. the numbered one beside last.ckpt) or retrain")
+
+
+def _read_sharded(folder: Path) -> dict[str, Any]:
+    """A sharded checkpoint folder (torch.distributed.checkpoint shards + ``.metadata``, Lightning's ``meta.pt``)
+    as one checkpoint dict on CPU, read without running code from it.
+
+    torch's FileSystemReader unpickles ``.metadata`` with plain ``pickle`` and its load planner the non-tensor
+    entries with ``weights_only=False``; Lightning's reader loads ``meta.pt`` with torch's default. Here
+    ``.metadata`` goes through :class:`_MetadataUnpickler`, entries and ``meta.pt`` through ``weights_only=True``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    # what Lightning's and torch's own consolidation use: the public load() fills only keys already present
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    md_file = folder / ".metadata"
+    try:
+        with open(md_file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:
+        raise _corrupt(md_file, e) from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {md_file} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+                              "metadata; use another checkpoint (e.g. the numbered one beside last.ckpt) or retrain")
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            # what FileSystemReader.read_metadata returns, from the metadata read above
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise _corrupt(f"{folder} (entry {read_item.dest_index.fqn})", e) from e
+            # the base class unpickles with weights_only=False: give it bytes written here from the plain data
+            plain = io.BytesIO()
+            torch.save(obj, plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    ckpt: dict[str, Any] = {}
+    try:
+        _load_state_dict(ckpt, storage_reader=Reader(folder), planner=Planner(), no_dist=True)
+    except CheckpointException as e:  # torch collects each rank's error (one rank here) into this BaseException
+        err = next(iter(e.failures.values()))[0]
+        if isinstance(err, CheckpointError):
+            raise err from None
+        raise _corrupt(folder, err) from err
+    except Exception as e:
+        raise _corrupt(folder, e) from e
+    extra = folder / "meta.pt"  # Lightning's file of everything but the weights and optimizer states
+    if extra.is_file():
+        try:
+            rest = torch.load(extra, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise _corrupt(extra, e) from e
+        if not isinstance(rest, dict):
+            raise CheckpointError(f"{extra} is not a Lightning checkpoint's meta.pt (it holds a {type(rest).__name__})")
+        ckpt.update(rest)
+    # Lightning's layout: FSDPStrategy saves the weights as "model", ModelParallelStrategy (FSDP2) as "state_dict";
+    # both save "optimizer_<i>", where a .ckpt file has the list "optimizer_states"
+    if "state_dict" not in ckpt and "model" in ckpt:
+        ckpt["state_dict"] = ckpt.pop("model")
+    optimizers = sorted((k for k in ckpt if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k.split("_")[1]))
+    if optimizers:
+        ckpt["optimizer_states"] = [ckpt.pop(k) for k in optimizers]
+    return ckpt
+
+
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Path]:
     """The raw checkpoint dict (on CPU) and the resolved file it came from.
 
     ``path`` may be a ``.ckpt`` file, a run folder (``runs/<name>``), a checkpoints folder
-    or a sharded FSDP checkpoint folder.
+    or a sharded FSDP checkpoint folder. Nothing in the file is run: anything but tensors and plain
+    data is refused with :class:`CheckpointError`.
     """
     path = _resolve(Path(path))
-    try:
-        if path.is_dir():
-            from lightning.fabric.utilities.load import _load_distributed_checkpoint
-            from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
-
-            ckpt = _load_distributed_checkpoint(path)
-            # FSDPStrategy folders hold "model"; ModelParallelStrategy (FSDP2) folders "state_dict" already
-            ckpt = ckpt if "state_dict" in ckpt else _format_checkpoint(ckpt)
-        else:
+    if path.is_dir():
+        ckpt = _read_sharded(path)
+    else:
+        try:
             # our checkpoints hold tensors and plain containers only, so the safe loader suffices
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises RuntimeError / UnpicklingError / EOFError / ... for bad files
-        raise CheckpointError(
-            f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({type(e).__name__}: {str(e)[:300]}); "
-            "use another checkpoint (e.g. the numbered one beside last.ckpt) or retrain"
-        ) from e
+        except Exception as e:  # torch raises RuntimeError / UnpicklingError / EOFError / ... for bad files
+            raise _corrupt(path, e) from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model" not in ckpt.get("hyper_parameters", {}):
         raise CheckpointError(f"{path} is not an fp4lightning training checkpoint (no state_dict / model hyperparameters)")
     return ckpt, path
+
+
+def _recorded_step(path: Path) -> int | None:
+    """The global step a checkpoint records, read without loading its tensors (None: unreadable)."""
+    try:
+        if path.is_dir():
+            meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+        else:
+            meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        step = meta.get("global_step")
+    except Exception:
+        return None
+    return step if isinstance(step, int) else None
+
+
+def resume_candidates(ckpt_dir: Path) -> list[Path]:
+    """The checkpoints of a run's ``checkpoints`` folder, in the order ``--resume`` tries them.
+
+    Newest first by the global step recorded inside, not by name: a run killed between the numbered
+    save and the ``last.ckpt`` save leaves ``last.ckpt`` one save behind ``step=N.ckpt``. On a tie
+    ``last.ckpt`` comes first. A checkpoint whose step cannot be read sorts where its name puts it
+    (``last.ckpt``: newest), so it is tried, and reported as unusable, before older ones.
+    """
+    def key(p: Path) -> tuple:
+        is_last = p.name == "last.ckpt"
+        step = _recorded_step(p)
+        if step is None:
+            try:
+                step = float("inf") if is_last else int(p.stem.split("=", 1)[1].split("-")[0])
+            except (IndexError, ValueError):
+                step = -1
+        return step, is_last, p.stat().st_mtime
+
+    found = [p for p in (ckpt_dir / "last.ckpt", *ckpt_dir.glob("step=*.ckpt")) if p.exists()]
+    return sorted(found, key=key, reverse=True)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", fp4: bool = False) -> LoadedCheckpoint:

@@ -42,7 +42,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from fp4lightning.errors import InputNotFoundError, check_writable_dir
-from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, remove_stale_temporaries
+from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, remove_stale_temporaries, resume_candidates
 from fp4lightning.data import TokenDataModule, data_fingerprint, prepare_command
 from fp4lightning.lightning_module import LlamaLightningModule
 from fp4lightning.config import FP4Config
@@ -112,16 +112,8 @@ def _strategy(cfg: RecipeConfig):
 
 
 def _checkpoint_candidates(ckpt_dir: Path) -> list[Path]:
-    """``last.ckpt``, then the numbered ``step=N.ckpt`` files, newest step first."""
-    def step_of(p: Path) -> int:
-        try:
-            return int(p.stem.split("=", 1)[1].split("-")[0])
-        except (IndexError, ValueError):
-            return -1
-
-    numbered = sorted(ckpt_dir.glob("step=*.ckpt"), key=lambda p: (step_of(p), p.stat().st_mtime), reverse=True)
-    last = ckpt_dir / LAST_CKPT
-    return ([last] if last.exists() else []) + numbered
+    """``last.ckpt`` and the numbered ``step=N.ckpt`` files, newest recorded step first (see resume_candidates)."""
+    return resume_candidates(ckpt_dir)
 
 
 class ResumeMismatchError(CheckpointError):
@@ -248,8 +240,8 @@ def _note_unchecked(path: Path, unrecorded: list[str]) -> None:
 def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
     """The checkpoint to resume from, checked before Lightning loads it.
 
-    ``--resume`` / ``ckpt_path=last`` take ``last.ckpt`` or, if it is missing or does not load,
-    the newest numbered checkpoint that does (saying which and why). An explicit path must load.
+    ``--resume`` / ``ckpt_path=last`` take the checkpoint recording the newest step (``last.ckpt`` on a
+    tie) or, if it does not load, the next newest that does (saying which and why). An explicit path must load.
     """
     ckpt = cfg.ckpt_path
     if resume and ckpt is None:
@@ -283,7 +275,7 @@ def _resolve_ckpt(cfg: RecipeConfig, resume: bool) -> str | None:
                   + f"\nresuming from {path} instead", file=sys.stderr, flush=True)
         _note_unchecked(path, unrecorded)
         return str(path)
-    raise CheckpointError(f"cannot resume: no checkpoint in {ckpt_dir} loads:\n  " + "\n  ".join(problems))
+    raise CheckpointError(f"cannot resume: no checkpoint in {ckpt_dir} loads ({'; '.join(problems)})")
 
 
 def _is_rank_zero() -> bool:
