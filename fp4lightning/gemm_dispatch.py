@@ -57,6 +57,7 @@ __all__ = [
     "block_gemm",
     "triton_quantizers",
     "scaled_mm_unavailable",
+    "refold_operand",
     "fp4_gemm_reference",
     "fp4_dgrad_reference",
     "fp4_wgrad_reference",
@@ -275,6 +276,28 @@ def quantize_fp4_folded_steps(x2d: torch.Tensor, bounds: torch.Tensor, scale_mod
     scale = torch.where(bad, torch.full_like(scale, float("nan")), torch.ldexp(scale, -shift))
     e4 = e4.masked_fill_(bad[:, None], 0.0)
     return e4.to(torch.float8_e4m3fn), scale
+
+
+def refold_operand(codes: torch.Tensor, scale: torch.Tensor, fold_scale: torch.Tensor, resid: tuple,
+                   shape: tuple[int, int]) -> torch.Tensor:
+    """``quantize_fp4_folded``'s E4M3 operand, bit for bit, rebuilt from what the scaled_mm backend's
+    FP4Linear saves instead of it: the packed E2M1 codes and scale ``s_a`` of the clamped activation,
+    the folded scale ``s_a 2^-shift`` and the compact residual ``(flat indices, values in x's dtype,
+    overflow)`` (``linear._compact_residual``). Returns (M, K) ``float8_e4m3fn``.
+
+    The same arithmetic as ``fused.fp4_rows_folded``: ``v = A_q + R s_a`` in fp32, times ``2^-shift``,
+    saturated to E4M3's 448 and rounded; rows with a NaN folded scale are zeros. (Past the compact
+    residual's capacity the outliers it dropped are missing: FP4Linear then returns a NaN weight
+    gradient, as the Triton path does.)"""
+    m, k = shape
+    idx, vals, _ = resid
+    # the shift, from the two scales: 2^-shift exactly (0 <= shift <= 8), NaN for rows folded to NaN
+    p = torch.exp2(torch.round(torch.log2(fold_scale / scale)))
+    r = torch.zeros(m * k + 1, dtype=vals.dtype, device=vals.device)
+    r.scatter_(0, idx.long(), vals)  # unique indices; the padding slots land in the spare element
+    v = decode_packed_fp4(codes, k, torch.float32) + r[:m * k].view(m, k).float() * scale[:, None]
+    e4 = (v * p[:, None]).clamp(-F8E4M3_MAX, F8E4M3_MAX)
+    return torch.where(torch.isnan(p)[:, None], 0.0, e4).to(torch.float8_e4m3fn)
 
 
 # --------------------------------------------------------------------------- FP8 quantize

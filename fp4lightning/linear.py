@@ -85,10 +85,24 @@ class _FP4LinearFn(torch.autograd.Function):
             # the reference GeMMs run on decoded values in this dtype (bf16 under autocast; fp32
             # holding bf16 values where CPU bf16 GeMMs are emulated, fp4lightning.cpu_bf16)
             vals_dtype, vals_round = gemm_dispatch.operand_dtype(out_dtype, x.device)
+            backend = gemm_dispatch.backend_for(x.device)
             # Triton and scaled_mm: the residual stays dense and the compensation runs as GeMMs
-            dense_comp = gemm_dispatch.backend_for(x.device) != "reference"
+            dense_comp = backend != "reference"
             a_fold = None  # the E4M3 activation operand of cfg.occ_fold_e4m3 (saved for wgrad)
-            if cfg.occ and cfg.occ_fold_e4m3:
+            fold_scale = None  # refold: the folded operand's per-row scale s_a 2^-shift
+            # The scaled_mm backend runs `paper`'s OCC folded into the E4M3 activation operand (no
+            # compensation GeMMs; docs/perf.md "OCC on the GPU", docs/results.md section 10: within
+            # noise of the exact compensation in training loss). Backward keeps the packed codes and
+            # the compact residual, not the 1-byte operand, and rebuilds the operand's bits from them
+            # (gemm_dispatch.refold_operand): the saved bytes stay those of the Triton path.
+            refold = cfg.occ and backend == "scaled_mm" and (cfg.occ_fold_e4m3 or cfg.occ_compensation)
+            if refold:
+                bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
+                a_fold, fold_scale = gemm_dispatch.quantize_fp4_folded(x2d, bounds, cfg.scale_mode, per_tensor_a)
+                a_codes, a_scale, _, r = gemm_dispatch.quantize_fp4_clamped(x2d, bounds, cfg.scale_mode, per_tensor_a)
+                resid = _compact_residual(r, cfg.occ_alpha)  # R in x's dtype: the refold needs its bits
+                r = None
+            elif cfg.occ and cfg.occ_fold_e4m3:
                 # Y = (E W_q^T) / (s_a 2^-shift s_w) with E = E4M3((A_q + s_a R) 2^-shift): the
                 # compensation rides in the FP4 GeMM's operand (docs/perf.md, "OCC on the GPU")
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
@@ -121,8 +135,9 @@ class _FP4LinearFn(torch.autograd.Function):
             w_codes, w_scale, w_vals = w_quant if w_quant is not None else _quantize_weight(weight, cfg, vals_dtype)
             # --- the FP4 GeMM plus the compensation product R Wdq^T
             if a_fold is not None:
-                y = gemm_dispatch.fp4_gemm_folded(a_fold, a_scale, w_codes, w_scale, k, out_dtype, bias=bias,
-                                                  w_values=w_vals, values_dtype=vals_dtype)
+                y = gemm_dispatch.fp4_gemm_folded(a_fold, a_scale if fold_scale is None else fold_scale, w_codes,
+                                                  w_scale, k, out_dtype, bias=bias, w_values=w_vals,
+                                                  values_dtype=vals_dtype)
             elif r is not None and not dense_comp:  # compensation already folded into a_vals
                 y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
@@ -139,8 +154,10 @@ class _FP4LinearFn(torch.autograd.Function):
                 y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
                                  w_values=w_vals)
         compact = isinstance(resid, tuple)
-        ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, *(resid if compact else (resid,)))
-        ctx.folded = a_fold is not None
+        ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, fold_scale,
+                              *(resid if compact else (resid,)))
+        ctx.folded = a_fold is not None and not refold
+        ctx.refold = refold
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
         ctx.compact_shape = tuple(x2d.shape) if compact else None
         ctx.resid_t = resid_t
@@ -148,7 +165,7 @@ class _FP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        a_codes, a_scale, w_codes, w_scale, weight, *resid = ctx.saved_tensors
+        a_codes, a_scale, w_codes, w_scale, weight, fold_scale, *resid = ctx.saved_tensors
         resid = tuple(resid) if ctx.compact_shape is not None else resid[0]
         cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
         n = weight.shape[0]
@@ -164,22 +181,30 @@ class _FP4LinearFn(torch.autograd.Function):
                 # Under bf16 autocast the wgrad GeMM runs in bf16 like nn.Linear's: its
                 # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
                 gemm_dtype = torch.bfloat16 if cd == torch.bfloat16 else torch.float32
+                a_vals = a_codes if ctx.folded else None
+                if ctx.refold:  # the forward's folded E4M3 operand, bit for bit, and its row scales
+                    a_vals = gemm_dispatch.refold_operand(a_codes, a_scale, fold_scale, resid, ctx.compact_shape)
+                    a_scale = fold_scale
                 g2, s_g2 = gemm_dispatch.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
                                                     carrier=gemm_dispatch.operand_dtype(gemm_dtype, dy.device)[0])
                 # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
                 # factor: DGE multiplies the whole dL/dW_q
                 comp = None
-                if ctx.compact_shape is not None:  # Triton path: dense GeMM on R scattered back
+                if ctx.refold:
+                    pass  # the compensation rides in the folded operand
+                elif ctx.compact_shape is not None:  # Triton path: dense GeMM on R scattered back
                     comp = _compact_wgrad(dy2d, resid, ctx.compact_shape)
                 elif resid is not None:
                     rt = resid if ctx.resid_t else _csr_transpose(resid)
                     comp = _sparse_wgrad(rt, dy2d)
                 grad_w = gemm_dispatch.fp4_wgrad(
-                    g2, s_g2, None if ctx.folded else a_codes, k, torch.float32,
+                    g2, s_g2, None if a_vals is not None else a_codes, k, torch.float32,
                     dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
                     dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
-                    a_values=a_codes if ctx.folded else None,
+                    a_values=a_vals,
                 )
+                if ctx.refold:  # more outliers than the compact residual holds: a NaN step, never a wrong one
+                    grad_w = torch.where(resid[2], torch.full((), float("nan"), device=grad_w.device), grad_w)
                 if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.dge_probe
                     from .dge_probe import frozen_dge_factor
                     grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)

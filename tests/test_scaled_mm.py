@@ -246,7 +246,7 @@ def test_fp4linear_nan_row_and_saved_bytes(monkeypatch):
 def test_bf16_dy_runs_the_backward_gemms_of_the_reference(monkeypatch):
     # grad_format='bf16': _scaled_mm takes no bf16 operand, so dgrad and wgrad fall back (on CPU
     # to the reference: the same bits; the forward runs on _scaled_mm)
-    lin = FP4Linear(64, 32, config=FP4Config(grad_format="bf16")).to(DEV)
+    lin = FP4Linear(64, 32, config=FP4Config.from_preset("fp4-no-occ", grad_format="bf16")).to(DEV)
     x, dy = torch.randn(24, 64, device=DEV), torch.randn(24, 32, device=DEV)
     _, dx_r, dw_r, _ = _run(lin, x, dy, "reference", monkeypatch)
     _, dx_s, dw_s, _ = _run(lin, x, dy, "scaled_mm", monkeypatch)
@@ -255,3 +255,76 @@ def test_bf16_dy_runs_the_backward_gemms_of_the_reference(monkeypatch):
     else:  # the Triton GeMMs on a GPU
         above(sqnr(dx_s, dx_r), 100.0, "dx")
         above(sqnr(dw_s, dw_r), 100.0, "dw")
+
+
+# --------------------------------------------------------------------------- `paper`: OCC folded in E4M3
+def _outliers(m, k, dtype=torch.float32):
+    x = torch.randn(m, k, device=DEV)
+    hot = torch.rand(m, k, device=DEV) < 0.03
+    x[hot] *= torch.randint(2, 3000, (int(hot.sum()),), device=DEV).float()  # every fold shift 0-8
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_refold_rebuilds_the_folded_operand_bit_for_bit(dtype, scaled):
+    from fp4lightning.linear import _compact_residual
+    from fp4lightning.occ import occ_bounds
+    x = _outliers(48, 96, dtype)
+    x[5, 7], x[9, 1] = float("nan"), float("inf")  # rows folded to NaN: zeros and a NaN scale
+    bounds = occ_bounds(x, 0.97, "exact")
+    e4, s_fold = gemm_dispatch.quantize_fp4_folded(x, bounds)
+    codes, s_a, _, r = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    resid = _compact_residual(r, 0.97)
+    assert not resid[2]
+    got = gemm_dispatch.refold_operand(codes, s_a, s_fold, resid, tuple(x.shape))
+    assert torch.equal(got.view(torch.uint8), e4.view(torch.uint8))
+    assert torch.isnan(s_fold[[5, 9]]).all() and (got.float()[[5, 9]] == 0).all()
+    assert len(set((s_fold / s_a)[torch.isfinite(s_fold)].tolist())) > 3  # several shifts exercised
+
+
+@pytest.mark.parametrize("grad_format", ["e5m2", "bf16"])
+def test_paper_on_scaled_mm_is_the_e4m3_fold(grad_format, monkeypatch):
+    # `paper` on the scaled_mm backend computes OCC's compensation folded into the E4M3 operand: the
+    # numerics of FP4Config(occ_fold_e4m3=True) on the reference path (same operand bits; fp32 sums)
+    lin = FP4Linear(96, 48, config=FP4Config.from_preset("paper", occ_quantile="exact", grad_format=grad_format))
+    lin = lin.to(DEV)
+    x, dy = _outliers(40, 96).reshape(2, 20, 96), torch.randn(2, 20, 48, device=DEV)
+    got = _run(lin, x, dy, "scaled_mm", monkeypatch)
+    lin.config = FP4Config.from_preset("paper", occ_quantile="exact", grad_format=grad_format, occ_fold_e4m3=True)
+    ref = _run(lin, x, dy, "reference", monkeypatch)
+    for name, t, r in zip(("y", "dx", "dw", "db"), got, ref):
+        above(sqnr(t, r), 100.0, name)
+    lin.config = FP4Config.from_preset("paper", occ_quantile="exact", grad_format=grad_format)
+    exact = _run(lin, x, dy, "reference", monkeypatch)  # the exact compensation: close, not equal
+    above(sqnr(got[0], exact[0]), 20.0, "y against the exact compensation")
+
+
+def test_paper_on_scaled_mm_keeps_the_saved_bytes_budget(monkeypatch):
+    # backward keeps the packed codes and the compact residual, not the 1-byte folded operand
+    from fp4lightning.fidelity import saved_tensor_bytes
+    base = torch.nn.Linear(256, 512).to(DEV)
+    x = _outliers(512, 256, torch.bfloat16).requires_grad_(True)
+
+    def saved(mod):
+        def run():
+            with torch.autocast(DEV.type, dtype=torch.bfloat16):
+                mod(x)
+        return saved_tensor_bytes(mod, run)
+
+    bf16 = saved(base)
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
+    paper = saved(FP4Linear.from_linear(base, FP4Config()))
+    fold = saved(FP4Linear.from_linear(base, FP4Config(occ_fold_e4m3=True)))
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
+    kept_operand = saved(FP4Linear.from_linear(base, FP4Config(occ_fold_e4m3=True)))  # 1 B per element
+    assert paper == fold and paper < kept_operand
+    below(paper / bf16, 0.35, "saved bytes, paper on scaled_mm / bf16 nn.Linear")
+
+
+def test_paper_on_scaled_mm_compact_residual_overflow_is_a_nan_weight_gradient(monkeypatch):
+    from fp4lightning import linear
+    monkeypatch.setattr(linear, "OCC_CAPACITY_MARGIN", 0.05)
+    monkeypatch.setattr(linear, "OCC_CAPACITY_SLACK", 0)
+    lin = FP4Linear(64, 32, config=FP4Config(occ_quantile="exact")).to(DEV)
+    _, dx, dw, _ = _run(lin, _outliers(32, 64), torch.randn(32, 32, device=DEV), "scaled_mm", monkeypatch)
+    assert torch.isnan(dw).all() and torch.isfinite(dx).all()
