@@ -25,9 +25,11 @@ any other over.
 
 Variants: ``bf16`` (bf16-mixed), ``fp32`` (32-true), ``fp4`` (the ``paper`` preset), any FP4
 preset name (``w4a4-direct``, ``fp4-no-dge``, ``fp4-no-occ``, ``paper``, and the block-scaled
-``nvfp4``, ``mxfp4``, ``mxfp4-rht-sr``), or an experiment
-from :data:`EXPERIMENT_VARIANTS` (``fp4-dge-frozen``). ``NAME@lr=X`` runs a variant at peak
-learning rate X (``bf16@lr=1e-3,bf16@lr=4e-3``: one entry per rate). The reference for the
+``nvfp4``, ``mxfp4``, ``mxfp4-rht-sr``), an experiment from :data:`EXPERIMENT_VARIANTS`
+(``fp4-dge-frozen``), or the rest of the paper's method on top of ``paper`` (:data:`METHOD_VARIANTS`:
+``fp4+states`` FP16 optimizer states, ``fp4+comm`` FP8 E4M3 gradient exchange, ``fp4+all`` both; every
+other variant keeps the recipe's ``optimizer.states`` and ``trainer.grad_comm``). ``NAME@lr=X`` runs a
+variant at peak learning rate X (``bf16@lr=1e-3,bf16@lr=4e-3``: one entry per rate). The reference for the
 gaps is ``--reference``, by default the BF16 variant with the lowest mean validation loss
 (the tuned baseline of a learning-rate sweep).
 """
@@ -44,7 +46,8 @@ from .config import PRESETS
 from .errors import UsageError
 from .precision_names import HIGH_PRECISION_VARIANTS
 
-__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread", "paired_gap", "paired_diff", "EXPERIMENT_VARIANTS"]
+__all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread", "paired_gap", "paired_diff",
+           "EXPERIMENT_VARIANTS", "METHOD_VARIANTS"]
 
 #: variants that are an FP4 preset plus FP4Config overrides (the DGE experiments, docs/results.md)
 EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
@@ -52,6 +55,14 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
     "fp4-dge-frozen": ("fp4-no-dge", {"dge_frozen_factor": True}),
     # OCC's compensation folded into the activation operand in E4M3 (docs/perf.md, "OCC on the GPU")
     "fp4-occ-e4m3": ("paper", {"occ_fold_e4m3": True}),
+}
+#: the ``paper`` preset plus the method's other two parts (arXiv 2501.17116 section 4; the LLaMA-2 recipes'
+#: settings): reduced-precision optimizer states (FP16, the paper's text) and FP8 E4M3 gradient communication
+#: (on one device its rounding, fp4lightning.grad_comm_sim)
+METHOD_VARIANTS: dict[str, dict[str, str]] = {
+    "fp4+states": {"optimizer.states": "fp16"},
+    "fp4+comm": {"trainer.grad_comm": "fp8-e4m3"},
+    "fp4+all": {"optimizer.states": "fp16", "trainer.grad_comm": "fp8-e4m3"},
 }
 
 
@@ -68,7 +79,7 @@ class Variant:
         """The FP4 preset (``paper`` for ``fp4``) or the high-precision name (``bf16``, ``fp32``)."""
         if self.base in HIGH_PRECISION_VARIANTS:
             return self.base
-        if self.base in EXPERIMENT_VARIANTS:
+        if self.base in EXPERIMENT_VARIANTS or self.base in METHOD_VARIANTS:
             return self.base
         return "paper" if self.base == "fp4" else self.base
 
@@ -83,6 +94,9 @@ class Variant:
             preset, changes = EXPERIMENT_VARIANTS[self.base]
             out = ["trainer.precision=fp4", f"fp4.preset={preset}",
                    *(f"fp4.overrides.{k}={json.dumps(v)}" for k, v in changes.items())]
+        elif self.base in METHOD_VARIANTS:
+            out = ["trainer.precision=fp4", "fp4.preset=paper",
+                   *(f"{k}={v}" for k, v in METHOD_VARIANTS[self.base].items())]
         else:
             out = ["trainer.precision=fp4", f"fp4.preset={self.preset}"]
         if self.lr is not None:
@@ -93,8 +107,8 @@ class Variant:
 def parse_variant(spec: str) -> Variant:
     """``NAME`` or ``NAME@lr=X`` -> :class:`Variant`; unknown names and settings fail naming them."""
     base, _, rest = spec.strip().partition("@")
-    known = ("bf16", "fp32", "fp4", *sorted(PRESETS), *EXPERIMENT_VARIANTS)
-    if base not in HIGH_PRECISION_VARIANTS and base != "fp4" and base not in PRESETS and base not in EXPERIMENT_VARIANTS:
+    known = ("bf16", "fp32", "fp4", *sorted(PRESETS), *EXPERIMENT_VARIANTS, *METHOD_VARIANTS)
+    if base not in known:
         raise UsageError(f"unknown variant {base!r}; choose from {', '.join(dict.fromkeys(known))}")
     lr = None
     if rest:
@@ -196,6 +210,9 @@ def reuse_decision(run_dir: Path, cfg, need_probe: bool = False) -> tuple[str, s
     apart from :data:`NOT_THE_RUN` and it finished (``compare_wall.json``); with the same recipe but cut
     off, or finished with a shorter schedule (only ``schedule.max_steps`` / ``max_tokens`` differ, the new
     one longer), it is resumed from its ``last.ckpt``; anything else starts over."""
+    import yaml
+
+    from .pretrain import recorded_method_keys
     from .recipe import load_recipe
 
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -208,6 +225,8 @@ def reuse_decision(run_dir: Path, cfg, need_probe: bool = False) -> tuple[str, s
         return "train", f"starting over (no {recorded.name} records the run's recipe)"
     try:
         old = recipe_identity(load_recipe(recorded))
+        # a config.yaml from before optimizer.states / trainer.grad_comm: what that run trained with
+        old.update(recorded_method_keys(yaml.safe_load(recorded.read_text()) or {})[0])
     except Exception as e:  # a recipe of another schema version: it cannot be shown to be the same run
         return "train", f"starting over ({recorded} cannot be read: {str(e).splitlines()[0]})"
     diff = _differences(old, recipe_identity(cfg))
@@ -588,6 +607,23 @@ def _same_recipe(a: str, b: str) -> bool:
     return pa.resolve() == pb.resolve() or pa.read_bytes() == pb.read_bytes()
 
 
+def _with_legacy_method_keys(run_set: dict, path: Path) -> dict:
+    """A ``run_set`` written before ``optimizer.states`` / ``trainer.grad_comm`` were recipe keys, with the values
+    its runs trained with where they are known: fp32 states (torch's AdamW), and on one device no gradient
+    exchange (the same as fp32). Over several devices an FP4 variant exchanged FP8 E4M3 and a BF16 one fp32,
+    which one run set cannot record: left unset, so joining it with a newer summary is refused."""
+    missing = [k for k in ("optimizer.states", "trainer.grad_comm") if k not in run_set]
+    if not missing:
+        return run_set
+    world = run_set.get("trainer.devices", 1) * run_set.get("trainer.num_nodes", 1)
+    known = {"optimizer.states": "fp32", **({"trainer.grad_comm": "fp32"} if world == 1 else {})}
+    filled = {k: known[k] for k in missing if k in known}
+    if filled:
+        print(f"[compare-join] note: {path} predates {', '.join(missing)}; its runs trained with "
+              f"{', '.join(f'{k}={v}' for k, v in filled.items())}", flush=True)
+    return {**run_set, **filled}
+
+
 def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dict, str]:
     """Join ``summary.json`` files of one run set (seeds run on other machines or at other times, whose run
     folders are gone) into one summary of the same schema, and a Markdown table: every variant's final
@@ -620,6 +656,8 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
                 raise TypeError(f"run_set is a {type(mine_set).__name__}, not a mapping")
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise UsageError(f"{path} is not a compare summary.json ({type(e).__name__}: {e})") from e
+        if mine_set is not None:
+            mine_set = _with_legacy_method_keys(mine_set, path)
         if not joined:
             joined = {**head, "variants": {}}
         elif any(joined[k] != head[k] for k in ("steps", "tokens")):

@@ -41,6 +41,8 @@ class LlamaLightningModule(L.LightningModule):
     Args:
         model: the :class:`LlamaConfig` fields as a dict.
         lr, beta1, beta2, eps, weight_decay: AdamW settings.
+        optimizer_states: AdamW's moments: ``"fp32"`` (torch's AdamW), ``"fp16"`` or ``"fp8-fp16"``
+            (:class:`~fp4lightning.optim.LowPrecisionAdamW`; the recipe's ``optimizer.states``).
         max_steps, warmup_fraction, min_lr_ratio: the warmup + cosine schedule.
         fp4: ``None`` for a high-precision run, else the recipe's FP4 spec ``{"preset": ...,
             "overrides": {...}}`` (``FP4Section.spec()``), recorded in the checkpoint for
@@ -70,6 +72,7 @@ class LlamaLightningModule(L.LightningModule):
         fp4_in_module: bool = True,
         recipe: dict[str, Any] | None = None,
         tokenizer_json: str | None = None,
+        optimizer_states: str = "fp32",
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["tokenizer_json", "fp4_config"])
@@ -109,7 +112,8 @@ class LlamaLightningModule(L.LightningModule):
             from fp4lightning.fsdp import fully_shard_fp4
 
             fully_shard_fp4(model, self._device_mesh["data_parallel"], fp4_all_gather=True,
-                            activation_checkpointing=True)
+                            activation_checkpointing=True,
+                            grad_format=getattr(self.trainer.strategy, "grad_format", "fp32"))
             if any(p.is_meta for p in model.parameters()):
                 model.to_empty(device=self.trainer.strategy.root_device)
                 model.init_weights()  # LLaMA's init on each shard (Lightning would call nn.Linear's)
@@ -166,8 +170,13 @@ class LlamaLightningModule(L.LightningModule):
         # no weight decay on the RMSNorm gains (1-D), as in LLaMA / GPT-style training
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        opt = torch.optim.AdamW(
+        from fp4lightning.optim import adamw
+
+        # a checkpoint written before optimizer_states existed trained torch's AdamW: "fp32"
+        opt = adamw(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            hp.get("optimizer_states", "fp32"),
+            seed=int((hp.recipe or {}).get("seed", 0)),
             lr=hp.lr,
             betas=(hp.beta1, hp.beta2),
             eps=hp.eps,

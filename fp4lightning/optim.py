@@ -11,7 +11,13 @@ tensor; :class:`LowPrecisionAdamW` does the same:
   ``scale = FORMAT_MAX / amax`` so that each tensor's largest element lands on the top of the
   format's range and small elements keep as much range below it as the format has;
 * parameters stored in bf16/fp16 get an fp32 master copy (``master``) that the update is applied
-  to and that is copied back into the parameter; fp32 parameters are updated in place (no copy).
+  to and that is copied back into the parameter; fp32 parameters are updated in place (no copy);
+* FSDP2's sharded parameters (DTensors) keep sharded states: each rank updates its shard, and the
+  per-tensor scale comes from the amax over every shard (one ``all_reduce(MAX)`` per moment), so the
+  states are the unsharded tensor's, split.
+
+The recipe key ``optimizer.states`` picks the layout (:data:`REDUCED_STATE_FORMATS`, :func:`adamw`):
+``fp32`` (torch's AdamW), ``fp16`` (both moments FP16, the paper's text) or ``fp8-fp16`` (O2).
 
 State keys differ from torch's (``exp_avg_q``, not ``exp_avg``) so that a plain ``AdamW`` never
 mistakes scaled codes for moments. :meth:`LowPrecisionAdamW.load_state_dict` accepts both its own
@@ -26,6 +32,7 @@ from itertools import chain
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -34,7 +41,9 @@ from .formats import saturating_cast_
 
 __all__ = [
     "MOMENT_FORMATS",
+    "REDUCED_STATE_FORMATS",
     "LowPrecisionAdamW",
+    "adamw",
     "state_bytes_per_param",
     "optimizer_state_bytes",
     "to_torch_adamw_state_dict",
@@ -57,17 +66,34 @@ _TORCH_ADAM_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "diffe
 _OUR_GROUP_KEYS = ("exp_avg_format", "exp_avg_sq_format")
 
 
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2's parameters and the states made like them), else ``t``."""
+    return t.to_local() if hasattr(t, "device_mesh") and hasattr(t, "to_local") else t
+
+
+def _shard_groups(t: Tensor) -> list:
+    """The process groups over which the DTensor ``t`` is sharded (none for a plain tensor)."""
+    if not (hasattr(t, "device_mesh") and hasattr(t, "placements")):
+        return []
+    return [t.device_mesh.get_group(d) for d, pl in enumerate(t.placements) if pl.is_shard()]
+
+
 def _encode_(dst: Tensor, scale_dst: Tensor, x: Tensor, fmt: str, generator: torch.Generator | None = None) -> None:
     """Store fp32 ``x`` into ``dst`` (dtype of ``fmt``) with a fresh per-tensor scale, in place.
 
     With a ``generator``, FP8 values are rounded stochastically (see :func:`_stochastic_round_e4m3`).
+    For a sharded ``dst`` (DTensor), ``x`` is its local shard's values and the amax is the whole tensor's.
     """
     _, fmax = MOMENT_FORMATS[fmt]
+    groups = _shard_groups(dst)
+    dst, x = _local(dst), _local(x)
     if fmt == "fp32":
         dst.copy_(x)
         scale_dst.fill_(1.0)
         return
-    amax = x.abs().amax()
+    amax = x.abs().amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
+    for group in groups:  # every rank must derive the same scale, the unsharded tensor's
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = torch.where(amax > _TINY_AMAX, fmax / amax.clamp(min=_TINY_AMAX), torch.ones_like(amax))
     # saturate: fp32 rounding can put the amax element a hair above FORMAT_MAX, and E4M3 has no inf
     # (an overflowing cast becomes NaN)
@@ -197,21 +223,21 @@ class LowPrecisionAdamW(Optimizer):
                     state = self._init_state(p, group)
                 state["step"] = int(state["step"]) + 1
                 t = state["step"]
-                g = p.grad.float()
-                m = _decode(state["exp_avg_q"], state["exp_avg_scale"])  # fp32, same shape as p
-                v = _decode(state["exp_avg_sq_q"], state["exp_avg_sq_scale"])
+                g = _local(p.grad).float()
+                m = _decode(_local(state["exp_avg_q"]), state["exp_avg_scale"])  # fp32, same shape as p
+                v = _decode(_local(state["exp_avg_sq_q"]), state["exp_avg_sq_scale"])
                 m.lerp_(g, 1.0 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
                 # fp32 parameters are their own master; low-precision ones have an fp32 copy
-                w = state.get("master", p)
+                w = _local(state.get("master", p))
                 if wd != 0.0:
                     w.mul_(1.0 - lr * wd)
                 bias_c1 = 1.0 - beta1**t
                 bias_c2 = 1.0 - beta2**t
                 denom = (v.sqrt() / math.sqrt(bias_c2)).add_(eps)
                 w.addcdiv_(m.to(w.dtype), denom.to(w.dtype), value=-lr / bias_c1)
-                if w is not p:
-                    p.copy_(w)
+                if "master" in state:
+                    _local(p).copy_(w)
                 # the update above used the fresh fp32 moments; only storage is lossy
                 gen = self._generator(p.device, t, index) if self.stochastic_rounding else None
                 _encode_(state["exp_avg_q"], state["exp_avg_scale"], m, group["exp_avg_format"], gen)
@@ -344,8 +370,23 @@ def state_bytes_per_param(optimizer: Optimizer, include_master: bool = True) -> 
     return total / n
 
 
-#: ``optimizer_states=`` of the precision plugin -> (first-moment, second-moment) format of LowPrecisionAdamW
-REDUCED_STATE_FORMATS: dict[str, tuple[str, str]] = {"fp8": ("fp8", "fp16"), "fp16": ("fp16", "fp16")}
+#: ``optimizer_states=`` of the precision plugin and the recipe's ``optimizer.states`` (``fp8-fp16``, the same
+#: as ``fp8``) -> (first-moment, second-moment) format of LowPrecisionAdamW
+REDUCED_STATE_FORMATS: dict[str, tuple[str, str]] = {"fp8": ("fp8", "fp16"), "fp8-fp16": ("fp8", "fp16"),
+                                                     "fp16": ("fp16", "fp16")}
+
+
+def adamw(params: Iterable[Tensor] | Iterable[dict[str, Any]], states: str = "fp32", *, seed: int = 0,
+          **kwargs: Any) -> Optimizer:
+    """AdamW with the recipe's ``optimizer.states``: ``"fp32"`` is ``torch.optim.AdamW``; a key of
+    :data:`REDUCED_STATE_FORMATS` is a :class:`LowPrecisionAdamW` with those moment formats (``seed`` keys
+    its stochastic rounding). ``kwargs`` (lr, betas, eps, weight_decay) go to either."""
+    if states == "fp32":
+        return torch.optim.AdamW(params, **kwargs)
+    if states not in REDUCED_STATE_FORMATS:
+        raise ValueError(f"optimizer states {states!r} are not one of {['fp32', *REDUCED_STATE_FORMATS]}")
+    m_fmt, v_fmt = REDUCED_STATE_FORMATS[states]
+    return LowPrecisionAdamW(params, exp_avg_format=m_fmt, exp_avg_sq_format=v_fmt, seed=seed, **kwargs)
 
 
 def swap_to_low_precision_adamw(optimizer: Optimizer, states: str, lr_schedulers: Iterable[Any] = ()

@@ -49,7 +49,8 @@ from fp4lightning.config import FP4Config
 from fp4lightning.nonfinite import NonFiniteError, NonFiniteGuard
 from fp4lightning.precision_names import FP4_PRECISIONS, MIXED_PRECISION
 from fp4lightning.strategy import is_fsdp
-from fp4lightning.recipe import RecipeConfig, RecipeError, flat_recipe_dict, recipe_to_dict, recipe_to_yaml
+from fp4lightning.recipe import (WIRE_FORMAT, RecipeConfig, RecipeError, flat_recipe_dict, recipe_to_dict,
+                                 recipe_to_yaml)
 from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
 from fp4lightning.trainer import Trainer
 
@@ -102,13 +103,31 @@ def _precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
 
 
 def _strategy(cfg: RecipeConfig):
+    """The strategy, carrying ``trainer.grad_comm`` as its gradient wire format (fp4lightning.comm)."""
+    wire = WIRE_FORMAT[cfg.trainer.grad_comm]
     if not is_fsdp(cfg.trainer.strategy):
+        if cfg.world_size > 1 and (wire != "fp32" or cfg.trainer.precision in FP4_PRECISIONS):
+            from fp4lightning.strategy import FP4DDPStrategy
+
+            # named explicitly: fp4lightning.Trainer alone would pick FP8 E4M3 for every FP4 run
+            return FP4DDPStrategy(grad_format=wire, start_method="popen")
         return cfg.trainer.strategy
     from fp4lightning.strategy import FP4FSDPStrategy
 
     # FSDP2 (fully_shard) applied by LlamaLightningModule.configure_model with FP4 weight all-gather;
     # every rank is a data-parallel rank (no tensor parallelism); sharded (DCP) checkpoint folders
-    return FP4FSDPStrategy(data_parallel_size=cfg.trainer.devices * cfg.trainer.num_nodes)
+    return FP4FSDPStrategy(data_parallel_size=cfg.trainer.devices * cfg.trainer.num_nodes, grad_format=wire)
+
+
+def _grad_comm_simulation(cfg: RecipeConfig) -> list:
+    """One device: the gradient exchange's rounding in ``trainer.grad_comm`` (fp4lightning.grad_comm_sim), so
+    that the run trains on the gradients a multi-device run of the recipe would."""
+    wire = WIRE_FORMAT[cfg.trainer.grad_comm]
+    if cfg.world_size > 1 or wire == "fp32":
+        return []
+    from fp4lightning.grad_comm_sim import GradCommSimulation
+
+    return [GradCommSimulation(wire)]
 
 
 def _checkpoint_candidates(ckpt_dir: Path) -> list[Path]:
@@ -186,6 +205,44 @@ def _check_data_order(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:
     return [k for k in DATA_ORDER_KEYS if k not in saved]
 
 
+#: recipe keys a resumed run keeps: ``optimizer.states`` decides the optimizer state's layout in the checkpoint,
+#: ``trainer.grad_comm`` how every gradient is rounded
+METHOD_KEYS = ("optimizer.states", "trainer.grad_comm")
+
+
+def recorded_method_keys(recorded: dict) -> tuple[dict, list[str]]:
+    """``METHOD_KEYS`` -> the value a checkpoint's recorded recipe trained with, and the keys it does not
+    record. A checkpoint from before they were keys trained torch's AdamW (fp32 states) and exchanged the
+    gradients of an FP4 DDP run over several devices in FP8 E4M3 (what fp4lightning.Trainer chose), others in
+    fp32 (one device: no exchange, the same as fp32)."""
+    flat = flat_recipe_dict(recorded)
+    world = flat.get("trainer.devices", 1) * flat.get("trainer.num_nodes", 1)
+    fp4_ddp = flat.get("trainer.precision") in FP4_PRECISIONS and not is_fsdp(flat.get("trainer.strategy", "auto"))
+    legacy = {"optimizer.states": "fp32", "trainer.grad_comm": "fp8-e4m3" if fp4_ddp and world > 1 else "fp32"}
+    return {k: flat.get(k, legacy[k]) for k in METHOD_KEYS}, [k for k in METHOD_KEYS if k not in flat]
+
+
+def _check_method_keys(path: Path, ckpt: dict, cfg: RecipeConfig) -> None:
+    """Raise ResumeMismatchError naming ``optimizer.states`` / ``trainer.grad_comm`` if the recipe changes them
+    since ``path`` was written; say so when the checkpoint predates them (their values are inferred)."""
+    saved, unrecorded = recorded_method_keys(ckpt["hyper_parameters"].get("recipe") or {})
+    now = {k: v for k, v in flat_recipe_dict(recipe_to_dict(cfg)).items() if k in METHOD_KEYS}
+    why = {"optimizer.states": "the optimizer state's layout differs", "trainer.grad_comm": "the gradients would be "
+           "rounded differently from the resumed step on"}
+    changed = [f"{k} = {saved[k]!r} in the checkpoint{' (not recorded: inferred)' if k in unrecorded else ''}, "
+               f"{now[k]!r} now ({why[k]})" for k in METHOD_KEYS if saved[k] != now[k]]
+    if changed:
+        fixes = " ".join(f"{k}={saved[k]}" for k in METHOD_KEYS if saved[k] != now[k])
+        raise ResumeMismatchError(
+            f"cannot resume from {path}: {'; '.join(changed)}. Resume with the settings that wrote it ({fixes}), "
+            f"start a new out_dir, or start from its weights in a new out_dir with init.from_checkpoint={path} "
+            "(a fresh optimizer)")
+    if unrecorded and _is_rank_zero():
+        print(f"note: {path} does not record {', '.join(unrecorded)} (written before they were recipe keys); it "
+              f"trained with {', '.join(f'{k}={saved[k]}' for k in unrecorded)}, as the recipe asks",
+              file=sys.stderr, flush=True)
+
+
 def _check_tokenizer(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:
     """Raise ResumeMismatchError if ``data.dir`` was prepared with another tokenizer than the checkpoint's
     (the check ``init.*`` makes, fp4lightning.initialize); ``["tokenizer"]`` if the checkpoint has none."""
@@ -228,7 +285,9 @@ def _check_resumable(path: Path, cfg: RecipeConfig) -> list[str]:
         raise ResumeMismatchError(f"{path} holds a different model than the recipe: {', '.join(diff)}; "
                                   "resume with the recipe that wrote it or start a new out_dir")
     unchecked = _check_tokenizer(path, ckpt, cfg)  # first: the more specific message
-    return _check_data_order(path, ckpt, cfg) + unchecked
+    unchecked = _check_data_order(path, ckpt, cfg) + unchecked
+    _check_method_keys(path, ckpt, cfg)
+    return unchecked
 
 
 def _note_unchecked(path: Path, unrecorded: list[str]) -> None:
@@ -414,6 +473,7 @@ def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, toke
         fp4_in_module=precision.convert_in_module,
         recipe=recipe_to_dict(cfg),
         tokenizer_json=tokenizer_json,
+        optimizer_states=cfg.optimizer.states,
     )
 
 
@@ -498,7 +558,7 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), guard,
-                   RecordDataFingerprint(data_fingerprint(cfg.data.dir)), *progress,
+                   RecordDataFingerprint(data_fingerprint(cfg.data.dir)), *_grad_comm_simulation(cfg), *progress,
                    *extra, *(callbacks or [])],
         enable_progress_bar=interactive,
         logger=loggers,

@@ -45,12 +45,27 @@ __all__ = [
     "recipe_from_dict",
     "STRATEGIES",
     "ACCELERATORS",
+    "OPTIMIZER_STATES",
+    "GRAD_COMM",
+    "WIRE_FORMAT",
 ]
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 #: ``trainer.accelerator``: Lightning's names for the devices fp4lightning runs on ("gpu" = "cuda"); Lightning's
 #: others (tpu, mps) are not supported
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+#: ``optimizer.states``: AdamW's moments. ``fp32`` is torch's AdamW; the others are
+#: ``fp4lightning.optim.LowPrecisionAdamW`` with a per-tensor scale per moment: ``fp16`` both moments in FP16
+#: (the paper's text, arXiv 2501.17116 section 4), ``fp8-fp16`` an E4M3 first and an FP16 second moment (its
+#: released code's MS-AMP level O2)
+OPTIMIZER_STATES = ("fp32", "fp16", "fp8-fp16")
+#: ``trainer.grad_comm``: the format data-parallel gradients travel in -> its name in fp4lightning.comm
+#: (``FP4DDPStrategy(grad_format=...)``); one device applies the same quantize-dequantize round trip
+#: (fp4lightning.grad_comm_sim)
+WIRE_FORMAT = {"fp32": "fp32", "bf16": "bf16", "fp8-e4m3": "e4m3", "fp8-e5m2": "e5m2"}
+GRAD_COMM = tuple(WIRE_FORMAT)
+#: what FSDP's reduce-scatter takes (fp4lightning.fsdp.FP8ReduceScatter; FSDP2 reduces fp32 itself)
+FSDP_GRAD_COMM = ("fp32", "fp8-e4m3", "fp8-e5m2")
 
 
 class RecipeError(UsageError):
@@ -103,6 +118,7 @@ class OptimizerSection:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    states: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,7 @@ class TrainerSection:
     max_nonfinite_skips: int = 20
     loggers: str = "csv,tensorboard"
     peak_tflops: Optional[float] = None
+    grad_comm: str = "fp32"
 
 
 def _overrides_schema() -> type:
@@ -310,6 +327,12 @@ def _validate(cfg: RecipeConfig) -> None:
                           "`trainer.strategy` = 'fsdp' (Lightning's FSDP2 strategy takes no fp16 autocast or fp64); "
                           f"choose one of: {', '.join(FSDP_PRECISIONS)}, or trainer.strategy=ddp")
     _check_choice("fp4.preset", cfg.fp4.preset, list(PRESETS))
+    _check_choice("optimizer.states", cfg.optimizer.states, OPTIMIZER_STATES)
+    _check_choice("trainer.grad_comm", cfg.trainer.grad_comm, GRAD_COMM)
+    if cfg.trainer.strategy == "fsdp" and cfg.trainer.grad_comm not in FSDP_GRAD_COMM:
+        raise RecipeError(f"recipe key `trainer.grad_comm` = {cfg.trainer.grad_comm!r} does not work with "
+                          "`trainer.strategy` = 'fsdp' (its reduce-scatter runs in fp32 or FP8); choose one of: "
+                          f"{', '.join(FSDP_GRAD_COMM)}, or trainer.strategy=ddp")
     _validate_extras(cfg)
     for section in ("model", "data", "schedule", "trainer"):
         for f in dataclasses.fields(getattr(cfg, section)):

@@ -213,13 +213,19 @@ class FP4FSDPStrategy(ModelParallelStrategy):
 
     Args:
         data_parallel_size: number of ranks (default: all of them).
+        grad_format: gradient reduce-scatter format, read by the LightningModule's ``fully_shard_fp4`` call:
+            ``"fp32"`` (default, FSDP2's own) or ``"e4m3"`` / ``"e5m2"`` (:class:`~fp4lightning.fsdp.FP8ReduceScatter`).
         **kwargs: ``save_distributed_checkpoint``, ``process_group_backend``, ``timeout`` as for
             ``ModelParallelStrategy``.
     """
 
     strategy_name = "fp4_fsdp"
 
-    def __init__(self, data_parallel_size: Union[int, Literal["auto"]] = "auto", **kwargs: Any) -> None:
+    def __init__(self, data_parallel_size: Union[int, Literal["auto"]] = "auto", grad_format: str = "fp32",
+                 **kwargs: Any) -> None:
+        if grad_format not in ("fp32", "e4m3", "e5m2"):
+            raise ValueError(f"FP4FSDPStrategy: grad_format={grad_format!r} is not one of ('fp32', 'e4m3', 'e5m2')")
+        self.grad_format = grad_format
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
 
     def setup_environment(self) -> None:

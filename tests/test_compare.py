@@ -13,7 +13,7 @@ from fp4lightning.fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_
 from fp4lightning.fidelity import main as fidelity_main
 from fp4lightning.block_analysis import ACT_FORMATS, GRAD_FORMATS
 from fp4lightning.cli import main as cli_main
-from fp4lightning.compare import variant_overrides
+from fp4lightning.compare import parse_variant, variant_overrides
 from fp4lightning.dge_probe import read_probe
 from fp4lightning.models.llama import Llama, llama_config
 from tests.test_data import prepared_test_corpus
@@ -29,6 +29,63 @@ def test_variant_overrides_and_errors():
     assert variant_overrides("bf16@lr=1e-3") == ["trainer.precision=bf16-mixed", "optimizer.lr=0.001"]
     assert variant_overrides("fp4-dge-frozen") == ["trainer.precision=fp4", "fp4.preset=fp4-no-dge",
                                                    "fp4.overrides.dge_frozen_factor=true"]
+    # the rest of the paper's method on top of `paper`: states, the gradient exchange, both
+    paper = ["trainer.precision=fp4", "fp4.preset=paper"]
+    assert variant_overrides("fp4+states") == [*paper, "optimizer.states=fp16"]
+    assert variant_overrides("fp4+comm") == [*paper, "trainer.grad_comm=fp8-e4m3"]
+    assert variant_overrides("fp4+all@lr=1e-3") == [*paper, "optimizer.states=fp16", "trainer.grad_comm=fp8-e4m3",
+                                                    "optimizer.lr=0.001"]
+    assert parse_variant("fp4+all").preset == "fp4+all"  # summary.json tells it from `paper`
+    with pytest.raises(ValueError, match=r"unknown variant 'fp4\+foo'.*fp4\+states, fp4\+comm, fp4\+all"):
+        variant_overrides("fp4+foo")
+
+
+def test_reuse_and_run_set_see_the_method_keys(tmp_path, capsys):
+    """--reuse starts a run over when its recorded optimizer.states / trainer.grad_comm differ; a config.yaml
+    written before those keys counts as what its run trained with (fp32 states; one device: no rounding, as
+    fp32; several devices, FP4 over DDP: FP8 E4M3); summary.json's run set records both, and compare-join
+    reads a run set from before them as fp32 on one device."""
+    from fp4lightning.compare import _run_set, join_summaries, reuse_decision
+    from fp4lightning.errors import UsageError
+    from fp4lightning.recipe import load_recipe, recipe_to_yaml
+
+    def recorded(cfg, drop=False):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+        (run / "compare_wall.json").write_text('{"wall_s": 1.0}')
+        text = recipe_to_yaml(cfg)
+        if drop:  # as written before the keys existed
+            text = "\n".join(line for line in text.splitlines() if not line.strip().startswith(("states:", "grad_comm:")))
+        (run / "config.yaml").write_text(text)
+        return run
+
+    fp32 = load_recipe(None, [])
+    assert reuse_decision(recorded(fp32), fp32)[0] == "reuse"
+    action, why = reuse_decision(recorded(fp32), load_recipe(None, ["optimizer.states=fp16"]))
+    assert action == "train" and "optimizer.states fp32 -> fp16" in why
+    action, why = reuse_decision(recorded(fp32), load_recipe(None, ["trainer.grad_comm=fp8-e4m3"]))
+    assert action == "train" and "trainer.grad_comm fp32 -> fp8-e4m3" in why
+    assert reuse_decision(recorded(fp32, drop=True), fp32)[0] == "reuse"
+    two = ["trainer.devices=2", "data.micro_batch_size=8"]
+    action, why = reuse_decision(recorded(load_recipe(None, two), drop=True), load_recipe(None, two))
+    assert action == "train" and "trainer.grad_comm fp8-e4m3 -> fp32" in why
+    run_set = _run_set(load_recipe(None, ["optimizer.states=fp8-fp16"]))
+    assert run_set["optimizer.states"] == "fp8-fp16" and run_set["trainer.grad_comm"] == "fp32"
+
+    def summary(name, run_set):
+        doc = {"recipe": "r.yaml", "steps": 4, "tokens": 16, "run_set": run_set,
+               "variants": {"fp4": {"preset": "paper", "lr": 2e-3, "seeds": [len(name)], "final_val_loss": [5.0]}}}
+        (tmp_path / name).write_text(json.dumps(doc))
+        return tmp_path / name
+
+    new = _run_set(fp32)
+    old = {k: v for k, v in new.items() if k not in ("optimizer.states", "trainer.grad_comm")}
+    joined, _ = join_summaries([summary("new.json", new), summary("old-1.json", old)])
+    assert joined["variants"]["fp4"]["seeds"] == [8, 10]
+    assert "old-1.json predates optimizer.states, trainer.grad_comm" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=r"optimizer\.states: 'fp16' in .*, 'fp32' here"):
+        join_summaries([summary("states.json", {**new, "optimizer.states": "fp16"}), summary("old-2.json", old)])
 
 
 @pytest.mark.slow

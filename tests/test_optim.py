@@ -197,3 +197,17 @@ def test_bad_arguments_fail_with_the_choices():
         LowPrecisionAdamW([{"params": params, "amsgrad": True}])
     with pytest.raises(ValueError, match="betas"):
         LowPrecisionAdamW(params, betas=(0.9, 1.0))
+
+
+def test_adamw_builds_each_recipe_state_layout():
+    """``optimizer.states``: fp32 is torch's AdamW; fp16 and fp8-fp16 (= the plugin's fp8) LowPrecisionAdamW."""
+    from fp4lightning.optim import adamw
+
+    params = [nn.Parameter(torch.randn(4, 4))]
+    assert type(adamw(params, "fp32", lr=1e-3)) is torch.optim.AdamW
+    for states, formats in (("fp16", ("fp16", "fp16")), ("fp8-fp16", ("fp8", "fp16")), ("fp8", ("fp8", "fp16"))):
+        opt = adamw(params, states, lr=1e-3, seed=3)
+        assert isinstance(opt, LowPrecisionAdamW) and opt.seed == 3
+        assert (opt.param_groups[0]["exp_avg_format"], opt.param_groups[0]["exp_avg_sq_format"]) == formats
+    with pytest.raises(ValueError, match=r"'bf16' are not one of \['fp32', 'fp8', 'fp8-fp16', 'fp16'\]"):
+        adamw(params, "bf16")

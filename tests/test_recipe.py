@@ -147,6 +147,11 @@ def test_overrides_win_over_the_file(tmp_path):
         (["fp4.overrides.occ_sample_size=many"], r"`fp4\.overrides\.occ_sample_size`.*expects int"),
         (["fp4.overrides.occ_alpha=0.3"], r"`fp4\.overrides`.*occ_alpha must be in \(0\.5, 1\)"),
         (["trainer.strategy=deepspeed"], r"`trainer\.strategy`.*auto, ddp, fsdp"),
+        (["optimizer.states=fp8"], r"`optimizer\.states` = 'fp8' is not valid; choose one of: fp32, fp16, fp8-fp16"),
+        (["trainer.grad_comm=e4m3"], r"`trainer\.grad_comm` = 'e4m3'.*fp32, bf16, fp8-e4m3, fp8-e5m2"),
+        # FSDP's reduce-scatter runs in fp32 (FSDP2's own) or FP8 (fp4lightning.fsdp.FP8ReduceScatter)
+        (["trainer.strategy=fsdp", "trainer.grad_comm=bf16"],
+         r"`trainer\.grad_comm` = 'bf16' does not work with `trainer\.strategy` = 'fsdp'.*fp32, fp8-e4m3, fp8-e5m2"),
         (["data.global_batch_size=24"], r"`data\.global_batch_size` = 24 must be a multiple"),
         (["data.seq_len=4096"], r"`data\.seq_len` = 4096 exceeds"),
         (["schedule.max_steps=0"], r"`schedule\.max_steps` must be > 0"),
@@ -160,11 +165,12 @@ def test_bad_overrides_name_the_key(overrides, pattern):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_comments_list_every_choice(path):
-    """The comments above trainer.precision / trainer.accelerator / trainer.strategy / fp4.preset name every
-    choice the schema accepts, and nothing it refuses; so does the README's list of presets."""
+    """The comments above trainer.precision / trainer.accelerator / trainer.strategy / fp4.preset /
+    optimizer.states / trainer.grad_comm name every choice the schema accepts, and nothing it refuses; so
+    does the README's list of presets."""
     from fp4lightning.config import PRESETS
     from fp4lightning.precision_names import RECIPE_PRECISIONS
-    from fp4lightning.recipe import ACCELERATORS, STRATEGIES
+    from fp4lightning.recipe import ACCELERATORS, GRAD_COMM, OPTIMIZER_STATES, STRATEGIES
 
     lines = path.read_text().splitlines()
 
@@ -173,7 +179,8 @@ def test_recipe_comments_list_every_choice(path):
         return lines[i - 1]
 
     for key, choices in (("precision", RECIPE_PRECISIONS), ("accelerator", ACCELERATORS),
-                         ("strategy", STRATEGIES), ("preset", list(PRESETS))):
+                         ("strategy", STRATEGIES), ("preset", list(PRESETS)), ("states", OPTIMIZER_STATES),
+                         ("grad_comm", GRAD_COMM)):
         words = set(re.findall(r"[\w.-]+", comment(key).split("(type:")[0]))
         assert set(choices) <= words, f"{path.name}: the {key} comment misses {sorted(set(choices) - words)}"
     assert "16-true" not in re.findall(r"[\w.-]+", comment("precision"))
