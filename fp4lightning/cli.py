@@ -67,17 +67,17 @@ def _data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _data_run(args: argparse.Namespace) -> int:
-    from fp4lightning.data import prepare
-    from fp4lightning.eval.tasks import build_offline_tasks
-
     opts = {"source": "builtin", "out": None, "vocab_size": 4096, "val_fraction": 0.02, "max_tokens": None,
             "text_key": "text"}
-    if args.recipe is not None:
+    if args.recipe is not None:  # checked before the heavy imports below
         from fp4lightning.recipe import load_recipe
 
         d = load_recipe(args.recipe).data
         opts.update(source=d.source, out=d.dir, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                     max_tokens=d.max_tokens, text_key=d.text_key)
+    from fp4lightning.data import prepare
+    from fp4lightning.eval.tasks import build_offline_tasks
+
     for key in opts:
         if getattr(args, key, None) is not None:
             opts[key] = getattr(args, key)
@@ -105,14 +105,15 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _train_run(args: argparse.Namespace) -> int:
+    from fp4lightning.recipe import load_recipe
+
+    recipe, overrides = _recipe_and_overrides(args)
+    cfg = load_recipe(recipe, overrides)  # before torch and Lightning: a recipe mistake is reported at once
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from fp4lightning.nonfinite import NonFiniteError
     from fp4lightning.pretrain import train
-    from fp4lightning.recipe import load_recipe
 
-    recipe, overrides = _recipe_and_overrides(args)
-    cfg = load_recipe(recipe, overrides)
     try:
         train(cfg, resume=args.resume, verify_data=args.verify_data, overwrite=args.overwrite)
     except SIGTERMException:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from fp4lightning.errors import InputNotFoundError, check_writable_dir
@@ -452,7 +452,7 @@ class SaveFinalState(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         if self.checkpoint._last_global_step_saved != trainer.global_step:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # a full, resumable checkpoint
 
 
 def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, tokenizer_json: str | None = None):
@@ -532,9 +532,10 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         # overwrite (atomically) rather than write last-v1.ckpt beside a damaged or moved last.ckpt
         enable_version_counter=False,
     )
-    # Lightning's progress bar on a terminal; plain lines in logs (make, CI, nohup)
+    # a progress bar on a terminal; plain lines in logs (make, CI, nohup). tqdm's: Lightning's default (rich)
+    # bar titles a run bounded by max_steps "Epoch 0/-2"
     interactive = sys.stdout.isatty()
-    progress = [] if interactive else [LinePrinter(cfg.trainer.log_every_n_steps)]
+    progress = [TQDMProgressBar()] if interactive else [LinePrinter(cfg.trainer.log_every_n_steps)]
     loggers = _loggers(cfg, out)
     extra = _throughput_and_init_callbacks(cfg, dm, ckpt_path)
     if previous:
@@ -561,6 +562,9 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
                    RecordDataFingerprint(data_fingerprint(cfg.data.dir)), *_grad_comm_simulation(cfg), *progress,
                    *extra, *(callbacks or [])],
         enable_progress_bar=interactive,
+        # the resolved recipe and the parameter count are printed instead: Lightning's table adds a FLOPs
+        # column of zeros (it would need a forward pass of an example batch to count them)
+        enable_model_summary=False,
         logger=loggers,
         use_distributed_sampler=False,  # the DataModule shards positions by rank itself
         default_root_dir=out,

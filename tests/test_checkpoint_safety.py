@@ -126,6 +126,18 @@ def test_sharded_checkpoint_loads(run4, tmp_path):
     assert ckpt["optimizer_states"][0]["param_groups"][0]["lr"] > 0
 
 
+def test_sharded_last_ckpt_passes_the_resume_checks(corpus, run4, tmp_path):
+    """An FSDP run's checkpoints/last.ckpt folder is accepted by --resume (it was refused: no optimizer_states)."""
+    out = shutil.copytree(run4, tmp_path / "run")
+    ckpt_dir = out / "checkpoints"
+    for p in ckpt_dir.iterdir():
+        p.unlink()
+    _write_sharded(ckpt_dir / LAST_CKPT, torch.load(run4 / "checkpoints" / LAST_CKPT, map_location="cpu",
+                                                    weights_only=True))
+    _, _, _, ckpt_path = build(load_recipe(None, tiny_overrides(corpus, out, "schedule.max_steps=6")), resume=True)
+    assert ckpt_path == str(ckpt_dir / LAST_CKPT)
+
+
 # ------------------------------------------------------------------ payloads are refused, never run
 @pytest.mark.parametrize("where", [".metadata", "meta.pt", "entry"])
 def test_payload_in_any_part_of_a_sharded_folder_is_refused(run4, tmp_path, monkeypatch, where):
