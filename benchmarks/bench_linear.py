@@ -5,7 +5,7 @@ Prints, per LLaMA-like layer shape:
     bf16-autocast nn.Linear, all layers timed round-robin (one call each per round) in one run;
   * the same ratio for a peer that simulates less: torchao's float8 training with
     ``Float8LinearConfig(emulate=True)`` (tensorwise E4M3 activations and weights, E5M2 output
-    gradients; no DGE, no OCC), when torchao imports (scripts/setup_venv.sh installs it as the
+    gradients; no DGE, no OCC), when torchao imports (scripts/test.sh installs it as the
     test-only ``oracle`` extra; otherwise the column reads n/a);
   * OCC's share of the FP4Linear forward as training runs it (with grad: quantile + clamp +
     compensation + the residual kept for backward), the two forwards alternated call by call;

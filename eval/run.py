@@ -25,6 +25,7 @@ environment before ``datasets`` / ``huggingface_hub`` are first imported.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -396,6 +397,9 @@ def evaluate_checkpoint(
         task_objs.update(_load_tasks(offline_names, data_dir.resolve(), reachable))
     from fp4lightning.fused import compile_enabled
 
+    if not sys.stderr.isatty():  # a log: lm-eval calls the request loops without their switch for the bars
+        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+            setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
     if lm.linear == "fp4" and lm.device.type == "cpu" and compile_enabled(lm.device):
         print("[eval] compiling the CPU kernels (first batch only; a minute or more)", file=sys.stderr, flush=True)
     results = lm_eval.simple_evaluate(

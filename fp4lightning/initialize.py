@@ -68,7 +68,9 @@ def _from_hf(hf_dir: Path) -> tuple[torch.nn.Module, Tokenizer | None, bool]:
         raise InitError(
             f"{hf_dir} has config.json but no weights ({', '.join(_HF_WEIGHT_FILES)}); copy the model's "
             "weight files into it (e.g. `fp4lightning export-hf CKPT DIR` writes model.safetensors)")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    # no dtype keyword (transformers 4.56 renamed torch_dtype to dtype and warns on the old name; older
+    # versions refuse the new one): loaded as stored or in fp32, then made fp32, which is exact
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float()
     if type(hf).__name__ != "LlamaForCausalLM":
         raise InitError(f"{hf_dir} holds a {type(hf).__name__}; only LlamaForCausalLM imports")
     has_tok = any((hf_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model"))

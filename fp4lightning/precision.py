@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Callable, Literal
 
@@ -52,6 +53,11 @@ __all__ = ["FP4Precision", "COMPUTE_DTYPES"]
 
 #: names accepted for ``compute_dtype`` -> the autocast dtype of the non-GeMM operations
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Lightning's model summary knows only its own precision names and warns on every fit that it counts
+# 32 bits per parameter for ours; that is right (the weights are fp32 master copies) and cannot be
+# told to it otherwise, so the warning says nothing a user can act on
+warnings.filterwarnings("ignore", message=r"Precision fp4-(bf16|fp16) is not supported by the model summary")
 
 
 class StepPolicyState:
@@ -158,6 +164,7 @@ class FP4Precision(StepPolicyState, Precision):
             scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
         ) if compute_dtype == "fp16" else None
         self._checked_device: str | None = None
+        self._said_compile = False
         #: skipped-step counter of the non-finite policy (fp4lightning.nonfinite); read by NonFiniteGuard
         self.nonfinite = SkipCounter(max_consecutive_skips, name="FP4Precision: max_consecutive_skips")
 
@@ -219,9 +226,21 @@ class FP4Precision(StepPolicyState, Precision):
             self._resolved_device = param.device.type
         self._check_compute_dtype(self._device_type())
         _say_grad_format(model)
+        self._say_compile(model)
         if self.optimizer_states is not None:
             optimizers = [self._swap_optimizer(opt, lr_schedulers) for opt in optimizers]
         return model, optimizers, lr_schedulers
+
+    def _say_compile(self, model: nn.Module) -> None:
+        """Say once, before the first step, that it compiles the CPU path (fp4lightning.fused): a minute or
+        more in which the progress bar stays at 0."""
+        from .fused import compile_enabled
+
+        if self._said_compile or self._device_type() != "cpu" or not compile_enabled(torch.device("cpu")):
+            return
+        if fp4_modules(model):
+            self._said_compile = True
+            rank_zero_info("FP4Precision: compiling the CPU kernels (first step only; a minute or more)")
 
     def _check_compute_dtype(self, device: str) -> None:
         if self._checked_device == device:

@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence
 
 from fp4lightning.config import PRESETS, FP4Config
 from fp4lightning.errors import UsageError
-from fp4lightning.models.llama import LLAMA_CONFIGS, LlamaConfig
+from fp4lightning.models.config import LLAMA_CONFIGS, LlamaConfig
 from fp4lightning.precision_names import FSDP_PRECISIONS, RECIPE_PRECISIONS, REFUSED_PRECISIONS
 
 __all__ = [
