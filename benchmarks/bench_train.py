@@ -1,127 +1,432 @@
-"""Training-step cost of FP4 against BF16 on the tiny recipe's model, side by side in one run.
+"""A whole training step of a recipe's model: BF16, torchao float8 and FP4, side by side in one run.
 
-For the same model and batch (same initial weights), measures
-  * step time (forward + backward + optimizer step), FP4 (``paper`` preset) over bf16 autocast;
-  * bytes saved for backward (activations), measured with ``saved_tensors_hooks``;
-  * optimizer-state bytes per parameter, torch AdamW against ``LowPrecisionAdamW`` (E4M3/FP16);
-  * training memory = parameters + gradients + optimizer state + saved activations (on CPU
-    this is the analytic sum of measured tensors; on CUDA also ``max_memory_allocated``).
+For the recipe's model (``model.*``), optimizer (``optimizer.*``: the LightningModule's own AdamW
+groups, the same for every row) and sequence length, one training step as ``fp4lightning train``
+runs it, outside Lightning: forward and loss under the precision's autocast, backward, the
+non-finite check, gradient clipping (``optimizer.grad_clip``), the optimizer and LR-scheduler step.
+Rows (``--precisions``):
 
-    .venv/bin/python benchmarks/bench_train.py [--iters N] [--batch 16] [--seq 256]
+* ``bf16-mixed``: Lightning's bf16 autocast (``trainer.precision=bf16-mixed``);
+* ``torchao-float8``: torchao's ``convert_to_float8_training`` with the ``rowwise`` recipe (CUDA,
+  sm_89+ only; the output head stays bf16, as FP4's);
+* ``fp4``: the recipe's FP4 configuration (``fp4.preset`` + overrides; ``paper`` in the recipes),
+  converted and autocast by ``FP4Precision`` as in training;
+* ``w4a4-direct``: the ``w4a4-direct`` preset (no DGE, no OCC).
+
+Each row starts from the same initial weights (the recipe's seed) and batch: random tokens, or the
+first windows of the recipe's prepared data folder when there is one. Printed per row: step time
+(median of ``--steps`` timed steps after two warm-up steps), tokens/s, MFU (model FLOPs per step,
+the PaLM count of ``fp4lightning.metrics.flops_per_token``, over the step time and the device's
+dense bf16 peak; FP4 is simulated, so bf16's peak is the yardstick for every row), peak memory
+(on CUDA ``torch.cuda.max_memory_allocated``; on CPU the analytic sum of parameters, gradients,
+optimizer state and the bytes autograd saves for backward), and where one step's time goes: the
+decoder's linear layers (FP4Linear in the fp4 rows, Float8Linear in torchao's, bf16 Linear in
+bf16's), attention (RoPE + ``scaled_dot_product_attention``), the rest of forward and backward
+(embedding, norms, MLP activation, output head, loss), and the optimizer (non-finite check,
+clipping, AdamW). The split comes from one extra step with forward and backward hooks on those
+modules (on CUDA each hook synchronises the device, so that step is slower than the timed ones).
+
+Micro-batch: ``--micro-batch``; by default on CUDA the largest that fits, halving from
+``--start-micro-batch`` on out-of-memory (a row that needs a smaller one than the rows before it says
+so), and on CPU the recipe's ``data.micro_batch_size`` capped at 4096 tokens per step.
+
+    .venv/bin/python benchmarks/bench_train.py [--recipe recipes/tiny.yaml] [--steps 5] [--micro-batch B]
+        [--seq T] [--precisions bf16-mixed,fp4] [--peak-tflops X] [--json PATH] [key=value ...]
+
+``key=value`` arguments override the recipe as on ``fp4lightning train`` (e.g. ``optimizer.states=fp32``).
 """
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
+import gc
+import json
 import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp4lightning import FP4Config, LowPrecisionAdamW, convert_to_fp4  # noqa: E402
+from fp4lightning.config import FP4Config  # noqa: E402
 from fp4lightning.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
+from fp4lightning.errors import UsageError  # noqa: E402
 from fp4lightning.fidelity import saved_tensor_bytes  # noqa: E402
-from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
+from fp4lightning.metrics import flops_per_token, peak_tflops  # noqa: E402
+from fp4lightning.models.llama import Attention, Llama  # noqa: E402
+from fp4lightning.nonfinite import detect_nonfinite  # noqa: E402
 from fp4lightning.optim import state_bytes_per_param  # noqa: E402
+from fp4lightning.recipe import load_recipe  # noqa: E402
+
+ROWS = ("bf16-mixed", "torchao-float8", "fp4", "w4a4-direct")
+SPLIT = ("linears", "attention", "other", "optimizer")
+#: CPU default: at most this many tokens per micro-batch (a step of the 1.3B model takes minutes on CPU)
+CPU_TOKENS = 4096
+WARMUP = 2  # the first step creates the optimizer state (and compiles, where the CPU path compiles)
 
 
-def _batch(vocab, b, t, dev):
-    data_dir = "data/builtin"
-    if os.path.exists(os.path.join(data_dir, "meta.json")):  # real text if prepared
+def _batch(cfg, vocab: int, b: int, t: int, dev: torch.device):
+    """``(b, t + 1)`` tokens: the first windows of the recipe's prepared data, else random tokens."""
+    if os.path.exists(os.path.join(cfg.data.dir, "meta.json")):
         from fp4lightning.data import PreparedData
 
-        arr = PreparedData(data_dir).shards("train")[0]
-        x = torch.from_numpy(arr[: b * (t + 1)].astype("int64")).reshape(b, t + 1)
-        return x.to(dev), "built-in corpus"
-    return torch.randint(0, vocab, (b, t + 1), device=dev), "random tokens"
+        data = PreparedData(cfg.data.dir)
+        arr = data.shards("train")[0]
+        if data.tokenizer.vocab_size <= vocab and len(arr) >= b * (t + 1):
+            x = torch.from_numpy(arr[: b * (t + 1)].astype("int64")).reshape(b, t + 1)
+            return x.to(dev), f"{cfg.data.dir} (first windows)"
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (b, t + 1), generator=g).to(dev), "random tokens"
 
 
-def _saved_bytes(model, x, dev):
-    def run():
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits = model(x[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-    return saved_tensor_bytes(model, run)
+def torchao_float8_unavailable(dev: torch.device) -> str | None:
+    """Why torchao's float8 training cannot run on ``dev``, or None when it can."""
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
+        return "needs an FP8 GPU"
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as e:  # not installed, or built for another torch
+        return f"torchao.float8 does not import ({type(e).__name__}: {e})"
+    return None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-    dev = torch.device(args.device)
-    torch.manual_seed(0)
-    cfg = llama_config("tiny")
-    base = Llama(cfg).to(dev)
-    # as in training (LlamaLightningModule, FP4Precision): on CPUs without native bf16 GeMMs the
-    # high-precision layers' bf16 GeMMs run on fp32 kernels (fp4lightning.cpu_bf16)
-    emulate_bf16_linears(base, dev)
-    fp4 = convert_to_fp4(copy.deepcopy(base), FP4Config())
-    x, src = _batch(cfg.vocab_size, args.batch, args.seq, dev)
-    models = {"bf16": base, "fp4": fp4}
-    opts = {"bf16": torch.optim.AdamW(base.parameters(), lr=1e-3),
-            "fp4": torch.optim.AdamW(fp4.parameters(), lr=1e-3)}
+def _is_decoder_linear(module: nn.Module, fqn: str) -> bool:
+    return isinstance(module, nn.Linear) and fqn != "lm_head" and not fqn.endswith(".lm_head")
 
-    def step(name):
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits = models[name](x[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+class Row:
+    """One precision's model, optimizer, autocast and step."""
+
+    def __init__(self, name: str, cfg, dev: torch.device, micro_batch: int, seq: int):
+        from fp4lightning.pretrain import make_module
+        from fp4lightning.precision import FP4Precision
+
+        self.name, self.dev, self.micro_batch, self.seq = name, dev, micro_batch, seq
+        llama = cfg.llama_config()
+        torch.manual_seed(cfg.seed)
+        with torch.device(dev):
+            model = Llama(llama)  # the same initial weights for every row
+        if name in ("fp4", "w4a4-direct"):
+            fp4 = cfg.fp4_config if name == "fp4" else FP4Config.from_preset("w4a4-direct")
+            plugin = FP4Precision(fp4, device=dev.type)
+            plugin.convert_module(model)  # FP4Linear in place; the head stays bf16 (emulated on CPU where needed)
+            self.autocast = plugin.forward_context
+            self.preset = cfg.fp4.preset if name == "fp4" else "w4a4-direct"
+        else:
+            if name == "torchao-float8":
+                import logging
+
+                logging.getLogger("torchao").setLevel(logging.ERROR)
+                from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+                convert_to_float8_training(
+                    model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                    module_filter_fn=lambda m, fqn: (_is_decoder_linear(m, fqn) and m.in_features % 16 == 0
+                                                     and m.out_features % 16 == 0))
+            emulate_bf16_linears(model, dev)  # as LlamaLightningModule.configure_model on CPUs without bf16 GeMMs
+            self.autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16)  # Lightning's bf16-mixed
+            self.preset = None
+        # the LightningModule's optimizer (AdamW groups, optimizer.states) and schedule, outside Lightning
+        module = make_module(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision="bf16-mixed")))
+        module.model = model
+        opt_cfg = module.configure_optimizers()
+        self.module, self.model = module, model
+        self.opt, self.sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+        self.clip = cfg.optimizer.grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.n_params = model.num_params()
+        self.times: list[float] = []
+        self.x = None
+
+    def forward_backward(self) -> None:
+        with self.autocast():
+            loss = self.module._loss(self.x)  # the training step's loss
         loss.backward()
-        opts[name].step()
-        opts[name].zero_grad(set_to_none=True)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
 
-    times = {n: [] for n in models}
-    for n in models:
-        step(n)  # warm-up, creates optimizer state
-    for _ in range(args.iters):  # interleaved, so machine noise hits both alike
-        for n in models:
-            t = time.perf_counter()
-            step(n)
-            times[n].append(time.perf_counter() - t)
-    med = {n: statistics.median(v) for n, v in times.items()}
+    def optimizer_step(self) -> None:
+        # the order of FP4Precision.optimizer_step / NonFiniteGuard + Lightning's clipping
+        found_inf = detect_nonfinite(self.opt)
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        if not found_inf:
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
 
-    saved = {n: _saved_bytes(m, x, dev) for n, m in models.items()}
-    n_params = sum(p.numel() for p in base.parameters())
-    lp = LowPrecisionAdamW(fp4.parameters(), lr=1e-3, exp_avg_format="fp8", exp_avg_sq_format="fp16")
-    with torch.autocast(dev.type, dtype=torch.bfloat16):
-        logits = fp4(x[:, :-1])
-    F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).backward()
-    lp.step()
-    opt_bpp = {"AdamW fp32": state_bytes_per_param(opts["bf16"]), "LowPrecisionAdamW E4M3/FP16": state_bytes_per_param(lp)}
-    param_b, grad_b = n_params * 4, n_params * 4
-    mem = {
-        "bf16": param_b + grad_b + opt_bpp["AdamW fp32"] * n_params + saved["bf16"],
-        "fp4": param_b + grad_b + opt_bpp["LowPrecisionAdamW E4M3/FP16"] * n_params + saved["fp4"],
-    }
-    tok = args.batch * args.seq
-    print(f"# device={dev} torch={torch.__version__} threads={torch.get_num_threads()} model=tiny "
-          f"({n_params / 1e6:.2f}M params) batch={args.batch}x{args.seq} ({src}) iters={args.iters} "
-          f"bf16_gemm={'emulated (fp32 kernels)' if emulate_bf16_gemm(dev) else 'native'}")
-    print("| quantity | BF16 | FP4 | FP4 / BF16 |")
-    print("|---|---|---|---|")
-    print(f"| step time (fwd+bwd+AdamW), ms | {1e3 * med['bf16']:.0f} | {1e3 * med['fp4']:.0f} | "
-          f"{med['fp4'] / med['bf16']:.2f}x |")
-    print(f"| tokens / s | {tok / med['bf16']:.0f} | {tok / med['fp4']:.0f} | {med['bf16'] / med['fp4']:.2f}x |")
-    print(f"| saved activations, MB | {saved['bf16'] / 2**20:.1f} | {saved['fp4'] / 2**20:.1f} | "
-          f"{saved['fp4'] / saved['bf16']:.3f}x |")
-    print(f"| optimizer state, bytes/param | {opt_bpp['AdamW fp32']:.2f} (AdamW) | "
-          f"{opt_bpp['LowPrecisionAdamW E4M3/FP16']:.2f} (E4M3/FP16) | "
-          f"{opt_bpp['LowPrecisionAdamW E4M3/FP16'] / opt_bpp['AdamW fp32']:.3f}x |")
-    print(f"| training memory (params+grads+opt+activations), MB | {mem['bf16'] / 2**20:.1f} | "
-          f"{mem['fp4'] / 2**20:.1f} | {mem['fp4'] / mem['bf16']:.3f}x |")
+    def step(self) -> float:
+        t = time.perf_counter()
+        self.forward_backward()
+        self.optimizer_step()
+        _sync(self.dev)
+        return time.perf_counter() - t
+
+    def free(self) -> None:
+        self.opt.state.clear()
+        self.module = self.model = self.opt = self.sched = self.params = self.x = None
+        gc.collect()
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
-        print(f"| CUDA max_memory_allocated (whole run), MB | {torch.cuda.max_memory_allocated() / 2**20:.1f} | | |")
-    print("\nSaved activations include the output head and attention, which stay high precision in both.")
+        torch.cuda.synchronize(dev)
+
+
+class _Timeline:
+    """Wall clock between hook events, charged to the innermost open category (nested modules:
+    an ``Attention`` is charged its own time, its projections go to ``linears``)."""
+
+    def __init__(self, dev: torch.device):
+        self.dev = dev
+        self.acc = dict.fromkeys(SPLIT, 0.0)
+        self.stack = ["other"]
+        self.t = time.perf_counter()
+
+    def _mark(self) -> None:
+        _sync(self.dev)
+        now = time.perf_counter()
+        self.acc[self.stack[-1]] += now - self.t
+        self.t = now
+
+    def push(self, cat: str) -> None:
+        self._mark()
+        self.stack.append(cat)
+
+    def pop(self, cat: str) -> None:
+        self._mark()
+        for i in range(len(self.stack) - 1, 0, -1):  # the last open one (backward may interleave siblings)
+            if self.stack[i] == cat:
+                del self.stack[i]
+                break
+
+
+def time_split(row: Row) -> dict[str, float]:
+    """Milliseconds of one step per category (module forward/backward hooks; see the docstring)."""
+    tl = _Timeline(row.dev)
+    handles = []
+    for fqn, m in row.model.named_modules():
+        cat = "linears" if _is_decoder_linear(m, fqn) else "attention" if isinstance(m, Attention) else None
+        if cat is None:
+            continue
+        handles += [
+            m.register_forward_pre_hook(lambda *a, c=cat: tl.push(c)),
+            m.register_forward_hook(lambda *a, c=cat: tl.pop(c)),
+            m.register_full_backward_pre_hook(lambda *a, c=cat: tl.push(c)),
+            m.register_full_backward_hook(lambda *a, c=cat: tl.pop(c)),
+        ]
+    try:
+        _sync(row.dev)
+        tl.t = time.perf_counter()
+        row.forward_backward()
+        tl.push("optimizer")
+        row.optimizer_step()
+        tl.pop("optimizer")
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: 1e3 * v for k, v in tl.acc.items()}
+
+
+def attention_op(row: Row) -> str:
+    """The aten kernel ``scaled_dot_product_attention`` dispatched to in the model's forward
+    (flash / cuDNN / memory-efficient / math on CUDA), as the dispatcher sees it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if "attention" in name or name.startswith("_flash") or name.startswith("_efficient"):
+                seen.add(f"aten::{name}")
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), row.autocast(), Record():
+        row.model(row.x[:1, :-1])
+    return ", ".join(sorted(seen)) or "unknown"
+
+
+def _analytic_memory(row: Row) -> tuple[int, int, float]:
+    """(bytes: params + grads + optimizer state + saved activations, saved activation bytes, state bytes/param)."""
+    def run():
+        with row.autocast():
+            row.module._loss(row.x)
+    saved = saved_tensor_bytes(row.model, run)
+    param_b = sum(p.numel() * p.element_size() for p in row.params)
+    bpp = state_bytes_per_param(row.opt)
+    return param_b * 2 + int(bpp * row.n_params) + saved, saved, bpp
+
+
+def _build(name: str, cfg, dev: torch.device, micro_batch: int, seq: int, search: bool) -> Row:
+    """The row, warmed up; on CUDA with ``search``, halving the micro-batch on out-of-memory."""
+    while True:
+        row = oom = None
+        try:
+            row = Row(name, cfg, dev, micro_batch, seq)
+            row.x, row.source = _batch(cfg, cfg.llama_config().vocab_size, micro_batch, seq, dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            for _ in range(WARMUP):
+                row.step()
+            return row
+        except torch.OutOfMemoryError as e:
+            if not search or micro_batch == 1:
+                raise
+            oom = str(e).splitlines()[0]
+        if row is not None:
+            row.free()
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"# {name}: micro-batch {micro_batch} does not fit ({oom}); trying {micro_batch // 2}", flush=True)
+        micro_batch //= 2
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="recipes/tiny.yaml", help="the recipe whose model and optimizer to time")
+    ap.add_argument("--steps", "--iters", type=int, default=5, help="timed steps per row (after 2 warm-up steps)")
+    ap.add_argument("--micro-batch", "--batch", type=int, default=None,
+                    help="sequences per step (default: CUDA the largest that fits, CPU see above)")
+    ap.add_argument("--start-micro-batch", type=int, default=64, help="CUDA: first micro-batch tried")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the recipe's data.seq_len)")
+    ap.add_argument("--precisions", default=",".join(ROWS), help=f"comma-separated rows out of {', '.join(ROWS)}")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="dense bf16 peak TFLOP/s of the device for MFU (default: known GPUs; none on CPU)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+        rows = [r.strip() for r in args.precisions.split(",") if r.strip()]
+        bad = [r for r in rows if r not in ROWS]
+        if bad or not rows:
+            raise UsageError(f"--precisions: {bad or 'none given'} not among {', '.join(ROWS)}")
+        llama = cfg.llama_config()
+        seq = args.seq or cfg.data.seq_len
+        if not 0 < seq <= llama.max_seq_len:
+            raise UsageError(f"--seq {seq} must be between 1 and the model's max_seq_len {llama.max_seq_len}")
+        for k, v in (("--steps", args.steps), ("--micro-batch", args.micro_batch or 1),
+                     ("--start-micro-batch", args.start_micro_batch)):
+            if v < 1:
+                raise UsageError(f"{k} must be >= 1, got {v}")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dev = torch.device(args.device)
+    search = dev.type == "cuda" and args.micro_batch is None
+    micro_batch = args.micro_batch or (args.start_micro_batch if dev.type == "cuda"
+                                       else max(1, min(cfg.data.micro_batch_size, CPU_TOKENS // seq)))
+    peak = args.peak_tflops or peak_tflops(dev)
+    fpt = flops_per_token(llama, seq)
+
+    results: dict[str, dict] = {}
+    built: dict[str, Row] = {}
+    # CPU: every row is built first and the timed steps interleave, so machine noise hits all rows
+    # alike; CUDA: one row at a time (four 1.3B models and their optimizer states would not fit)
+    interleave = dev.type != "cuda"
+    for name in rows:
+        why = torchao_float8_unavailable(dev) if name == "torchao-float8" else None
+        if why:
+            results[name] = {"skipped": why}
+            continue
+        row = _build(name, cfg, dev, micro_batch, seq, search)
+        micro_batch = row.micro_batch  # later rows start from what fitted
+        if interleave:
+            built[name] = row
+            continue
+        for _ in range(args.steps):
+            row.times.append(row.step())
+        results[name] = _measure(row, fpt, peak)
+        row.free()
+    for _ in range(args.steps if interleave else 0):
+        for row in built.values():
+            row.times.append(row.step())
+    for name, row in built.items():
+        results[name] = _measure(row, fpt, peak)
+    results = {name: results[name] for name in rows}
+
+    measured = [r for r in results.values() if "skipped" not in r]
+    mem_kind = "CUDA max_memory_allocated" if dev.type == "cuda" else \
+        "analytic: params + grads + optimizer state + saved activations"
+    src = measured[0]["data"] if measured else "-"
+    print(f"# recipe={args.recipe} model={llama.dim}x{llama.n_layers} ({measured[0]['params'] / 1e6 if measured else 0:.1f}M "
+          f"params) seq={seq} optimizer.states={cfg.optimizer.states} grad_clip={cfg.optimizer.grad_clip} "
+          f"fp4.preset={cfg.fp4.preset} data={src}")
+    print(f"# device={dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}) torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} steps={args.steps} (median, after {WARMUP} warm-up) "
+          f"bf16_gemm={'emulated (fp32 kernels)' if emulate_bf16_gemm(dev) else 'native'}")
+    print(f"# MFU: model FLOPs per token {fpt / 1e9:.3f} GFLOP (PaLM count, fp4lightning.metrics) x tokens / step time / "
+          + (f"peak {peak:g} TFLOP/s (dense bf16)" if peak else "no peak known for this device (--peak-tflops)"))
+    print(f"# peak memory: {mem_kind}")
+    print("# time split: one extra step with module hooks"
+          + (" (each synchronising the device)" if dev.type == "cuda" else "") + "; attention = RoPE + SDPA")
+    print()
+    print("| precision | micro-batch | step ms | tokens/s | MFU % | peak mem GB | linears ms | attention ms | "
+          "other fwd+bwd ms | optimizer ms | saved activations MB | attention kernel |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        label = f"{name} ({r['preset']})" if name == "fp4" else name
+        if "skipped" in r:
+            print(f"| {label} | skipped: {r['skipped']} |" + " |" * 10)
+            continue
+        s = r["split_ms"]
+        print(f"| {label} | {r['micro_batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+              f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.3g')} | {r['peak_mem_gb']:.3f} | {s['linears']:.1f} | {s['attention']:.1f} | "
+              f"{s['other']:.1f} | {s['optimizer']:.1f} | {_mb(r['saved_activation_bytes'])} | {r['attention_op']} |")
+    base = results.get("bf16-mixed", {})
+    if "tokens_per_s" in base:
+        ratios = ", ".join(f"{n} {r['tokens_per_s'] / base['tokens_per_s']:.2f}x" for n, r in results.items()
+                           if n != "bf16-mixed" and "tokens_per_s" in r)
+        if ratios:
+            print(f"\ntokens/s over bf16-mixed: {ratios}")
+    if args.json:
+        setup = {"recipe": args.recipe, "overrides": list(args.overrides), "device": str(dev),
+                 "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "seq_len": seq, "steps": args.steps, "peak_tflops": peak,
+                 "flops_per_token": fpt, "peak_mem_kind": mem_kind, "optimizer_states": cfg.optimizer.states}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({**results, "setup": setup}, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _mb(b) -> str:
+    return "n/a" if b is None else f"{b / 2**20:.1f}"
+
+
+def _measure(row: Row, fpt: float, peak: float | None) -> dict:
+    step_s = statistics.median(row.times)
+    tokens = row.micro_batch * row.seq
+    out = {"micro_batch": row.micro_batch, "seq_len": row.seq, "step_ms": 1e3 * step_s,
+           "tokens_per_s": tokens / step_s, "tflops": fpt * tokens / step_s / 1e12}
+    out["mfu"] = out["tflops"] / peak if peak else None
+    if row.preset:
+        out["preset"] = row.preset
+    if row.dev.type == "cuda":
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(row.dev) / 1e9
+        out["saved_activation_bytes"] = None
+    out["split_ms"] = time_split(row)
+    out["attention_op"] = attention_op(row)
+    if row.dev.type != "cuda":
+        total, saved, _ = _analytic_memory(row)
+        out["peak_mem_gb"] = total / 1e9
+        out["saved_activation_bytes"] = saved
+    out["optimizer_state_bytes_per_param"] = state_bytes_per_param(row.opt)
+    out["params"] = row.n_params
+    out["data"] = row.source
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
