@@ -343,18 +343,62 @@ def fp8_compress_hook(state: CommState, bucket: dist.GradBucket) -> torch.future
     return _completed(buf)
 
 
+def _own_scale_payload(buf: Tensor, sizes: Sequence[int], fmt: str) -> Tensor:
+    """One rank's payload for :func:`fp8_async_gather_hook`: ``uint8`` of ``4 T + N`` bytes, the T fp32
+    per-tensor scales (power of two of this rank's own amax; NaN for a non-finite tensor) followed by the
+    N FP8 codes (all zero when any tensor is non-finite).
+
+    The scales come first so that they start at byte 0, where a float32 view is aligned whatever N is;
+    after them, one-byte codes need no alignment. (Codes first put the scales at byte N, which a float32
+    view refuses unless N is a multiple of 4.)"""
+    dtype8, fmax = FP8_FORMATS[fmt]
+    segs = buf.split(list(sizes))
+    t = len(segs)
+    amax = torch.stack([_abs_max(seg) for seg in segs])
+    finite = torch.isfinite(amax)
+    scales = torch.where(finite, _pow2_scales(torch.nan_to_num(amax, nan=0.0, posinf=0.0), fmax),
+                         torch.full_like(amax, float("nan")))
+    payload = torch.empty(4 * t + buf.numel(), dtype=torch.uint8, device=buf.device)
+    payload[:4 * t].view(torch.float32).copy_(scales)
+    codes = payload[4 * t:]
+    if bool(finite.all()):
+        for seg, sc, c in zip(segs, scales, codes.split(list(sizes))):
+            _encode_fp8_into(seg, sc, c, fmax, dtype8)
+    else:
+        codes.zero_()
+    return payload
+
+
+def _sum_own_scale_payloads(gathered: Tensor, out: Tensor, sizes: Sequence[int], fmt: str) -> bool:
+    """``out`` <- the mean of the W payloads of :func:`_own_scale_payload` in ``gathered`` (W, 4 T + N):
+    each decoded and rescaled by its sender's scales, summed in rank order in fp32, divided by W. Returns
+    False, with ``out`` filled with NaN, when some sender's scale is non-finite."""
+    dtype8 = FP8_FORMATS[fmt][0]
+    world, t = gathered.shape[0], len(sizes)
+    # copied into a fresh buffer: row r > 0 starts at byte r (4 T + N), which a float32 view refuses for odd N
+    all_scales = torch.empty(world, 4 * t, dtype=torch.uint8, device=gathered.device)
+    all_scales = all_scales.copy_(gathered[:, :4 * t]).view(torch.float32)  # (W, T)
+    if not bool(torch.isfinite(all_scales).all()):
+        out.fill_(float("nan"))
+        return False
+    inv = (1.0 / all_scales.double()).float().t()  # (T, W), powers of two: exact
+    for o, rows, m in zip(out.split(list(sizes)), gathered[:, 4 * t:].split(list(sizes), dim=1), inv):
+        _decode_sum_into(rows, m, o, dtype8, world)  # rank order, then / W
+    return True
+
+
 def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: FP8 gradient mean with one asynchronous collective per bucket.
 
     Each rank scales every gradient tensor of the bucket by the power of two of its *own* amax
-    (``2^floor(log2(FP8_MAX / amax))``), casts to FP8 and appends the scales (fp32 bytes) to the codes;
-    one ``all_gather`` (``async_op=True``) moves the payload, issued from the hook on the autograd thread
-    in bucket order (the same order on every rank), and backward continues while it is in flight. The
-    future's callback only decodes: every rank sums the W decoded payloads in rank order in fp32, each
-    exactly rescaled by its sender's power-of-two scale, so the result is bit-identical on all ranks.
-    No amax all-reduce is needed (the scales travel with the payload); a non-finite gradient on a rank
-    travels as a NaN scale and turns the bucket NaN on every rank. One rounding (the sender's), not two.
-    Bytes per rank: ``(W - 1) (N + 4 T)`` for N elements in T tensors.
+    (``2^floor(log2(FP8_MAX / amax))``), casts to FP8 and puts the scales (fp32 bytes) in front of the
+    codes (:func:`_own_scale_payload`); one ``all_gather`` (``async_op=True``) moves the payload, issued
+    from the hook on the autograd thread in bucket order (the same order on every rank), and backward
+    continues while it is in flight. The future's callback only decodes: every rank sums the W decoded
+    payloads in rank order in fp32, each exactly rescaled by its sender's power-of-two scale, so the result
+    is bit-identical on all ranks. No amax all-reduce is needed (the scales travel with the payload); a
+    non-finite gradient on a rank travels as a NaN scale and turns the bucket NaN on every rank. One
+    rounding (the sender's), not two. Bytes per rank: ``(W - 1) (N + 4 T)`` for N elements in T tensors.
     """
     fmt = state.grad_format
     if fmt not in FP8_FORMATS:
@@ -363,36 +407,17 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
     world = dist.get_world_size(group)
     buf = bucket.buffer()
     sizes = [g.numel() for g in bucket.gradients()]
-    n, t = buf.numel(), len(sizes)
     state.buckets += 1
-    dtype8, fmax = FP8_FORMATS[fmt]
 
-    segs = buf.split(sizes)
-    amax = torch.stack([_abs_max(seg) for seg in segs])
-    finite = torch.isfinite(amax)
-    scales = torch.where(finite, _pow2_scales(torch.nan_to_num(amax, nan=0.0, posinf=0.0), fmax),
-                         torch.full_like(amax, float("nan")))
-    payload = torch.empty(n + 4 * t, dtype=torch.uint8, device=buf.device)
-    payload[n:].view(torch.float32).copy_(scales)
-    if bool(finite.all()):
-        for seg, sc, c in zip(segs, scales, payload[:n].split(sizes)):
-            _encode_fp8_into(seg, sc, c, fmax, dtype8)
-    else:
-        payload[:n].zero_()
-    flat_gathered = torch.empty(world * (n + 4 * t), dtype=torch.uint8, device=buf.device)
-    work = _all_gather_single(flat_gathered, payload, group=group, async_op=True)
-    gathered = flat_gathered.view(world, n + 4 * t)
-    state.add_bytes((world - 1) * (n + 4 * t))
+    payload = _own_scale_payload(buf, sizes, fmt)
+    gathered = torch.empty(world, payload.numel(), dtype=torch.uint8, device=buf.device)
+    work = _all_gather_single(gathered.view(-1), payload, group=group, async_op=True)
+    state.add_bytes((world - 1) * payload.numel())
 
     def _reduce(fut: torch.futures.Future) -> Tensor:
         fut.wait()
-        all_scales = gathered[:, n:].contiguous().view(torch.float32).view(world, t)
-        if not bool(torch.isfinite(all_scales).all()):
+        if not _sum_own_scale_payloads(gathered, buf, sizes, fmt):
             state.step_nonfinite = True
-            return buf.fill_(float("nan"))
-        inv = (1.0 / all_scales.double()).float().t()  # (t, world), powers of two: exact
-        for out, rows, m in zip(segs, gathered[:, :n].split(sizes, dim=1), inv):
-            _decode_sum_into(rows, m, out, dtype8, world)  # rank order, then / W
         return buf
 
     return work.get_future().then(_reduce)
@@ -465,3 +490,4 @@ def hook_for_format(
     if grad_format in ("bf16", "fp32"):
         return allreduce_counting_hook
     raise ValueError(f"grad_format={grad_format!r} is not supported; choose one of {WIRE_FORMATS}.")
+

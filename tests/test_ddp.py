@@ -341,6 +341,18 @@ class _MLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
+class _OddMLP(nn.Module):
+    """An ordinary classifier of 26,122 parameters (10-class head): not a multiple of 4 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def _regression_data(seed: int, steps: int, batch: int = 16):
     gen = torch.Generator().manual_seed(seed)
     teacher = torch.randn(32, 4, generator=gen)
@@ -473,6 +485,95 @@ def test_strategy_trainer_fp8_vs_fp32_bytes_and_nonfinite(tmp_path):
     assert s[2] == s[1] / 2 and r1["scaler"]["scales"] == s, s
 
 
+class _OddClassifier(pl.LightningModule):
+    """_OddMLP (26,122 parameters) as an ordinary LightningModule."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _OddMLP()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def _odd_size_checks(rank: int, seed: int) -> dict:
+    """The README's two multi-device paths on a model whose parameter count is not a multiple of 4:
+    ``fp4lightning.Trainer(precision="fp4", strategy="ddp")`` and Fabric with ``FP4FabricDDPStrategy``."""
+    import lightning as L
+
+    import fp4lightning
+    from fp4lightning.fabric import FP4FabricDDPStrategy, FP4FabricPrecision
+
+    out: dict = {}
+    steps = 4
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(64, 10, generator=gen)
+    x = torch.randn(steps * 16 * W, 64, generator=gen)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x @ teacher).argmax(-1)), batch_size=16)
+
+    pl.seed_everything(seed, verbose=False)
+    module = _OddClassifier()
+    trainer = fp4lightning.Trainer(
+        precision="fp4", devices=W, accelerator="cpu", strategy="ddp", max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)
+    out["trainer_numel"] = sum(p.numel() for p in module.parameters())
+    out["trainer_n_tensors"] = len(list(module.parameters()))
+    out["trainer_strategy"] = type(trainer.strategy).__name__
+    out["trainer_scheme"] = trainer.strategy.comm_state.scheme
+    out["trainer_steps"] = trainer.global_step
+    out["trainer_bytes"] = trainer.strategy.total_bytes_sent
+    out["trainer_digest"] = _digest(list(module.parameters()))
+    out["trainer_finite"] = all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+    # Fabric, as in the README, with small buckets (one per bias, about) as well as the default
+    for cap in (25, 1e-4):
+        torch.manual_seed(seed)
+        model = _OddMLP()
+        fabric = L.Fabric(accelerator="cpu", devices=W, strategy=FP4FabricDDPStrategy("e4m3", bucket_cap_mb=cap),
+                          plugins=[FP4FabricPrecision("paper")])
+        fabric.launch()
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        batches = torch.randn(steps, 16, 64, generator=torch.Generator().manual_seed(seed * 10 + rank))
+        for xb in batches:
+            fabric.backward(nn.functional.cross_entropy(model(xb), (xb @ teacher).argmax(-1)))
+            opt.step()
+            opt.zero_grad()
+        out[f"fabric_{cap}_buckets"] = fabric.strategy.comm_state.buckets
+        out[f"fabric_{cap}_digest"] = _digest(list(model.parameters()))
+        out[f"fabric_{cap}_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        out[f"fabric_{cap}_bytes"] = fabric.strategy.total_bytes_sent
+    return out
+
+
+@pytest.mark.slow
+def test_default_multi_device_paths_train_a_model_of_odd_size(tmp_path):
+    """fp4lightning.Trainer(precision="fp4", devices=2, strategy="ddp") and Fabric's FP4FabricDDPStrategy
+    (README examples) on a 26,122-parameter classifier: they train, with FP8 gradients, and keep the
+    replicas bit-identical (the async gather hook's payload once failed unless N was a multiple of 4)."""
+    r0, r1 = _spawn(_odd_size_checks, tmp_path, seed=11)
+    n, t = r0["trainer_numel"], r0["trainer_n_tensors"]
+    assert n == 26122 and t == 6
+    for r in (r0, r1):
+        assert r["trainer_strategy"] == "FP4DDPStrategy" and r["trainer_scheme"] == "async_all_gather"
+        assert r["trainer_steps"] == 4 and r["trainer_finite"]
+        # every tensor travels in exactly one bucket: (W-1)(N + 4T) per step however they are bucketed
+        assert r["trainer_bytes"] == 4 * (W - 1) * (n + 4 * t)
+        for cap in (25, 1e-4):
+            assert r[f"fabric_{cap}_finite"] and r[f"fabric_{cap}_bytes"] == 4 * (W - 1) * (n + 4 * t), cap
+        assert r["fabric_25_buckets"] == 4 and r["fabric_0.0001_buckets"] > 8, r["fabric_0.0001_buckets"]
+    assert r0["trainer_digest"] == r1["trainer_digest"]
+    for cap in (25, 1e-4):
+        assert r0[f"fabric_{cap}_digest"] == r1[f"fabric_{cap}_digest"], cap
+
+
 # ---------------------------------------------------------------------------------------------
 # in-process pieces (no process group)
 
@@ -519,6 +620,98 @@ def test_fp8_comm_passes_compiled_match_eager_bitwise():
         got = _mean_requantize_into(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
         want = _mean_requantize_into.eager(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
         assert torch.equal(got, want), fmt
+
+
+# bucket shapes whose element counts are not multiples of 4 (nor of the FP8/fp32 size ratio): single
+# tensors of 1, 3, 5 elements, the 26,122 parameters of _OddMLP as one bucket and per tensor, a mix
+ODD_BUCKETS = ([1], [3], [5], [26122], [8192, 128, 16384, 128, 1280, 10], [1, 3, 5, 7, 2])
+
+
+def _own_scale_fp8(x: torch.Tensor, sizes, dtype8, fmax) -> torch.Tensor:
+    """What one sender's payload decodes to: per-tensor power-of-two scale of its own amax, torch's cast."""
+    from fp4lightning.comm import _pow2_scales
+
+    out = []
+    for seg in x.split(sizes):
+        s = _pow2_scales(seg.abs().amax().float().view(1), fmax)[0]
+        out.append((seg.float() * s).clamp(-fmax, fmax).to(dtype8).float() / s)
+    return torch.cat(out)
+
+
+def test_async_gather_payload_at_odd_sizes():
+    """The async gather hook's per-rank payload (FP8 codes + fp32 scales in one uint8 tensor) packs and
+    decodes at any element count: a bucket of 1, 3, 5 or 26,122 elements, several tensors, W = 1 and
+    W = 2 (where rank 1's row starts at an odd byte). The decoded mean equals each sender's own-scale FP8
+    value, summed in rank order and halved, bit for bit; a NaN on one sender turns the bucket NaN."""
+    from fp4lightning.comm import FP8_FORMATS, _own_scale_payload, _sum_own_scale_payloads
+
+    gen = torch.Generator().manual_seed(5)
+    for sizes in ODD_BUCKETS:
+        n = sum(sizes)
+        for fmt, (dtype8, fmax) in FP8_FORMATS.items():
+            x0 = torch.randn(n, generator=gen) * 3e-3
+            x1 = torch.randn(n, generator=gen) * 40.0
+            p0, p1 = _own_scale_payload(x0, sizes, fmt), _own_scale_payload(x1, sizes, fmt)
+            assert p0.dtype == torch.uint8 and p0.numel() == n + 4 * len(sizes), (sizes, fmt)
+            out = torch.empty(n)
+            assert _sum_own_scale_payloads(p0.view(1, -1), out, sizes, fmt)
+            assert torch.equal(out, _own_scale_fp8(x0, sizes, dtype8, fmax)), (sizes, fmt)
+            gathered = torch.cat([p0, p1]).view(2, -1)
+            assert _sum_own_scale_payloads(gathered, out, sizes, fmt)
+            want = (_own_scale_fp8(x0, sizes, dtype8, fmax) + _own_scale_fp8(x1, sizes, dtype8, fmax)) / 2
+            assert torch.equal(out, want), (sizes, fmt)
+            x1[-1] = float("nan")
+            gathered = torch.cat([p0, _own_scale_payload(x1, sizes, fmt)]).view(2, -1)
+            assert not _sum_own_scale_payloads(gathered, out, sizes, fmt) and bool(out.isnan().all()), (sizes, fmt)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A real one-process gloo group (the hooks' collectives run, over one rank)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_hooks_on_odd_sized_buckets_in_real_ddp(world_of_one):
+    """Both FP8 hooks in a real DistributedDataParallel model of 26,122 parameters (10-class head), one
+    bucket and several small ones, none a multiple of 4 elements: the synchronised gradient of one rank
+    is its own gradient rounded to FP8 with per-tensor power-of-two scales."""
+    from fp4lightning import comm
+
+    for hook, scheme in ((comm.fp8_async_gather_hook, "async_all_gather"), (comm.fp8_compress_hook, "reduce_scatter")):
+        for bucket_cap_mb in (25, 1e-4):  # the default (one bucket), and about one bucket per bias
+            torch.manual_seed(0)
+            model = _OddMLP()
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+            state = comm.CommState("e4m3", scheme=scheme)
+            numels: list[int] = []
+
+            def recording(st, bucket, hook=hook):
+                numels.append(bucket.buffer().numel())
+                return hook(st, bucket)
+
+            ddp.register_comm_hook(state, recording)
+            x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+            for step in range(2):  # DDP rebuilds its buckets after the first step
+                model.zero_grad(set_to_none=True)
+                with ddp.no_sync():
+                    nn.functional.cross_entropy(ddp(x), y).backward()
+                local = [p.grad.detach().clone() for p in model.parameters()]
+                model.zero_grad(set_to_none=True)
+                numels.clear()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                tag = (hook.__name__, bucket_cap_mb, step)
+                assert sum(numels) == 26122 and any(k % 4 for k in numels), (tag, numels)
+                for p, g in zip(model.parameters(), local):
+                    want = _own_scale_fp8(g.flatten(), [g.numel()], torch.float8_e4m3fn, 448.0).view_as(g)
+                    assert torch.equal(p.grad, want), tag
+            if bucket_cap_mb < 1:
+                assert len(numels) >= 3, numels
 
 
 def test_pow2_scales_use_the_fp8_range():
@@ -643,3 +836,4 @@ def test_fabric_ddp_strategy_fp8_gradients(tmp_path):
         assert r["nan_step_skipped"] and r["nan_skips_counted"] == 1 and r["nan_params_finite"]
     for fmt in ("e4m3", "fp32"):
         assert r0[f"{fmt}_digest"] == r1[f"{fmt}_digest"], fmt
+
