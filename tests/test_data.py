@@ -36,6 +36,9 @@ STDLIB_MODULES = (
     "ast", "traceback", "warnings", "unittest/case", "email/message", "http/client", "urllib/parse",
 )
 TEST_VOCAB = 512
+#: RSS that `data prepare` of a 5 MB one-line record may add to its imports (torch, lightning: ~500 MB).
+#: Measured on the 2-core build machine: ~100 MB; ~1,140 MB when the record was encoded in one piece.
+PREPARE_5MB_LINE_MAX_GROWTH_MB = 300
 
 
 def stdlib_docs(module: str) -> str:
@@ -288,3 +291,130 @@ def test_interrupt_mid_accumulation_restarts_the_cycle(corpus, tmp_path):
             assert torch.equal(v, b["optimizer_states"][0]["state"][i][k]), (i, k)
     batches = a["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
     assert b["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"] == batches
+
+
+# ------------------------------------------------------------------ bounded memory, early split check, full disk
+def _run_prepare_cli(args: list[str]) -> tuple[int, str, str, int, int]:
+    """``fp4lightning data prepare ARGS`` in a subprocess: (exit status, stdout, stderr, peak RSS in MB,
+    RSS in MB once the modules it uses are imported). ``os.wait4`` gives the peak of this one child
+    (``RUSAGE_CHILDREN`` would be the largest child this test process ever waited for)."""
+    import subprocess
+    import tempfile
+
+    child = ("import resource, sys\n"
+             "import fp4lightning.data, fp4lightning.eval.tasks\n"
+             "print('imported:', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+             "from fp4lightning.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", child, "data", "prepare", *args], stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read()
+        imported = int(stdout.split("imported: ", 1)[1].split()[0])
+        return proc.returncode, stdout, err.read(), usage.ru_maxrss // 1024, imported // 1024
+
+
+def _prose_line(chars: int) -> str:
+    """``chars`` characters of real prose on one line (the stdlib docs, whitespace collapsed, repeated)."""
+    prose = " ".join(" ".join(stdlib_docs(m).split()) for m in STDLIB_MODULES)
+    return (prose + " ") * (chars // (len(prose) + 1)) + prose[: chars % (len(prose) + 1)]
+
+
+def test_token_pieces_encode_like_the_whole_text(corpus):
+    # pieces are cut only where the byte-level pre-tokenizer never joins two characters, so encoding
+    # a long text piece by piece (bounded memory) gives exactly the ids of encoding it whole
+    from fp4lightning.tokenizer import token_pieces
+
+    tok = PreparedData(corpus).tokenizer
+    text = "\n\n".join(stdlib_docs(m) for m in STDLIB_MODULES[:6]) + "\n  tabs\tand\u00a0nbsp\u3000ideographic  end  "
+    pieces = list(token_pieces(text, 500))
+    assert len(pieces) > 50 and max(map(len, pieces)) <= 500 and "".join(pieces) == text
+    assert [i for p in pieces for i in tok.encode(p, bos=False)] == tok.encode(text, bos=False)
+
+
+@pytest.mark.slow
+def test_prepare_a_5mb_line_in_bounded_memory(tmp_path):
+    # one 5 MB JSONL record (a document that cannot be cut) held ~1.1 GB while it was encoded in one
+    # piece; the short records after it give the validation split. The file's name puts the long
+    # record in the training split (documents are held out by a hash of their name).
+    with open(tmp_path / "line.jsonl", "w") as f:
+        f.write(json.dumps({"text": _prose_line(5_000_000)}) + "\n")
+        for m in STDLIB_MODULES:
+            f.write(json.dumps({"text": stdlib_docs(m)[:2000]}) + "\n")
+    rc, out, err, peak_mb, imported_mb = _run_prepare_cli(
+        ["--source", str(tmp_path / "line.jsonl"), "--out", str(tmp_path / "out"), "--vocab-size", "300",
+         "--val-fraction", "0.2"])
+    assert rc == 0, err[-2000:]
+    data = PreparedData(tmp_path / "out")
+    assert 0 < data.num_tokens("val") < 100_000 and data.num_tokens("train") > 1_000_000
+    assert peak_mb - imported_mb < PREPARE_5MB_LINE_MAX_GROWTH_MB, (peak_mb, imported_mb)
+
+
+def _name_in_split(val: bool, val_fraction: float) -> str:
+    from fp4lightning.data.build import _is_val
+
+    return next(n for n in (f"doc{i}.txt" for i in range(1000)) if _is_val(n, val_fraction) == val)
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+def test_prepare_refuses_an_empty_split_before_training_the_tokenizer(tmp_path, capsys, held_out):
+    # one document lands in one split only: refused while the text is read, before the merges
+    val_fraction = 0.3
+    name = _name_in_split(held_out, val_fraction)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / name).write_text(stdlib_docs("argparse")[:5000])
+    with pytest.raises(DataSourceError) as e:
+        prepare(str(tmp_path / "src"), tmp_path / "out", vocab_size=300, val_fraction=val_fraction)
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path / "src") in msg and "--val-fraction" in msg and "0.3" in msg
+    assert ("training" if held_out else "validation") in msg
+    assert "computing merges" not in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def _mount_tmpfs(path: Path, size: str) -> None:
+    import subprocess
+
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is simulated with a small tmpfs mount, which needs root (CI runs as root)")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to simulate a full disk: {proc.stderr.strip()}")
+
+
+def test_prepare_on_a_full_disk_keeps_the_old_data(corpus, tmp_path_factory, tmp_path, capsys):
+    import gc
+    import shutil
+    import subprocess
+
+    from fp4lightning.cli import main
+
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "2m")
+    try:
+        old = shutil.copytree(corpus, disk / "data")
+        before = {p.name: p.read_bytes() for p in old.iterdir() if p.is_file()}
+        # fill the disk up to 100 KB: room for the new tokenizer, not for the new shards
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * (free - 100 * 1024))
+        src = tmp_path_factory.getbasetemp() / "stdlib_text"
+        capsys.readouterr()
+        rc = main(["data", "prepare", "--source", str(src), "--out", str(old), "--vocab-size", str(TEST_VOCAB),
+                   "--val-fraction", "0.05", "--force"])
+        gc.collect()  # a shard file left open would report its unwritten bytes here
+        err = capsys.readouterr().err
+        assert rc == 2, err[-3000:]
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err[-3000:]
+        assert lines[0].startswith(f"fp4lightning data: error: no space left on device while writing {old} (")
+        assert "--out" in lines[0] and "unchanged" in lines[0]
+        assert {p.name: p.read_bytes() for p in old.iterdir() if p.is_file()} == before
+        assert sorted(p.name for p in disk.iterdir()) == [".data.lock", "data", "filler"]  # no build folder left
+        PreparedData(old, verify=True)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

@@ -10,9 +10,12 @@ in when complete, under a lock (one ``prepare`` per folder at a time); ``meta.js
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import shutil
 import time
 import zlib
 from collections.abc import Iterator
@@ -23,16 +26,40 @@ import numpy as np
 from fp4lightning.data._common import _log, _sha256
 from fp4lightning.errors import check_writable_dir
 from fp4lightning.data.manifest import FORMAT_VERSION, META_FILE, MIN_VOCAB, default_data_dir, shard_problems
-from fp4lightning.data.sources import BUILTIN_PACKAGES, BadRecords, DataSourceError, iter_documents
-from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer
+from fp4lightning.data.sources import BUILTIN_PACKAGES, DATA_SUFFIXES, BadRecords, DataSourceError, iter_documents
+from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer, token_pieces
 
 __all__ = ["prepare", "SHARD_TOKENS"]
 
 SHARD_TOKENS = 1 << 28  # 268M tokens: 512 MiB per uint16 shard
+#: characters per call of the tokenizer's encoder: its encodings hold ~200 bytes per character
+#: until their ids are written, so this bounds prepare's memory whatever the documents' sizes
+ENCODE_CHARS = 1 << 18
 
 
 def _is_val(doc_name: str, val_fraction: float) -> bool:
     return zlib.crc32(doc_name.encode("utf-8")) % 1_000_000 < val_fraction * 1_000_000
+
+
+def _no_space(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full_error(out_dir: Path, written: int) -> DataSourceError:
+    """The one-line error of a ``prepare`` stopped by a full disk (``written``: bytes of new data by then)."""
+    def size(n: int) -> str:
+        return next((f"{n / 10**e:.1f} {unit}" for e, unit in ((9, "GB"), (6, "MB"), (3, "KB")) if n >= 10**e),
+                    f"{n} bytes")
+
+    probe = out_dir.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    reached = f"the new data had reached {size(written)}; " if written else ""
+    free = size(shutil.disk_usage(probe).free)
+    kept = (f"the previous data in {out_dir} is unchanged" if (out_dir / META_FILE).is_file()
+            else "the partial data was removed")
+    return DataSourceError(f"no space left on device while writing {out_dir} ({reached}{free} free there now): "
+                           f"free space on that disk or choose another --out; {kept}")
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -64,6 +91,14 @@ class _ShardWriter:
             self.total += len(take)
             self.files[-1]["tokens"] = self._n
             ids = ids[len(take):]
+
+    def abort(self) -> None:
+        """Close the open shard after a failed write, quietly: a buffered writer that still holds
+        bytes a full disk refused would otherwise report it again when garbage-collected."""
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
 
     def close(self) -> None:
         if self._f is not None:
@@ -180,38 +215,51 @@ def prepare(
         "on_bad_record": on_bad_record,
     }
     check_writable_dir(out_dir, "--out", DataSourceError)
-    with _FolderLock(out_dir):
-        _recover_and_clean(out_dir)
-        meta_path = out_dir / META_FILE
-        if meta_path.is_file() and not force:
-            meta = json.loads(meta_path.read_text())
-            problems = shard_problems(out_dir, meta, checksums=True) if meta.get("args") == args else None
-            if problems == []:
-                _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
-                     f"{meta['splits']['val']['tokens']:,} val tokens, checksums verified); nothing to do "
-                     "(--force redoes it)")
-                return out_dir
-            if problems:
-                _log(f"{out_dir} is damaged ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})"
-                     "; preparing again")
-            else:
-                _log(f"{out_dir} was prepared with different arguments; preparing again")
-        # reach the source before building: downloads, hub access and paths fail here
-        next(iter_documents(source, cache_dir, text_key), None)
-        # build beside the folder and swap it in only when complete: a failure or a kill leaves the
-        # previous data as it was
-        build = out_dir.parent / f".{out_dir.name}.build-{os.getpid()}"
-        build.mkdir(parents=True)
-        try:
-            _build(build, source, cache_dir, args, vocab_size, val_fraction, max_tokens, tokenizer_train_chars,
-                   text_key, shard_tokens, on_bad_record)
-        except BaseException:
-            import shutil
-
-            shutil.rmtree(build, ignore_errors=True)
-            raise
-        _swap_in(build, out_dir)
+    try:
+        with _FolderLock(out_dir):
+            _prepare_locked(out_dir, source, cache_dir, args, force, vocab_size, val_fraction, max_tokens,
+                            tokenizer_train_chars, text_key, shard_tokens, on_bad_record)
+    except OSError as e:  # the lock file or the build folder could not be written
+        if _no_space(e):
+            raise _disk_full_error(out_dir, 0) from e
+        raise
     return out_dir
+
+
+def _prepare_locked(out_dir: Path, source: str, cache_dir: Path, args: dict, force: bool, vocab_size: int,
+                    val_fraction: float, max_tokens: int | None, tokenizer_train_chars: int, text_key: str,
+                    shard_tokens: int, on_bad_record: str) -> None:
+    _recover_and_clean(out_dir)
+    meta_path = out_dir / META_FILE
+    if meta_path.is_file() and not force:
+        meta = json.loads(meta_path.read_text())
+        problems = shard_problems(out_dir, meta, checksums=True) if meta.get("args") == args else None
+        if problems == []:
+            _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
+                 f"{meta['splits']['val']['tokens']:,} val tokens, checksums verified); nothing to do "
+                 "(--force redoes it)")
+            return
+        if problems:
+            _log(f"{out_dir} is damaged ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})"
+                 "; preparing again")
+        else:
+            _log(f"{out_dir} was prepared with different arguments; preparing again")
+    # reach the source before building: downloads, hub access and paths fail here
+    next(iter_documents(source, cache_dir, text_key), None)
+    # build beside the folder and swap it in only when complete: a failure or a kill leaves the
+    # previous data as it was
+    build = out_dir.parent / f".{out_dir.name}.build-{os.getpid()}"
+    build.mkdir(parents=True)
+    try:
+        _build(build, source, cache_dir, args, vocab_size, val_fraction, max_tokens, tokenizer_train_chars,
+               text_key, shard_tokens, on_bad_record)
+    except BaseException as e:
+        written = sum(p.stat().st_size for p in build.iterdir()) if _no_space(e) else 0
+        shutil.rmtree(build, ignore_errors=True)
+        if _no_space(e):
+            raise _disk_full_error(out_dir, written) from e
+        raise
+    _swap_in(build, out_dir)
 
 
 def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: int, val_fraction: float,
@@ -225,37 +273,60 @@ def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: 
     _log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {source}")
 
     def train_texts() -> Iterator[str]:
-        seen = 0
+        # both splits are counted while the text is read, so a source that leaves one of them empty is
+        # refused here, before the merges are computed
+        seen, docs = 0, {False: 0, True: 0}  # documents by held_out
         for name, text in iter_documents(source, cache_dir, text_key, BadRecords(on_bad_record)):
-            if _is_val(name, val_fraction):
-                continue
-            yield text
-            seen += len(text)
-            if seen >= tokenizer_train_chars:
-                return
+            held_out = _is_val(name, val_fraction)
+            docs[held_out] += 1
+            if seen >= tokenizer_train_chars:  # enough to train on: read on only to find a held-out document
+                if docs[True]:
+                    return
+            elif not held_out:
+                yield text
+                seen += len(text)
+        if not docs[True] and not docs[False]:
+            raise DataSourceError(f"{source}: no documents found (a folder is read for files ending in "
+                                  f"{', '.join(sorted(DATA_SUFFIXES))})")
+        if not docs[True] or not docs[False]:
+            empty, change = ("validation", "raise") if not docs[True] else ("training", "lower")
+            raise DataSourceError(
+                f"{source}: none of its {sum(docs.values())} documents is in the {empty} split "
+                f"(--val-fraction {val_fraction} holds out documents by a hash of their name); "
+                f"{change} --val-fraction or add documents (a text file is one document per ~8 KB between blank lines)")
 
     tok = Tokenizer.train(train_texts(), vocab_size=vocab_size, progress=_log)
     tok.save(out_dir / TOKENIZER_FILE)
     _log(f"tokenizer: {tok} saved to {out_dir / TOKENIZER_FILE} ({time.perf_counter() - t0:.1f}s)")
 
-    # 2) tokenise every document into the train / val shards
+    # 2) tokenise every document into the train / val shards, ENCODE_CHARS of text per encoder call;
+    #    a longer document is encoded in pieces cut where the ids do not change (token_pieces)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
     writers = {s: _ShardWriter(out_dir, s, dtype, shard_tokens) for s in ("train", "val")}
     n_docs, n_chars, last = 0, 0, time.perf_counter()
-    batch: list[tuple[str, str]] = []
+    pending: list[tuple[_ShardWriter, str, bool, bool]] = []  # (writer, piece, first of its document, last)
+    pending_chars = 0
 
     def flush() -> None:
-        for (name, _), ids in zip(batch, tok.encode_batch([t for _, t in batch], bos=True, eos=True)):
-            writers["val" if _is_val(name, val_fraction) else "train"].write(np.asarray(ids, dtype=np.int64))
-        batch.clear()
+        nonlocal pending_chars
+        for (w, _, first, end), ids in zip(pending, tok.encode_batch([p for _, p, _, _ in pending], bos=False,
+                                                                      eos=False)):
+            w.write(np.asarray(([tok.bos_id] if first else []) + ids + ([tok.eos_id] if end else []), dtype=np.int64))
+        pending.clear()
+        pending_chars = 0
 
     bad = BadRecords(on_bad_record)
-    for name, text in iter_documents(source, cache_dir, text_key, bad):
-        batch.append((name, text))
-        n_docs += 1
-        n_chars += len(text)
-        if len(batch) >= 512:
-            flush()
+    try:
+        for name, text in iter_documents(source, cache_dir, text_key, bad):
+            w = writers["val" if _is_val(name, val_fraction) else "train"]
+            pieces = list(token_pieces(text)) or [""]
+            for k, piece in enumerate(pieces):
+                pending.append((w, piece, k == 0, k == len(pieces) - 1))
+                pending_chars += len(piece)
+                if pending_chars >= ENCODE_CHARS:
+                    flush()
+            n_docs += 1
+            n_chars += len(text)
             if time.perf_counter() - last > 2.0:
                 last = time.perf_counter()
                 _log(f"tokenised {n_docs:,} documents, {n_chars / 1e6:.1f}M characters, "
@@ -263,9 +334,13 @@ def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: 
             if max_tokens is not None and writers["train"].total + writers["val"].total >= max_tokens:
                 _log(f"reached max_tokens={max_tokens:,}")
                 break
-    flush()
-    for w in writers.values():
-        w.close()
+        flush()
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
     bad.summary()
     if writers["val"].total == 0 or writers["train"].total == 0:
         raise DataSourceError(

@@ -128,7 +128,7 @@ def _iter_builtin(archives: list[Path]) -> Iterator[tuple[str, str]]:
 
 
 _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
-_DATA_SUFFIXES = _TEXT_SUFFIXES | {".jsonl", ".json", ".parquet"}
+DATA_SUFFIXES = _TEXT_SUFFIXES | {".jsonl", ".json", ".parquet"}
 
 
 class BadRecords:
@@ -169,7 +169,7 @@ def _decode(raw: bytes, where: str, bad: BadRecords) -> str | None:
 
 def _iter_local(root: Path, text_key: str, bad: BadRecords | None = None) -> Iterator[tuple[str, str]]:
     bad = bad or BadRecords()
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in _DATA_SUFFIXES)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in DATA_SUFFIXES)
     for path in files:
         rel = path.name if root.is_file() else str(path.relative_to(root))
         if path.suffix in _TEXT_SUFFIXES:
@@ -230,7 +230,7 @@ def _iter_local(root: Path, text_key: str, bad: BadRecords | None = None) -> Ite
             except (pa.ArrowException, OSError) as e:
                 raise DataSourceError(f"{path}: cannot read row {i} on ({type(e).__name__}: {e})") from e
         else:
-            raise DataSourceError(f"{path}: unsupported file type (use one of {sorted(_DATA_SUFFIXES)})")
+            raise DataSourceError(f"{path}: unsupported file type (use one of {sorted(DATA_SUFFIXES)})")
 
 
 def _iter_hf(spec: str, text_key: str) -> Iterator[tuple[str, str]]:
