@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from fp4lightning.constants import F8E4M3_MAX, F8E5M2_MAX
+from fp4lightning.errors import UserError
 from fp4lightning.formats import pow2_floor
 from fp4lightning.fused import _fused
 
@@ -61,6 +62,8 @@ __all__ = [
     "resolve_scheme",
     "fp8_all_reduce_mean_",
     "ring_all_reduce_bytes",
+    "lost_peer",
+    "PeerLostError",
 ]
 
 log = logging.getLogger(__name__)
@@ -491,3 +494,30 @@ def hook_for_format(
         return allreduce_counting_hook
     raise ValueError(f"grad_format={grad_format!r} is not supported; choose one of {WIRE_FORMATS}.")
 
+
+# ---------------------------------------------------------------------------------------------
+# a peer process that went away
+
+#: what gloo reports (with the OS's wording under it) when the process at the other end of one of its
+#: connections is gone: the peer's socket was reset or closed, or this rank wrote into a closed one
+PEER_LOST_MESSAGES = ("connection reset by peer", "connection closed by peer", "broken pipe")
+
+
+class PeerLostError(UserError):
+    """Another rank of a multi-process run went away; the command stops with one line (exit status 2)."""
+
+
+def lost_peer(exc: BaseException, rank: int, world_size: int) -> Optional[str]:
+    """``"rank R"`` (or ``"another rank"``) when ``exc``, or an exception it was raised while handling, is
+    a collective's error for a peer process that went away (killed, out of memory, crashed); else None.
+
+    ``rank`` and ``world_size`` are this process's. With two ranks the lost one is the other; with more,
+    gloo's message names only a socket address, which does not tell the rank."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RuntimeError) and any(m in str(e).lower() for m in PEER_LOST_MESSAGES):
+            return f"rank {1 - rank}" if world_size == 2 and rank in (0, 1) else "another rank"
+        e = e.__cause__ or e.__context__
+    return None

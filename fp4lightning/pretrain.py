@@ -769,11 +769,32 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
     except NonFiniteError:
         status = "stopped"
         raise
+    except RuntimeError as e:
+        lost = _peer_lost_error(e, trainer, out)
+        if lost is None:
+            raise
+        status = "peer lost"
+        raise lost from e
     finally:
         torch.set_num_threads(threads)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and status != "peer lost":  # its one line names the checkpoint
             result = _report(trainer, out, status)
     return result
+
+def _peer_lost_error(exc: RuntimeError, trainer, out: Path):
+    """A collective's error for a rank that went away (killed, crashed) as one line naming that rank
+    and the last checkpoint (``fp4lightning.comm.lost_peer``); None for any other error."""
+    from fp4lightning.comm import PeerLostError, lost_peer
+
+    peer = lost_peer(exc, trainer.global_rank, trainer.world_size)
+    if peer is None:
+        return None
+    ckpt = _latest_checkpoint(out)
+    saved = (f"last checkpoint {ckpt} (continue with the same command and --resume)" if ckpt
+             else "no checkpoint yet (the run has to start again)")
+    return PeerLostError(f"{peer} of {trainer.world_size} stopped (killed or crashed; see its own output), so "
+                         f"rank {trainer.global_rank} stopped too at step {trainer.global_step}; {saved}")
+
 
 
 def _validate_at_end(trainer, module, dm, cfg: RecipeConfig) -> None:

@@ -9,7 +9,11 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -837,3 +841,99 @@ def test_fabric_ddp_strategy_fp8_gradients(tmp_path):
     for fmt in ("e4m3", "fp32"):
         assert r0[f"{fmt}_digest"] == r1[f"{fmt}_digest"], fmt
 
+
+# ---------------------------------------------------------------------------------------------
+# `fp4lightning train` on two ranks when one of them is killed
+
+
+def _train_rank(rank: int, port: int, corpus: Path, out: Path) -> subprocess.Popen:
+    """One rank of a 2-process `fp4lightning train`, launched as torchrun launches it (the variables it
+    sets), so that each rank is a process of this test with its own exit status and stderr."""
+    from tests.test_train import tiny_overrides
+
+    leaked = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR"}
+    env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith(("PL_", "TORCHELASTIC"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(W), RANK=str(rank),
+               LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    cmd = [sys.executable, "-m", "fp4lightning.cli", "train",
+           *tiny_overrides(corpus, out, "trainer.devices=2", "trainer.strategy=ddp", "data.global_batch_size=8",
+                           "schedule.max_steps=100000", "trainer.checkpoint_every_n_steps=2",
+                           "trainer.val_every_n_steps=100000")]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+_GLOO_PEER = """
+import os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False, timeout=timedelta(seconds=120))
+pg = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=120))
+pg.allreduce([torch.ones(4)]).wait()
+os._exit(int(sys.argv[2]))  # gone without leaving the group: as a crash or a kill looks to the other rank
+"""
+
+
+def test_lost_peer_reads_gloos_error_for_a_rank_that_exited():
+    """A real 2-process gloo group (this process and a bare python one, no Lightning): once the peer has
+    exited, the next collective raises gloo's error, which lost_peer names as "rank 1"; an exception
+    raised while handling it is recognised through its context; other errors are not."""
+    from datetime import timedelta
+
+    from fp4lightning.comm import lost_peer
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=120), wait_for_workers=False)
+    peer = subprocess.Popen([sys.executable, "-c", _GLOO_PEER, str(store.port), "1"])
+    try:
+        pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=120))
+        t = torch.ones(4)
+        pg.allreduce([t]).wait()
+        assert peer.wait(timeout=120) == 1 and t.tolist() == [2.0] * 4
+        with pytest.raises(RuntimeError) as gone:
+            pg.allreduce([t]).wait()
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+    assert lost_peer(gone.value, rank=0, world_size=2) == "rank 1", str(gone.value)
+    assert lost_peer(gone.value, rank=0, world_size=4) == "another rank"
+    try:  # what Lightning does: a checkpoint save in on_exception fails the same way, with this as context
+        try:
+            raise gone.value
+        except RuntimeError:
+            raise RuntimeError("barrier failed")
+    except RuntimeError as chained:
+        assert lost_peer(chained, rank=1, world_size=2) == "rank 0"
+    assert lost_peer(RuntimeError("CUDA out of memory"), rank=0, world_size=2) is None
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from tests.test_data import prepared_test_corpus
+
+    return prepared_test_corpus(tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_killed_rank_leaves_one_line_on_the_survivor(corpus, tmp_path):
+    """SIGKILL rank 1 of a running 2-process `fp4lightning train`: rank 0 stops with exit status 2 and one
+    line naming rank 1 and the last checkpoint, not gloo's "Connection reset by peer" traceback."""
+    from fp4lightning.errors import EXIT_USAGE
+
+    out = tmp_path / "run"
+    port = _free_port()
+    survivor, victim = _train_rank(0, port, corpus, out), _train_rank(1, port, corpus, out)
+    try:
+        for line in survivor.stdout:  # rank 0 prints one line per step (log_every_n_steps=1)
+            if line.startswith("step 5/"):
+                break
+        victim.kill()  # SIGKILL
+        victim.wait(timeout=60)
+        _, err = survivor.communicate(timeout=120)
+    finally:
+        for p in (survivor, victim):
+            if p.poll() is None:
+                p.kill()
+    assert victim.returncode == -signal.SIGKILL
+    lines = [l for l in err.splitlines() if l.startswith("fp4lightning train: error:")]
+    assert survivor.returncode == EXIT_USAGE and len(lines) == 1, err[-3000:]
+    assert "rank 1 " in lines[0] and str(out / "checkpoints") in lines[0] and "--resume" in lines[0], lines[0]
+    assert "Traceback" not in err and "Connection reset" not in err, err[-3000:]
