@@ -781,6 +781,7 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
             result = _report(trainer, out, status)
     return result
 
+
 def _peer_lost_error(exc: RuntimeError, trainer, out: Path):
     """A collective's error for a rank that went away (killed, crashed) as one line naming that rank
     and the last checkpoint (``fp4lightning.comm.lost_peer``); None for any other error."""
@@ -794,7 +795,6 @@ def _peer_lost_error(exc: RuntimeError, trainer, out: Path):
              else "no checkpoint yet (the run has to start again)")
     return PeerLostError(f"{peer} of {trainer.world_size} stopped (killed or crashed; see its own output), so "
                          f"rank {trainer.global_rank} stopped too at step {trainer.global_step}; {saved}")
-
 
 
 def _validate_at_end(trainer, module, dm, cfg: RecipeConfig) -> None:
