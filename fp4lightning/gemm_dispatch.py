@@ -57,6 +57,7 @@ __all__ = [
     "block_gemm",
     "triton_quantizers",
     "scaled_mm_unavailable",
+    "quantize_fp4_refold",
     "refold_operand",
     "fp4_gemm_reference",
     "fp4_dgrad_reference",
@@ -200,6 +201,9 @@ def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool 
     """
     scaled = backend_for(x2d.device) == "scaled_mm"
     if triton_quantizers(x2d.device):
+        if scaled:  # one pass writes the packed codes (kept for backward) and the forward's E4M3 operand
+            return _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor,
+                                                          e4m3=True)
         codes, scale = _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor)
         return codes, scale, None
     codes, scale, values = quantize_rows_reference(x2d, scale_mode, per_tensor=per_tensor, packed=True,
@@ -228,6 +232,10 @@ def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: st
         raise ValueError("quantize_fp4_clamped(fold=True): the scaled_mm backend folds OCC's compensation with "
                          "quantize_fp4_folded (an E4M3 operand), not into decoded values")
     if triton_quantizers(x2d.device):
+        if scaled:
+            codes, scale, resid, e4 = _triton_kernels().triton_quantize_rows_clamped(
+                x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor, e4m3=True)
+            return codes, scale, e4, resid
         codes, scale, resid = _triton_kernels().triton_quantize_rows_clamped(x2d, bounds, scale_mode=scale_mode,
                                                                       per_tensor=per_tensor)
         return codes, scale, None, resid
@@ -278,6 +286,20 @@ def quantize_fp4_folded_steps(x2d: torch.Tensor, bounds: torch.Tensor, scale_mod
     return e4.to(torch.float8_e4m3fn), scale
 
 
+def quantize_fp4_refold(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
+                        per_tensor: bool = False):
+    """What the scaled_mm backend's ``paper`` quantizes the activation to: ``(e4, fold_scale, packed,
+    scale, residual)``, the forward's folded E4M3 operand and its scale (``quantize_fp4_folded``) and
+    what backward rebuilds it from (``refold_operand``): the packed codes, scale and dense residual
+    (x's dtype) of ``quantize_fp4_clamped``. One Triton pass over x on CUDA; two references on CPU."""
+    if triton_quantizers(x2d.device):
+        return _triton_kernels().triton_quantize_rows_folded(x2d, bounds, scale_mode=scale_mode,
+                                                             per_tensor=per_tensor, save=True)
+    e4, fold_scale = quantize_fp4_folded(x2d, bounds, scale_mode, per_tensor)
+    codes, scale, _, resid = quantize_fp4_clamped(x2d, bounds, scale_mode, per_tensor)
+    return e4, fold_scale, codes, scale, resid
+
+
 def refold_operand(codes: torch.Tensor, scale: torch.Tensor, fold_scale: torch.Tensor, resid: tuple,
                    shape: tuple[int, int]) -> torch.Tensor:
     """``quantize_fp4_folded``'s E4M3 operand, bit for bit, rebuilt from what the scaled_mm backend's
@@ -293,6 +315,8 @@ def refold_operand(codes: torch.Tensor, scale: torch.Tensor, fold_scale: torch.T
     idx, vals, _ = resid
     # the shift, from the two scales: 2^-shift exactly (0 <= shift <= 8), NaN for rows folded to NaN
     p = torch.exp2(torch.round(torch.log2(fold_scale / scale)))
+    if triton_quantizers(codes.device):  # two bandwidth-bound kernels (kernels/scaled_mm.py)
+        return _scaled_mm_kernels().triton_refold(codes, scale, p, idx, vals, k)
     r = torch.zeros(m * k + 1, dtype=vals.dtype, device=vals.device)
     r.scatter_(0, idx.long(), vals)  # unique indices; the padding slots land in the spare element
     v = decode_packed_fp4(codes, k, torch.float32) + r[:m * k].view(m, k).float() * scale[:, None]

@@ -98,8 +98,8 @@ class _FP4LinearFn(torch.autograd.Function):
             refold = cfg.occ and backend == "scaled_mm" and (cfg.occ_fold_e4m3 or cfg.occ_compensation)
             if refold:
                 bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-                a_fold, fold_scale = gemm_dispatch.quantize_fp4_folded(x2d, bounds, cfg.scale_mode, per_tensor_a)
-                a_codes, a_scale, _, r = gemm_dispatch.quantize_fp4_clamped(x2d, bounds, cfg.scale_mode, per_tensor_a)
+                a_fold, fold_scale, a_codes, a_scale, r = gemm_dispatch.quantize_fp4_refold(
+                    x2d, bounds, cfg.scale_mode, per_tensor_a)
                 resid = _compact_residual(r, cfg.occ_alpha)  # R in x's dtype: the refold needs its bits
                 r = None
             elif cfg.occ and cfg.occ_fold_e4m3:

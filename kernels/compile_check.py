@@ -87,7 +87,7 @@ def _cases(all_configs: bool = False):
     (the first row of the Hopper sweeps for sm_90, of the mma.sync sweeps for sm_80, as
     ``gemm._prune`` picks them with autotuning off), or every row with ``all_configs``."""
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
-                   M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I)
+                   e_ptr="*u8", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
     f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
                     stride_qm=_I, stride_qn=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
@@ -139,7 +139,22 @@ def _scaled_mm_cases():
     """The Triton kernels around the scaled_mm backend's ``torch._scaled_mm`` GeMMs
     (kernels/scaled_mm.py): the weight gradient's epilogue (addend, DGE factor)."""
     bn, bk = scaled_mm.FINISH_BLOCK
-    return [dict(name="scaled_mm wgrad epilogue + addend * DGE", arch=90, kind="quantize",
+    bm, bkh = scaled_mm.REFOLD_BLOCK
+    blk = scaled_mm.REFOLD_OUTLIER_BLOCK
+    refold = [
+        dict(name="scaled_mm paper: refold codes * 2^-shift -> E4M3", arch=90, kind="quantize",
+             fn=scaled_mm._refold_codes_kernel,
+             types=dict(q_ptr="*u8", p_ptr="*fp32", e_ptr="*u8", M=_I, KH=_I, stride_q=_I, stride_e=_I),
+             consts=dict(BLOCK_M=bm, BLOCK_KH=bkh), num_warps=4, num_stages=1, block_m=None, block_n=None,
+             block_k=None, mma_dtype=None, is_default=True, elements_per_thread=bm * 2 * bkh // 128),
+        dict(name="scaled_mm paper: refold the compact residual's outliers", arch=90, kind="quantize",
+             fn=scaled_mm._refold_outliers_kernel,
+             types=dict(idx_ptr="*i32", v_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", p_ptr="*fp32", e_ptr="*u8",
+                        N_SLOTS=_I, MK=_I, K=_I, stride_q=_I, stride_e=_I),
+             consts=dict(BLOCK=blk), num_warps=4, num_stages=1, options=dict(enable_fp_fusion=False), block_m=None,
+             block_n=None, block_k=None, mma_dtype=None, is_default=True, elements_per_thread=blk // 128),
+    ]
+    return refold + [dict(name="scaled_mm wgrad epilogue + addend * DGE", arch=90, kind="quantize",
                  fn=scaled_mm._wgrad_finish_kernel,
                  types=dict(y_ptr="*fp32", c_ptr="*fp32", w_ptr="*fp32", sw_ptr="*fp32", N=_I, K=_I, stride_y=_I,
                             stride_cn=_I, stride_ck=_I, stride_w=_I),
@@ -162,16 +177,18 @@ def _quantizer_cases(q_types, f8_types):
     body counted once)."""
     cases = []
 
-    def fp4(name, k, clamp):
+    def fp4(name, k, clamp, e4m3=False):
         bm, bkh, single, warps = quantize.fp4_launch_params((k + 1) // 2)
         cases.append(dict(name=f"{name}, K={k}" + ("" if single else " (two passes)"), arch=90, kind="quantize",
                           fn=quantize._quantize_fp4_kernel, types=q_types, num_warps=warps, num_stages=1,
                           consts=dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=bm, BLOCK_KH=bkh, SINGLE_PASS=single,
-                                      CLAMP=clamp), elements_per_thread=bm * 2 * bkh // (32 * warps)))
+                                      CLAMP=clamp, E4M3=e4m3), elements_per_thread=bm * 2 * bkh // (32 * warps)))
 
     fp4("quantize_fp4 rows", QUANT_DIM, False)
     fp4("quantize_fp4 rows + OCC clamp + residual", QUANT_DIM, True)
     fp4("quantize_fp4 rows", QUANT_FFN, False)
+    fp4("quantize_fp4 rows + E4M3 operand (scaled_mm)", QUANT_DIM, False, e4m3=True)
+    fp4("quantize_fp4 rows + E4M3 operand (scaled_mm)", QUANT_FFN, False, e4m3=True)
     e5 = dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN)
     for n in (QUANT_DIM, QUANT_FFN):  # dgrad's operand dY / s_w, one scale per row
         bm, bn, single, warps = quantize.fp8_rows_launch_params(n)
@@ -182,15 +199,19 @@ def _quantizer_cases(q_types, f8_types):
     # OCC folded into an E4M3 activation operand (FP4Config.occ_fold_e4m3), launched without FMA
     # contraction as FP4Linear launches it
     fold_types = dict(x_ptr="*bf16", e_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", bounds_ptr="*fp32", M=_I, K=_I,
-                      stride_xm=_I, stride_em=_I)
+                      stride_xm=_I, stride_em=_I, q_ptr="*u8", sa_ptr="*fp32", r_ptr="*bf16", stride_qm=_I,
+                      stride_rm=_I)
     for k in (QUANT_DIM, QUANT_FFN):
         bm, bk, single, warps = quantize.fold_launch_params(k)
-        cases.append(dict(name=f"quantize_fp4 folded e4m3 (OCC), K={k}" + ("" if single else " (two passes)"),
-                          arch=90, kind="quantize", fn=quantize._quantize_fp4_fold_kernel, types=fold_types,
-                          consts=dict(POW2=False, GIVEN_AMAX=False, SINGLE_PASS=single, BLOCK_M=bm, BLOCK_K=bk,
-                                      MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN),
-                          num_warps=warps, num_stages=1, options=dict(enable_fp_fusion=False),
-                          elements_per_thread=bm * bk // (32 * warps)))
+        # SAVE: the scaled_mm backend's `paper` also writes the packed codes and the residual
+        for save in (False, True):
+            name = "quantize_fp4 folded e4m3 (OCC)" + (" + codes + residual (scaled_mm paper)" if save else "")
+            cases.append(dict(name=f"{name}, K={k}" + ("" if single else " (two passes)"),
+                              arch=90, kind="quantize", fn=quantize._quantize_fp4_fold_kernel, types=fold_types,
+                              consts=dict(POW2=False, GIVEN_AMAX=False, SINGLE_PASS=single, BLOCK_M=bm, BLOCK_K=bk,
+                                          MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN, SAVE=save),
+                              num_warps=warps, num_stages=1, options=dict(enable_fp_fusion=False),
+                              elements_per_thread=bm * bk // (32 * warps)))
     # wgrad's operand dY / s_a, one scale per column, column-major out: absmax pass, then encode
     (am, an, aw), (bm, bn, warps) = quantize.fp8_cols_launch_params(QUANT_TOKENS, QUANT_DIM, column_major=True)
     cases.append(dict(name="fp8 column absmax / divisor", arch=90, kind="quantize", fn=quantize._col_amax_kernel,

@@ -29,6 +29,7 @@ from fp4lightning.constants import (E4M3_FOLD_MAX_SHIFT, F8E4M3_EMIN, F8E4M3_MAN
                                     F8E5M2_MANT_BITS, F8E5M2_MAX)
 
 from ._common import (
+    _e2m1_to_bits,
     AMAX_EPS_C,
     E2M1_MAX_C,
     F8E4M3_MAX_C,
@@ -84,13 +85,17 @@ def _row_amax(x):
 
 
 @triton.jit
-def _encode_fp4_store(x, scale, q_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr):
-    """E2M1-encode a [BLOCK_M, 2*BLOCK_KH] fp32 tile with per-row ``scale`` and store packed bytes."""
+def _encode_fp4_store(x, scale, q_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, e_ptrs, e_mask,
+                      E4M3: tl.constexpr):
+    """E2M1-encode a [BLOCK_M, 2*BLOCK_KH] fp32 tile with per-row ``scale`` and store packed bytes;
+    with E4M3 also each code's exact E4M3 byte at ``e_ptrs`` (the scaled_mm backend's GeMM operand)."""
     s = scale[:, None]
     y = x * s
     y = tl.where(s == s, y, 0.0)  # NaN-scale rows: zero codes (the reference's nan_to_num)
     mag = minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0)
     code = mag | (sign_bit(y) << 3)
+    if E4M3:
+        tl.store(e_ptrs, _e2m1_to_bits(code, 3, 0x30, 7).to(tl.uint8), mask=e_mask)
     even, odd = tl.split(code.reshape(BLOCK_M, BLOCK_KH, 2))
     tl.store(q_ptrs, (even | (odd << 4)).to(tl.uint8), mask=mask)
 
@@ -115,15 +120,16 @@ def _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP: tl.constexpr, 
 
 @triton.jit
 def _quantize_fp4_kernel(
-    # pointers (r_ptr, bounds_ptr: OCC residual out and [lo, hi], used when CLAMP)
-    x_ptr, q_ptr, s_ptr, amax_ptr, r_ptr, bounds_ptr,
+    # pointers (r_ptr, bounds_ptr: OCC residual out and [lo, hi], used when CLAMP; e_ptr: the E4M3
+    # operand out, used when E4M3)
+    x_ptr, q_ptr, s_ptr, amax_ptr, r_ptr, bounds_ptr, e_ptr,
     # sizes
     M, K, KH,
     # strides (the inner stride is 1)
-    stride_xm, stride_qm, stride_rm,
+    stride_xm, stride_qm, stride_rm, stride_em,
     # meta-parameters
     POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr, CLAMP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, E4M3: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -131,6 +137,7 @@ def _quantize_fp4_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
     r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rm
+    e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_em
     ke = tl.arange(0, 2 * BLOCK_KH)  # element offsets in one block
     kb = tl.arange(0, BLOCK_KH)  # byte offsets in one block
     lo = 0.0
@@ -147,7 +154,8 @@ def _quantize_fp4_kernel(
         if not GIVEN_AMAX:
             amax = _row_amax(x)
         scale = _fp4_scale(amax, POW2)
-        _encode_fp4_store(x, scale, q_rows + kb[None, :], row_ok[:, None] & (kb < KH)[None, :], BLOCK_M, BLOCK_KH)
+        _encode_fp4_store(x, scale, q_rows + kb[None, :], row_ok[:, None] & (kb < KH)[None, :], BLOCK_M, BLOCK_KH,
+                          e_rows + ke[None, :], row_ok[:, None] & (ke < K)[None, :], E4M3)
     # --- two passes: absmax over the row, then encode
     else:
         if not GIVEN_AMAX:
@@ -162,7 +170,8 @@ def _quantize_fp4_kernel(
             x = _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP, True)
             h0 = k0 // 2
             _encode_fp4_store(x, scale, q_rows + h0 + kb[None, :], row_ok[:, None] & (h0 + kb < KH)[None, :],
-                              BLOCK_M, BLOCK_KH)
+                              BLOCK_M, BLOCK_KH, e_rows + k0 + ke[None, :], row_ok[:, None] & (k0 + ke < K)[None, :],
+                              E4M3)
 
     tl.store(s_ptr + rows, scale, mask=row_ok)
 
@@ -216,7 +225,7 @@ def _tensor_amax(x2d, lohi):
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
 
 
-def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
+def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3=False):
     x2d = _check_input(x2d, scale_mode, bounds)
     m, k = x2d.shape
     kh = (k + 1) // 2
@@ -227,33 +236,38 @@ def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh):
     if bounds is not None:
         lohi = _clamp_bounds(x2d, bounds)
         resid = torch.empty(m, k, dtype=x2d.dtype, device=x2d.device)
+    # the E4M3 operand's rows padded to 16 bytes (what _scaled_mm and the FP8 GeMMs load)
+    e = torch.empty(m, (k + 15) // 16 * 16, dtype=torch.uint8, device=x2d.device) if e4m3 else q
     amax = _tensor_amax(x2d, lohi) if per_tensor else scale
     block_m, blk, single, warps = fp4_launch_params(kh, block_kh)
     _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
-        x2d, q, scale, amax, resid, scale if lohi is None else lohi, m, k, kh, x2d.stride(0), q.stride(0),
-        resid.stride(0),
+        x2d, q, scale, amax, resid, scale if lohi is None else lohi, e, m, k, kh, x2d.stride(0), q.stride(0),
+        resid.stride(0), e.stride(0),
         POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, CLAMP=bounds is not None,
-        BLOCK_M=block_m, BLOCK_KH=blk, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_KH=blk, E4M3=e4m3, num_warps=warps,
     )
-    return q, scale, (resid if bounds is not None else None)
+    return q, scale, (resid if bounds is not None else None), (e.view(torch.float8_e4m3fn)[:, :k] if e4m3 else None)
 
 
 def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
-                  block_kh: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_kh: int | None = None, e4m3: bool = False):
     """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
 
     Bit-identical to ``fp4lightning.quantize.quantize_rows_reference(x2d, scale_mode, per_tensor)``
     (codes, padding nibble and scales, NaN scales for non-finite rows included).
     ``x2d``: fp32/bf16/fp16, 2-D, contiguous rows, on CUDA (or CPU under the
     interpreter). ``block_kh`` (bytes per block, power of two) is a tuning/testing
-    override; rows longer than it are quantized in two passes.
+    override; rows longer than it are quantized in two passes. With ``e4m3`` the same pass
+    also writes the codes' exact E4M3 values, ``(packed, scale, e4 (M, K))`` (row stride padded
+    to 16 bytes): the scaled_mm backend's forward operand, next to the packed codes kept for
+    backward.
     """
-    q, scale, _ = _quantize_fp4(x2d, scale_mode, per_tensor, None, block_kh)
-    return q, scale
+    q, scale, _, e = _quantize_fp4(x2d, scale_mode, per_tensor, None, block_kh, e4m3)
+    return (q, scale, e) if e4m3 else (q, scale)
 
 
 def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
-                          per_tensor: bool = False, *, block_kh: int | None = None):
+                          per_tensor: bool = False, *, block_kh: int | None = None, e4m3: bool = False):
     """OCC clamp fused into the FP4 quantizer (section 3.3): ``(packed, scale, residual)``.
 
     Equals ``occ_clamp(x2d, bounds)`` followed by ``triton_quantize_rows`` on the clamped
@@ -261,9 +275,11 @@ def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_
     as the reference does, the codes and scales are bit-identical, and ``residual``
     (dense, x's dtype) is ``x - clamp(x)``, computed in fp32 and rounded once to x's
     dtype (as torch rounds the bf16/fp16 subtraction). One read of x instead of three
-    tensors' worth of traffic (clamp write, residual write, quantizer read).
+    tensors' worth of traffic (clamp write, residual write, quantizer read). ``e4m3``: also the
+    E4M3 operand, ``(packed, scale, residual, e4)`` (as ``triton_quantize_rows``).
     """
-    return _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh)
+    q, scale, resid, e = _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3)
+    return (q, scale, resid, e) if e4m3 else (q, scale, resid)
 
 
 # --------------------------------------------------------------------------- FP4 + OCC folded in E4M3
@@ -361,6 +377,21 @@ def _fold_encode_store(v, shift, bad, e_ptrs, mask, MANT: tl.constexpr, EMIN: tl
 
 
 @triton.jit
+def _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What the scaled_mm backend keeps for backward of the clamped tile: its packed E2M1 codes
+    (those of ``triton_quantize_rows_clamped``) and the residual R in x's dtype."""
+    tl.store(r_rows + k0 + ke[None, :], r.to(r_rows.dtype.element_ty), mask=mask)
+    s = scale[:, None]
+    y = tl.where(s == s, xc * s, 0.0)  # NaN-scale rows: zero codes
+    code = minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0) | (sign_bit(y) << 3)
+    even, odd = tl.split(code.reshape(BLOCK_M, BLOCK_K // 2, 2))
+    kb = tl.arange(0, BLOCK_K // 2)
+    h0 = k0 // 2
+    tl.store(q_rows + h0 + kb[None, :], (even | (odd << 4)).to(tl.uint8),
+             mask=row_ok[:, None] & (h0 + kb < (K + 1) // 2)[None, :])
+
+
+@triton.jit
 def _quantize_fp4_fold_kernel(
     x_ptr, e_ptr, s_ptr, amax_ptr, bounds_ptr,
     M, K,
@@ -368,6 +399,8 @@ def _quantize_fp4_fold_kernel(
     POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MANT: tl.constexpr = F8E4M3_MANT_BITS,
     EMIN: tl.constexpr = F8E4M3_EMIN,
+    # SAVE (the scaled_mm backend's `paper`): also the packed codes, s_a and the residual R
+    q_ptr=None, sa_ptr=None, r_ptr=None, stride_qm=0, stride_rm=0, SAVE: tl.constexpr = False,
 ):
     # OCC clamp, FP4 scale, E2M1 rounding, residual folded back in, per-row power-of-two shift,
     # E4M3 encode. SINGLE_PASS: the row block sits in registers, x is read once. Otherwise two
@@ -380,6 +413,9 @@ def _quantize_fp4_fold_kernel(
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     e_rows = e_ptr + rows.to(tl.int64)[:, None] * stride_em
+    if SAVE:
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
+        r_rows = r_ptr + rows.to(tl.int64)[:, None] * stride_rm
     ke = tl.arange(0, BLOCK_K)
     lo = tl.load(bounds_ptr)
     hi = tl.load(bounds_ptr + 1)
@@ -395,6 +431,8 @@ def _quantize_fp4_fold_kernel(
         bad = (scale != scale) | (fbits >= 0x7F800000)  # NaN, or +/-inf in the folded row
         shift = _fold_shift(tl.where(bad, 0.0, fbits.to(tl.float32, bitcast=True)))
         _fold_encode_store(v, shift, bad, e_rows + ke[None, :], mask, MANT, EMIN)
+        if SAVE:
+            _fold_save(xc, r, scale, q_rows, r_rows, 0, ke, mask, row_ok, K, BLOCK_M, BLOCK_K)
     else:
         kmax = tl.full([BLOCK_M], -2147483648, tl.int32)
         kmin = tl.full([BLOCK_M], 2147483647, tl.int32)
@@ -423,7 +461,11 @@ def _quantize_fp4_fold_kernel(
             xc, r, mask = _fold_load(x_rows, k0, ke, row_ok, K, lo, hi)
             _fold_encode_store(_folded_values(xc, r, scale[:, None]), shift, bad, e_rows + k0 + ke[None, :], mask,
                                MANT, EMIN)
+            if SAVE:
+                _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M, BLOCK_K)
     tl.store(s_ptr + rows, tl.where(bad, float("nan"), scale * _pow2_neg(shift)), mask=row_ok)  # s_a 2^-shift
+    if SAVE:
+        tl.store(sa_ptr + rows, scale, mask=row_ok)
 
 
 def fold_launch_params(k: int, block_k: int | None = None) -> tuple[int, int, bool, int]:
@@ -437,7 +479,7 @@ def fold_launch_params(k: int, block_k: int | None = None) -> tuple[int, int, bo
 
 
 def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
-                                per_tensor: bool = False, *, block_k: int | None = None):
+                                per_tensor: bool = False, *, block_k: int | None = None, save: bool = False):
     """OCC folded into the activation operand in E4M3 (``FP4Config.occ_fold_e4m3``): ``(e4, scale)``.
 
     One pass over x does what the reference does in three steps: ``quantize_fp4_clamped(x2d,
@@ -453,6 +495,11 @@ def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_m
     ``e4`` is (M, K) ``torch.float8_e4m3fn``, a view of a buffer whose row stride is a
     multiple of 16 bytes (16-byte aligned loads and TMA in the FP8 GeMM). ``block_k`` (power
     of two) is a testing override; longer rows take the two-pass path.
+
+    ``save`` (the scaled_mm backend's ``paper``): the same pass also writes what backward rebuilds
+    the operand from (``gemm_dispatch.refold_operand``), ``(e4, scale, packed, s_a, residual)``: the
+    packed codes and scale of ``triton_quantize_rows_clamped`` and the residual ``x - clamp(x)`` in
+    x's dtype, bit-identical to it.
     """
     x2d = _check_input(x2d, scale_mode, bounds)
     m, k = x2d.shape
@@ -460,13 +507,21 @@ def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_m
     buf = torch.empty(m, (k + 15) // 16 * 16, dtype=torch.uint8, device=x2d.device)
     scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
     amax = _tensor_amax(x2d, lohi) if per_tensor else scale
+    if save:
+        q = torch.empty(m, (k + 1) // 2, dtype=torch.uint8, device=x2d.device)
+        s_a = torch.empty(m, dtype=torch.float32, device=x2d.device)
+        resid = torch.empty(m, k, dtype=x2d.dtype, device=x2d.device)
+    else:  # placeholders, never touched
+        q, s_a, resid = buf, scale, buf
     block_m, blk, single, warps = fold_launch_params(k, block_k)
     _quantize_fp4_fold_kernel[(triton.cdiv(m, block_m),)](
         x2d, buf, scale, amax, lohi, m, k, x2d.stride(0), buf.stride(0),
         POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, BLOCK_M=block_m, BLOCK_K=blk,
+        q_ptr=q, sa_ptr=s_a, r_ptr=resid, stride_qm=q.stride(0), stride_rm=resid.stride(0), SAVE=save,
         num_warps=warps, enable_fp_fusion=False,
     )
-    return buf.view(torch.float8_e4m3fn)[:, :k], scale
+    e4 = buf.view(torch.float8_e4m3fn)[:, :k]
+    return (e4, scale, q, s_a, resid) if save else (e4, scale)
 
 
 # --------------------------------------------------------------------------- FP8

@@ -47,12 +47,12 @@ import triton.language as tl
 
 from fp4lightning.formats import decode_packed_fp4
 
-from ._common import FP8_FAST_ACCUM
+from ._common import F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, _e2m1_to_bits, minifloat_bits, sign_bit
 from ._common import check_same_device as check_kernel_devices
 from .gemm import _dge_factor
 
 __all__ = ["ALIGN", "fits", "e4m3_rows", "e4m3_cols", "fp8_cols", "scaled_fp4_gemm", "scaled_fp4_dgrad",
-           "scaled_fp4_wgrad", "triton_wgrad_finish"]
+           "scaled_fp4_wgrad", "triton_wgrad_finish", "triton_refold"]
 
 #: cuBLASLt's FP8 GeMM reads rows whose length and stride are multiples of 16 elements (bytes)
 ALIGN = 16
@@ -200,6 +200,85 @@ def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, 
     ones = torch.ones(dw.shape[0], dtype=torch.float32, device=dw.device)  # the scales are applied already
     return fused.wgrad_epilogue(dw, ones, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
                                 dge_k, dge_clamp, out_dtype)
+
+
+# --------------------------------------------------------------------------- `paper`'s folded operand, rebuilt
+# Backward rebuilds the forward's folded E4M3 operand, E4M3((A_q + s_a R) 2^-shift), from the packed
+# codes and the compact residual FP4Linear keeps (gemm_dispatch.refold_operand, whose PyTorch form is
+# the reference): the codes times 2^-shift are exact in E4M3 (down to 0.5 x 2^-8 = 2^-9, its smallest
+# subnormal), so one bandwidth-bound pass writes them (0.5 B read, 1 B written per element), and a
+# second kernel over the compact residual's ~2% slots overwrites the outliers.
+@triton.jit
+def _e2m1_f32(c):
+    """4-bit E2M1 codes (int32) -> their exact fp32 values (-0.0 for the negative zero code)."""
+    return _e2m1_to_bits(c, 23, 0x3F000000, 31).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """E4M3 bit patterns (uint8) of fp32 ``v``: saturating at 448, nearest-even (exact arithmetic)."""
+    mag = minifloat_bits(tl.minimum(tl.abs(v), F8E4M3_MAX_C), 3, -6)  # E4M3: 3 mantissa bits, emin -6
+    return (mag | (sign_bit(v) << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _refold_codes_kernel(q_ptr, p_ptr, e_ptr, M, KH, stride_q, stride_e, BLOCK_M: tl.constexpr,
+                         BLOCK_KH: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1) * BLOCK_KH + tl.arange(0, BLOCK_KH)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (kb < KH)[None, :]
+    b = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + kb[None, :], mask=mask, other=0).to(tl.int32)
+    p = tl.load(p_ptr + rows, mask=row_ok, other=1.0)[:, None]
+    q = tl.join(_e2m1_f32(b & 0xF), _e2m1_f32(b >> 4)).reshape(BLOCK_M, 2 * BLOCK_KH)
+    # rows folded to NaN: zeros; the negative zero code gives +0, as A_q + s_a R = -0.0 + 0.0 does
+    e = tl.where((p == p) & (q != 0.0), _e4m3_bits(q * p), 0)
+    ke = tl.program_id(1) * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
+    tl.store(e_ptr + rows.to(tl.int64)[:, None] * stride_e + ke[None, :], e.to(tl.uint8),
+             mask=row_ok[:, None] & (ke < 2 * KH)[None, :])
+
+
+@triton.jit
+def _refold_outliers_kernel(idx_ptr, v_ptr, q_ptr, s_ptr, p_ptr, e_ptr, N_SLOTS, MK, K, stride_q, stride_e,
+                            BLOCK: tl.constexpr):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    idx = tl.load(idx_ptr + j, mask=j < N_SLOTS, other=MK).to(tl.int64)
+    ok = idx < MK  # padding slots hold M K
+    m = tl.where(ok, idx // K, 0)
+    k = tl.where(ok, idx % K, 0)
+    b = tl.load(q_ptr + m * stride_q + k // 2, mask=ok, other=0).to(tl.int32)
+    q = _e2m1_f32((b >> (4 * (k % 2).to(tl.int32))) & 0xF)
+    r = tl.load(v_ptr + j, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + m, mask=ok, other=1.0)
+    p = tl.load(p_ptr + m, mask=ok, other=1.0)
+    v = q + r * s  # A_q + s_a R, product and sum rounded apart (launched without FMA contraction)
+    e = tl.where(p == p, _e4m3_bits(v * p), 0)
+    tl.store(e_ptr + m * stride_e + k, e.to(tl.uint8), mask=ok)
+
+
+#: tiles of the two refold kernels (bandwidth-bound: 4K codes, 1K residual slots per program)
+REFOLD_BLOCK = (32, 64)
+REFOLD_OUTLIER_BLOCK = 1024
+
+
+def triton_refold(codes: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
+                  k: int) -> torch.Tensor:
+    """The folded E4M3 operand (M, k) (row stride padded to 16 bytes) from the packed codes (M, k/2),
+    the clamped activation's scale ``s_a``, the per-row ``2^-shift`` (NaN for rows folded to NaN) and
+    the compact residual's flat indices and values; ``gemm_dispatch.refold_operand`` bit for bit."""
+    m, kh = codes.shape
+    check_kernel_devices(codes=codes, scale=scale, p=p, idx=idx, vals=vals)
+    e = torch.empty(m, _round_up(k), dtype=torch.uint8, device=codes.device)
+    bm, bkh = (16, 32) if INTERPRET else REFOLD_BLOCK
+    _refold_codes_kernel[(triton.cdiv(m, bm), triton.cdiv(kh, bkh))](
+        codes, p, e, m, kh, codes.stride(0), e.stride(0), BLOCK_M=bm, BLOCK_KH=bkh, num_warps=4)
+    n = idx.numel()
+    if n:
+        block = 256 if INTERPRET else REFOLD_OUTLIER_BLOCK
+        _refold_outliers_kernel[(triton.cdiv(n, block),)](
+            idx, vals, codes, scale, p, e, n, m * k, k, codes.stride(0), e.stride(0), BLOCK=block, num_warps=4,
+            enable_fp_fusion=False)
+    return e.view(E4M3)[:, :k]
 
 
 # --------------------------------------------------------------------------- wgrad's epilogue on a GPU

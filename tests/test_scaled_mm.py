@@ -328,3 +328,66 @@ def test_paper_on_scaled_mm_compact_residual_overflow_is_a_nan_weight_gradient(m
     lin = FP4Linear(64, 32, config=FP4Config(occ_quantile="exact")).to(DEV)
     _, dx, dw, _ = _run(lin, _outliers(32, 64), torch.randn(32, 32, device=DEV), "scaled_mm", monkeypatch)
     assert torch.isnan(dw).all() and torch.isfinite(dx).all()
+
+
+# --------------------------------------------------------------------------- the Triton quantizers it runs on a GPU
+# (under the interpreter on CPU; compiled for sm_90a by kernels/compile_check.py)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [None, 16], ids=["one-pass", "two-pass"])
+def test_triton_quantizer_writes_codes_and_e4m3_operand_in_one_pass(dtype, block):
+    from fp4lightning.kernels import fp4_triton as kt
+    from fp4lightning.occ import occ_clamp
+    x, _ = _operands(37, 96, 16, dtype)
+    x[4, 3] = float("nan")
+    codes, scale, e4 = kt.triton_quantize_rows(x, block_kh=block, e4m3=True)
+    rc, rs, rv = quantize_rows_reference(x, packed=True, return_values=True)
+    assert torch.equal(codes, rc) and torch.equal(scale.nan_to_num(), rs.nan_to_num()) and scale[4].isnan()
+    assert e4.dtype == torch.float8_e4m3fn and e4.stride(0) % 16 == 0 and torch.equal(e4.float(), rv)
+    bounds = torch.tensor([-1.0, 1.5])
+    c2, s2, r2, e2 = kt.triton_quantize_rows_clamped(x, bounds, block_kh=block, e4m3=True)
+    xc, rr = occ_clamp(x, bounds)
+    rc2, _, rv2 = quantize_rows_reference(xc, packed=True, return_values=True)
+    assert torch.equal(c2, rc2) and torch.equal(e2.float(), rv2)
+    assert torch.equal(r2.nan_to_num(), rr.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_k", [None, 32], ids=["one-pass", "two-pass"])
+def test_triton_fold_quantizer_also_writes_what_backward_refolds_from(dtype, block_k, monkeypatch):
+    from fp4lightning.kernels import fp4_triton as kt
+    from fp4lightning.linear import _compact_residual
+    from fp4lightning.occ import occ_bounds
+    x = _outliers(41, 74, dtype)
+    x[2, 9], x[7, 0] = float("nan"), float("-inf")
+    bounds = occ_bounds(x, 0.97, "exact")
+    e4, s_fold, codes, s_a, resid = kt.triton_quantize_rows_folded(x, bounds, block_k=block_k, save=True)
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
+    re4, rs_fold = gemm_dispatch.quantize_fp4_folded(x, bounds)
+    rcodes, rs_a, _, rresid = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+
+    def same(a, b):
+        return torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a.nan_to_num(),
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b.nan_to_num())
+
+    assert same(e4, re4) and same(s_fold, rs_fold) and same(codes, rcodes) and same(s_a, rs_a)
+    assert same(resid, rresid) and torch.equal(resid.isnan(), rresid.isnan())
+    # the backward's rebuild kernels (codes, then the compact residual's outliers) give the same bytes
+    from fp4lightning.kernels import scaled_mm as ksm
+    comp = _compact_residual(resid, 0.97)
+    p = torch.exp2(torch.round(torch.log2(s_fold / s_a)))
+    got = ksm.triton_refold(codes, s_a, p, comp[0], comp[1], 74)
+    assert got.stride(0) % 16 == 0 and same(got, re4)
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_fp4linear_scaled_mm_with_the_triton_quantizers(preset, monkeypatch):
+    # the GPU's scaled_mm path (Triton quantizers writing the E4M3 operands, the fold's one pass
+    # and backward's rebuild kernels) against its CPU form (the reference quantizers): the
+    # quantizers' bits are identical, so the layer's results are too
+    lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset, occ_quantile="exact")).to(DEV)
+    x, dy = _outliers(40, 96, torch.bfloat16), torch.randn(40, 48, device=DEV)
+    want = _run(lin, x, dy, "scaled_mm", monkeypatch, autocast=True)
+    monkeypatch.setattr(gemm_dispatch, "triton_quantizers", lambda device: True)
+    got = _run(lin, x, dy, "scaled_mm", monkeypatch, autocast=True)
+    for name, t, r in zip(("y", "dx", "dw", "db"), got, want):
+        assert torch.equal(t, r), name
