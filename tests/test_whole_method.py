@@ -209,6 +209,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_one_device_rounds_as_the_two_process_exchange(tmp_path):
     """The first update of a 2-process gloo run (FP4DDPStrategy, FP8 E4M3 on the wire) and of a one-device
     run with GradCommSimulation, both on the same batch: equal bit for bit.
@@ -263,6 +264,7 @@ def whole_run(tmp_path_factory):
     return result, rec, overrides, corpus
 
 
+@pytest.mark.slow
 def test_recipe_run_trains_with_the_whole_method(whole_run):
     result, rec, _, _ = whole_run
     assert len(rec.grads) == 2
@@ -278,6 +280,7 @@ def test_recipe_run_trains_with_the_whole_method(whole_run):
     assert (recipe["optimizer"]["states"], recipe["trainer"]["grad_comm"]) == ("fp8-fp16", "fp8-e4m3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change,key", [("optimizer.states=fp32", "optimizer.states"),
                                         ("optimizer.states=fp16", "optimizer.states"),
                                         ("trainer.grad_comm=fp8-e5m2", "trainer.grad_comm")])
@@ -290,6 +293,7 @@ def test_resume_refuses_a_changed_method_key(whole_run, change, key):
         build(load_recipe(None, [*overrides, change]), resume=True)
 
 
+@pytest.mark.slow
 def test_checkpoint_from_before_the_keys_resumes_with_a_note(whole_run, tmp_path, capsys):
     """The keys removed from a checkpoint's recorded recipe (as one written before them): it trained with
     fp32 states and, on one device, fp32 gradients; a recipe saying so resumes with a note, one that
@@ -359,6 +363,7 @@ def _fsdp_states(rank, out_dir):
     return res
 
 
+@pytest.mark.slow
 def test_fsdp_shards_reduced_precision_states(tmp_path):
     from tests.test_fsdp import _spawn
 
@@ -368,3 +373,45 @@ def test_fsdp_shards_reduced_precision_states(tmp_path):
         assert r["fp16"]["state_dict_round_trip"] and r["fp16"]["sharded"] == "DTensor", r
         assert r["fp8-fp16"]["m_scales_equal"] and r["fp8-fp16"]["m_dtype"] == "torch.float8_e4m3fn", r
     assert r0 == r1
+
+
+def _fsdp_recipe_run(rank, out_dir, corpus):
+    """`fp4lightning train` with trainer.strategy=fsdp on one device, FP16 states and FP8 E4M3 gradients (the
+    7B / 13B recipes' method): trains, writes its sharded checkpoint and resumes from it."""
+    import lightning as L
+
+    from fp4lightning.pretrain import train
+    from tests.test_train import tiny_overrides
+
+    res = {"on_grid": [], "optimizer": None}
+
+    class Seen(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            opt = getattr(optimizer, "optimizer", optimizer)
+            res["optimizer"] = type(opt).__name__
+            res["on_grid"].append(all(
+                torch.equal(round_trip_(p.grad.to_local().clone(), "e4m3"), p.grad.to_local())
+                for p in pl_module.parameters() if p.grad is not None))
+
+    overrides = tiny_overrides(corpus, os.path.join(out_dir, "run"), "trainer.strategy=fsdp",
+                               "trainer.val_every_n_steps=2", "trainer.checkpoint_every_n_steps=2",
+                               "optimizer.states=fp16", "trainer.grad_comm=fp8-e4m3")
+    first = train(load_recipe(None, [*overrides, "schedule.max_steps=2"]), callbacks=[Seen()])
+    again = train(load_recipe(None, [*overrides, "schedule.max_steps=3"]), resume=True, callbacks=[Seen()])
+    res.update(first_loss=first.val_loss, resumed_loss=again.val_loss)
+    return res
+
+
+@pytest.mark.slow
+def test_fsdp_recipe_trains_and_resumes_with_the_whole_method(tmp_path, tmp_path_factory):
+    import functools
+    import math
+
+    from tests.test_data import prepared_test_corpus
+    from tests.test_fsdp import _spawn
+
+    corpus = prepared_test_corpus(tmp_path_factory)
+    (r,) = _spawn(functools.partial(_fsdp_recipe_run, corpus=str(corpus)), tmp_path, world=1)
+    # steps 1-2, then step 3 resumed from the sharded checkpoint (a restart would take 3 more)
+    assert r["optimizer"] == "LowPrecisionAdamW" and r["on_grid"] == [True] * 3, r
+    assert math.isfinite(r["first_loss"]) and math.isfinite(r["resumed_loss"]), r
