@@ -417,4 +417,4 @@ def test_prepare_on_a_full_disk_keeps_the_old_data(corpus, tmp_path_factory, tmp
         assert sorted(p.name for p in disk.iterdir()) == [".data.lock", "data", "filler"]  # no build folder left
         PreparedData(old, verify=True)
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # lazy: even if a file there is still open
