@@ -31,9 +31,9 @@ def test_variant_overrides_and_errors():
                                                    "fp4.overrides.dge_frozen_factor=true"]
     # the rest of the paper's method on top of `paper`: states, the gradient exchange, both
     paper = ["trainer.precision=fp4", "fp4.preset=paper"]
-    assert variant_overrides("fp4+states") == [*paper, "optimizer.states=fp16"]
+    assert variant_overrides("fp4+states") == [*paper, "optimizer.states=fp8-fp16"]
     assert variant_overrides("fp4+comm") == [*paper, "trainer.grad_comm=fp8-e4m3"]
-    assert variant_overrides("fp4+all@lr=1e-3") == [*paper, "optimizer.states=fp16", "trainer.grad_comm=fp8-e4m3",
+    assert variant_overrides("fp4+all@lr=1e-3") == [*paper, "optimizer.states=fp8-fp16", "trainer.grad_comm=fp8-e4m3",
                                                     "optimizer.lr=0.001"]
     assert parse_variant("fp4+all").preset == "fp4+all"  # summary.json tells it from `paper`
     with pytest.raises(ValueError, match=r"unknown variant 'fp4\+foo'.*fp4\+states, fp4\+comm, fp4\+all"):
@@ -62,7 +62,7 @@ def test_reuse_and_run_set_see_the_method_keys(tmp_path, capsys):
 
     fp32 = load_recipe(None, [])
     assert reuse_decision(recorded(fp32), fp32)[0] == "reuse"
-    action, why = reuse_decision(recorded(fp32), load_recipe(None, ["optimizer.states=fp16"]))
+    action, why = reuse_decision(recorded(fp32), load_recipe(None, ["optimizer.states=fp8-fp16"]))
     assert action == "train" and "optimizer.states fp32 -> fp16" in why
     action, why = reuse_decision(recorded(fp32), load_recipe(None, ["trainer.grad_comm=fp8-e4m3"]))
     assert action == "train" and "trainer.grad_comm fp32 -> fp8-e4m3" in why
