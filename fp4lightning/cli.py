@@ -115,7 +115,8 @@ def _train_run(args: argparse.Namespace) -> int:
     from fp4lightning.pretrain import train
 
     try:
-        train(cfg, resume=args.resume, verify_data=args.verify_data, overwrite=args.overwrite)
+        train(cfg, resume=args.resume, verify_data=args.verify_data, overwrite=args.overwrite,
+              argv=[*([recipe] if recipe else []), *overrides])
     except SIGTERMException:
         return EXIT_PREEMPTED  # saved and resumable, but not finished: a scheduler must see the difference
     except NonFiniteError as e:

@@ -282,7 +282,7 @@ def plot_curves(metrics: dict[str, list[dict]], png: Path, title: str) -> Path:
                 window = max(1, len(curves[0]) // 30)
                 curves = [dict(zip(sorted(c), _smooth([c[s] for s in sorted(c)], window))) for c in curves]
             steps, mean, std = _mean_curve(curves)
-            xs = [s + 1 for s in steps]
+            xs = steps  # optimizer steps taken, as logged (from 1)
             (line,) = ax.plot(xs, mean, style, label=variant, lw=1.2, ms=3)
             if len(curves) > 1:
                 ax.fill_between(xs, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
@@ -332,7 +332,7 @@ def per_seed_table(rows: list[dict], seeds: list[int]) -> str:
 def val_curve_table(metrics: dict[str, list[dict]]) -> str:
     """Validation loss (mean over seeds) against step."""
     steps = sorted(set.union(*(set(r["val"]) for runs in metrics.values() for r in runs)))
-    lines = ["| step | " + " | ".join(str(s + 1) for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    lines = ["| step | " + " | ".join(str(s) for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
     for v, runs in metrics.items():
         cells = []
         for s in steps:

@@ -11,11 +11,11 @@ Run folder ``<out_dir>`` (``runs/<name>``)::
     config.yaml          resolved recipe (also inside every checkpoint)
     tokenizer.json       copy of the data's tokenizer (also inside every checkpoint)
     checkpoints/         step=NNNNNN.ckpt (latest) and last.ckpt
-    logs/csv/version_N/metrics.csv, logs/tensorboard/version_N/
+    logs/csv/version_N/metrics.csv, logs/tensorboard/version_N/  (step k: after optimizer step k)
     loss.png             train / validation loss curves
 
-Ctrl-C and SIGTERM stop after the current batch and save a checkpoint
-(``ModelCheckpoint(save_on_exception=True)``); ``--resume`` (or ``ckpt_path=last``)
+Ctrl-C (:class:`StopAtStepEnd`) and SIGTERM stop after the current optimizer step and save
+``last.ckpt`` (:class:`RunCheckpoint`); ``--resume`` (or ``ckpt_path=last``)
 continues from ``checkpoints/last.ckpt`` with the same data order, and refuses a checkpoint
 whose model, data-order settings (:data:`DATA_ORDER_KEYS`) or tokenizer differ from the
 recipe's. A fresh run refuses an ``out_dir`` that holds an earlier run's checkpoints or logs
@@ -29,17 +29,21 @@ import csv
 import dataclasses
 import logging
 import os
+import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 from fp4lightning.errors import InputNotFoundError, check_writable_dir
 from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, remove_stale_temporaries, resume_candidates
@@ -455,6 +459,79 @@ class SaveFinalState(L.Callback):
             trainer.save_checkpoint(self.path, weights_only=False)  # a full, resumable checkpoint
 
 
+class RunCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose save on Ctrl-C, SIGTERM or a crash writes ``last.ckpt`` alone.
+
+    Lightning's also writes a numbered ``step=N.ckpt`` then, outside the set it keeps
+    (``save_top_k``): the file stayed for good, and a resumed run's folder held other checkpoint
+    names than an uninterrupted run's. ``--resume`` reads ``last.ckpt``.
+    """
+
+    def on_exception(self, trainer, pl_module, exception):
+        if self._should_save_on_exception(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class StepCounter(L.Callback):
+    """Keep the step Lightning logs at equal to the optimizer steps taken, as checkpoint names,
+    the validation schedule and the progress lines count them.
+
+    Lightning logs at its own count, ``_batches_that_stepped``, which must equal ``global_step``
+    while a step runs. A resume can leave it one ahead (Lightning adds one on restart unless the
+    checkpoint was saved just after a validation, and again when the first resumed batch passes
+    over a validation the interrupted run already ran), so the resumed run's CSV rows were one
+    step ahead of an uninterrupted run's. Set at every micro-batch, it cannot drift.
+    """
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+
+class StopAtStepEnd(L.Callback):
+    """Ctrl-C finishes the optimizer step under way (its log row, a validation due after it)
+    and then stops, and Lightning saves the checkpoint (docs/training.md, "Interrupting and
+    resuming"): a run interrupted anywhere resumes as if never stopped. A second Ctrl-C stops at
+    once. Single-process runs only: the ranks of a data-parallel run would have to agree on the
+    step first; there Ctrl-C stops at once, as before.
+    """
+
+    def __init__(self):
+        self._pressed = False
+        self._previous = None
+
+    def on_train_start(self, trainer, pl_module):
+        self._pressed = False
+        if (trainer.world_size > 1 or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            return  # SIGINT ignored (a background job) or handled by the caller: leave it so
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame):
+        if self._pressed:
+            self._restore()
+            raise KeyboardInterrupt
+        self._pressed = True
+        print("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again stops at once)",
+              file=sys.stderr, flush=True)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._pressed and batch_idx % trainer.accumulate_grad_batches == 0:
+            self._restore()
+            raise KeyboardInterrupt  # Lightning saves the checkpoint (RunCheckpoint) and exits with 1
+
+    def _restore(self):
+        # only while it is still ours: after a Ctrl-C Lightning ignores SIGINT while it saves and exits
+        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._on_sigint:
+            signal.signal(signal.SIGINT, self._previous)
+        self._previous = None
+
+    def on_train_end(self, trainer, pl_module):
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._restore()
+
+
 def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, tokenizer_json: str | None = None):
     """The LightningModule for ``cfg`` (the model itself is built later, in ``configure_model``)."""
     precision = precision or _precision_setup(cfg)
@@ -519,7 +596,7 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     precision = _precision_setup(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = make_module(cfg, precision, tokenizer_json=dm.tokenizer.to_str())
-    checkpoint = ModelCheckpoint(
+    checkpoint = RunCheckpoint(
         dirpath=out / "checkpoints",
         filename="step={step:06d}",
         auto_insert_metric_name=False,
@@ -558,7 +635,8 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
-        callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), guard,
+        callbacks=[checkpoint, SaveFinalState(checkpoint, out / "checkpoints" / LAST_CKPT), StepCounter(),
+                   StopAtStepEnd(), guard,
                    RecordDataFingerprint(data_fingerprint(cfg.data.dir)), *_grad_comm_simulation(cfg), *progress,
                    *extra, *(callbacks or [])],
         enable_progress_bar=interactive,
@@ -572,19 +650,42 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     return trainer, module, dm, ckpt_path
 
 
+class _StepsFromOne:
+    """Logger mixin: optimizer step k's metrics, and a validation run after it, are recorded at step k.
+
+    Lightning passes its count of the steps taken before (k - 1: a fresh run's rows were 0..N-1)
+    while checkpoint names (``step=N.ckpt``), the validation schedule, the progress lines and
+    ``schedule.max_steps`` count k; the logs, ``loss.png`` and ``compare`` count as they do.
+    """
+
+    def log_metrics(self, metrics, step=None):
+        super().log_metrics(metrics, None if step is None else step + 1)
+
+
+class _CSVLogger(_StepsFromOne, CSVLogger):
+    pass
+
+
+class _TensorBoardLogger(_StepsFromOne, TensorBoardLogger):
+    pass
+
+
+class _WandbLogger(_StepsFromOne, WandbLogger):
+    pass
+
+
 def _loggers(cfg: RecipeConfig, out: Path) -> list:
-    """The loggers named by ``trainer.loggers`` (csv, tensorboard, wandb), all writing under ``out/logs``."""
+    """The loggers named by ``trainer.loggers`` (csv, tensorboard, wandb), all writing under ``out/logs``,
+    at steps counted from 1 (:class:`_StepsFromOne`)."""
     names = [n.strip() for n in cfg.trainer.loggers.split(",") if n.strip()]
     loggers = []
     for name in names:
         if name == "csv":
-            loggers.append(CSVLogger(save_dir=out / "logs", name="csv"))
+            loggers.append(_CSVLogger(save_dir=out / "logs", name="csv"))
         elif name == "tensorboard":
-            loggers.append(TensorBoardLogger(save_dir=out / "logs", name="tensorboard", default_hp_metric=False))
+            loggers.append(_TensorBoardLogger(save_dir=out / "logs", name="tensorboard", default_hp_metric=False))
         elif name == "wandb":
-            from lightning.pytorch.loggers import WandbLogger
-
-            loggers.append(WandbLogger(name=cfg.name, save_dir=str(out / "logs"), config=recipe_to_dict(cfg)))
+            loggers.append(_WandbLogger(name=cfg.name, save_dir=str(out / "logs"), config=recipe_to_dict(cfg)))
     return loggers
 
 
@@ -637,7 +738,8 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
 
 
 def _read_csv_losses(log_dir: Path) -> dict[str, dict[int, float]]:
-    """``{"train": {step: loss}, "val": {step: loss}}`` from every CSVLogger version under ``log_dir``:
+    """``{"train": {step: loss}, "val": {step: loss}}`` (step: optimizer steps taken, from 1) from every
+    CSVLogger version under ``log_dir``:
     the versions of one run (its start and its resumes: ``train`` refuses to start another run in a
     folder with logs unless ``--overwrite`` deletes them); later versions overwrite earlier steps."""
     out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
@@ -672,10 +774,10 @@ def plot_losses(log_dir: Path, png: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if train:
         xs = sorted(train)
-        ax.plot([s + 1 for s in xs], [train[s] for s in xs], label="train loss", lw=1.2)
+        ax.plot(xs, [train[s] for s in xs], label="train loss", lw=1.2)
     if val:
         xs = sorted(val)
-        ax.plot([s + 1 for s in xs], [val[s] for s in xs], "o-", label="validation loss", lw=1.5)
+        ax.plot(xs, [val[s] for s in xs], "o-", label="validation loss", lw=1.5)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(png.parent.name)
@@ -700,10 +802,6 @@ _QUIET_LOG_SUBSTRINGS = ("litlogger",)
 class _DropMessages(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        if " was raised with message: " in msg and ", saved checkpoint to " in msg:
-            # ModelCheckpoint's save-on-exception line: false where AtomicCheckpointIO refused to
-            # write a checkpoint holding inf/NaN (it said so itself)
-            return Path(msg.rsplit(", saved checkpoint to ", 1)[1].strip()).exists()
         return not any(s in msg for s in _QUIET_LOG_SUBSTRINGS)
 
 
@@ -723,20 +821,35 @@ def _quiet_lightning():
 
 
 def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None,
-          verify_data: bool = False, overwrite: bool = False) -> TrainResult | None:
+          verify_data: bool = False, overwrite: bool = False,
+          argv: Sequence[str] | None = None) -> TrainResult | None:
     """Train ``cfg``; prints the resolved config first and where the outputs are at the end.
 
     Returns the :class:`TrainResult` on rank 0 (None on other ranks). Re-raises the
     ``KeyboardInterrupt`` / ``SystemExit`` of an interrupted run after reporting it.
     ``overwrite``: start afresh in an ``out_dir`` holding an earlier run, deleting its
-    checkpoints and logs (see :func:`build`).
+    checkpoints and logs (see :func:`build`). ``argv``: the recipe and overrides as given to
+    ``fp4lightning train``, for the command an interrupted run prints (:func:`resume_command`).
     """
     with _quiet_lightning():
-        return _train(cfg, resume, callbacks, verify_data, overwrite)
+        return _train(cfg, resume, callbacks, verify_data, overwrite, argv)
+
+
+def resume_command(cfg: RecipeConfig, argv: Sequence[str] | None = None) -> str:
+    """The shell command that continues the run of ``cfg``, ready to copy and paste.
+
+    ``argv`` (the recipe and ``key=value`` overrides the run was started with) is repeated as
+    given, without a ``ckpt_path=...``, then ``--resume``; without it (``train`` called from
+    Python) the run's own ``config.yaml``. Where the run named a checkpoint (``ckpt_path``, which
+    ``--resume`` does not override, and the recipe file may set) it ends in ``ckpt_path=last``.
+    """
+    words = ([w for w in argv if w.split("=", 1)[0].strip() != "ckpt_path"] if argv is not None
+             else [str(Path(cfg.out_dir) / "config.yaml")])
+    return shlex.join(["fp4lightning", "train", *words, "--resume" if cfg.ckpt_path is None else "ckpt_path=last"])
 
 
 def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data: bool,
-           overwrite: bool) -> TrainResult | None:
+           overwrite: bool, argv: Sequence[str] | None = None) -> TrainResult | None:
     trainer, module, dm, ckpt_path = build(cfg, resume, callbacks, verify_data=verify_data, overwrite=overwrite)
     out = Path(cfg.out_dir)
     if trainer.is_global_zero:
@@ -751,7 +864,7 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
             print(f"resuming from {ckpt_path}", flush=True)
             for line in describe_resume(cfg, ckpt_path):
                 print(line, flush=True)
-    status, result = "failed", None
+    status, result, stopped_at = "failed", None, None
     threads = torch.get_num_threads()
     try:
         if cfg.trainer.num_threads:
@@ -766,8 +879,8 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
         # ModelCheckpoint(save_on_exception=True) has written the checkpoint
         status = "interrupted"
         raise
-    except NonFiniteError:
-        status = "stopped"
+    except NonFiniteError as e:
+        status, stopped_at = "stopped", e.step  # the step its message names
         raise
     except RuntimeError as e:
         lost = _peer_lost_error(e, trainer, out)
@@ -778,7 +891,7 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
     finally:
         torch.set_num_threads(threads)
         if trainer.is_global_zero and status != "peer lost":  # its one line names the checkpoint
-            result = _report(trainer, out, status)
+            result = _report(trainer, out, status, stopped_at, resume_command(cfg, argv))
     return result
 
 
@@ -804,9 +917,9 @@ def _validate_at_end(trainer, module, dm, cfg: RecipeConfig) -> None:
     final weights, not up to ``val_every_n_steps - 1`` steps before them."""
     if not trainer.global_step or trainer.global_step % cfg.trainer.val_every_n_steps == 0:
         return
-    # Lightning logs a validation inside fit at the step count before the step that triggered it
-    # (step - 1, as the CSV log's train rows), and one run by validate() after fit at the count
-    # after it; shift the counter back for this call so the final row lands at the same offset
+    # Lightning logs a validation inside fit at its count before the step that triggered it (the
+    # loggers add one, _StepsFromOne), and one run by validate() after fit at the count after it;
+    # shift the counter back for this call so the final row lands at the last step, as inside fit
     loop = getattr(trainer.fit_loop, "epoch_loop", None)
     shift = loop is not None and isinstance(getattr(loop, "_batches_that_stepped", None), int)
     if shift:
@@ -824,17 +937,19 @@ def _latest_checkpoint(out: Path) -> Path | None:
     return candidates[0] if candidates else None
 
 
-def _report(trainer, out: Path, status: str) -> TrainResult:
-    """The closing banner on success; on failure what was saved and how to resume (stderr)."""
+def _report(trainer, out: Path, status: str, stopped_at: int | None, resume: str) -> TrainResult:
+    """The closing banner on success; on failure what was saved and the command that resumes (stderr).
+    ``stopped_at``: the step that stopped the run (non-finite), else it names the steps completed."""
     png = plot_losses(out / "logs" / "csv", out / "loss.png")
     val = trainer.callback_metrics.get("val/loss")
     val_loss = float(val) if val is not None else None
     logs = [out / "logs" / "csv", out / "logs" / "tensorboard"]
     ckpt = _latest_checkpoint(out)
     if status != "finished":
-        saved = (f"latest checkpoint: {ckpt}\nresume with: fp4lightning train ... --resume   (or ckpt_path={ckpt})"
-                 if ckpt else "no checkpoint was saved; the run has to start again")
-        print(f"\ntraining {status} at step {trainer.global_step}; {saved}", file=sys.stderr, flush=True)
+        saved = (f"latest checkpoint: {ckpt}\nresume with: {resume}" if ckpt
+                 else "no checkpoint was saved; the run has to start again")
+        where = f"at step {stopped_at}" if stopped_at is not None else f"after step {trainer.global_step}"
+        print(f"\ntraining {status} {where}; {saved}", file=sys.stderr, flush=True)
         return TrainResult(out, ckpt.resolve() if ckpt else None, logs, png, val_loss, True)
     print("\n" + "=" * 72, flush=True)
     print(f"finished after {trainer.global_step} steps"

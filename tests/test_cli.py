@@ -197,7 +197,7 @@ def test_resume_checkpoint_without_recorded_settings(corpus, run2, tmp_path, cap
     err = capsys.readouterr().err
     assert not result.interrupted and _step(last) == 3
     assert "does not record data.micro_batch_size, seed, tokenizer" in err and "tokenizer" in err, err
-    assert sorted(read_losses(out)["train"]) == [0, 1, 2]  # versions 0 and 1 of the one run
+    assert sorted(read_losses(out)["train"]) == [1, 2, 3]  # versions 0 and 1 of the one run
 
 
 def test_resume_refuses_data_prepared_with_another_tokenizer(corpus, tmp_path_factory, tmp_path):
@@ -241,7 +241,7 @@ def test_fresh_run_in_a_used_out_dir_needs_overwrite(corpus, run2, tmp_path, cap
     assert str(out / "eval") in printed and not (out / "eval").exists()
     assert _step(last) == 1 and all(_step(p) == 1 for p in (out / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in (out / "logs" / "csv").glob("version_*")] == ["version_0"]
-    assert sorted(read_losses(out)["train"]) == [0]
+    assert sorted(read_losses(out)["train"]) == [1]
 
 
 def test_gpu_requests_fail_before_the_data_is_read(tmp_path, monkeypatch):

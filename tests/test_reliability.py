@@ -165,8 +165,8 @@ def test_persistent_nonfinite_stops_naming_step_and_checkpoint(corpus, tmp_path,
         train(cfg, callbacks=[Injector(from_step=4)])
     assert e.value.step == 6
     err = capsys.readouterr().err
-    # the banner counts completed steps: step 6 never completed
-    assert "training stopped at step 5" in err and "latest checkpoint" in err and "--resume" in err
+    # the banner names the step the error names
+    assert "training stopped at step 6;" in err and "latest checkpoint" in err and "--resume" in err
     assert "finished after" not in err
     ckpts = list((tmp_path / "checkpoints").glob("*.ckpt"))
     assert ckpts and all(_all_finite(p) for p in ckpts)
@@ -196,7 +196,7 @@ def test_diverged_message_wins_over_the_checkpoint_refusal(corpus, tmp_path, cap
     assert "refusing" not in str(e.value)
     err = capsys.readouterr().err
     assert err.count("note: no checkpoint written at step 2: weight model.norm.weight holds inf/NaN") == 1, err[-2000:]
-    assert "training stopped at step 2" in err
+    assert "training stopped at step 3;" in err
     assert not list((tmp_path / "checkpoints").glob("*.ckpt"))  # nothing NaN on disk
     # and Lightning's "..., saved checkpoint to <file>" line is dropped: no such file was written
     assert "was raised with message" not in caplog.text + err, caplog.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -171,6 +172,36 @@ def test_resume_with_gradient_accumulation(corpus, tmp_path):
     resumed = {**first.losses, **second.losses}
     for i in range(16):
         assert resumed[i] == pytest.approx(full.losses[i], rel=1e-6, abs=1e-6), i
+
+
+def test_ctrl_c_prints_the_command_that_resumes(corpus, tmp_path, capsys):
+    """Ctrl-C on `fp4lightning train RECIPE key=value ...` (a real SIGINT to a real process) finishes
+    the step under way and prints the whole command that resumes, as typed plus --resume; running
+    that command finishes the run, every step logged once."""
+    from fp4lightning.pretrain import read_losses
+
+    recipe = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
+    out = tmp_path / "my run"  # a space: the printed command must quote it
+    args = ["train", str(recipe), *tiny_overrides(corpus, out, "schedule.max_steps=40", "trainer.loggers=csv")]
+    env = {**os.environ, "FP4LIGHTNING_COMPILE": "0"}
+    # SIGINT as a terminal delivers it: to Python's own handler even if this test runs with it ignored
+    proc = subprocess.Popen([sys.executable, "-m", "fp4lightning.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for line in proc.stdout:
+        if line.startswith("step 2/40"):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Ctrl-C: stopping after this step" in err, err[-3000:]
+    command = err.split("resume with: ", 1)[1].splitlines()[0]
+    assert command == shlex.join(["fp4lightning", *args, "--resume"])
+    stopped = torch.load(out / "checkpoints" / LAST_CKPT, map_location="cpu", weights_only=True)["global_step"]
+    assert f"training interrupted after step {stopped};" in err and 2 <= stopped < 40
+    assert cli_main(shlex.split(command)[1:]) == 0
+    assert "finished after 40 steps" in capsys.readouterr().out
+    assert sorted(read_losses(out)["train"]) == list(range(1, 41))
 
 
 def test_load_checkpoint_and_export_hf(full_run, tmp_path):

@@ -60,19 +60,41 @@ class TokenDataModule(L.LightningDataModule):
         cycle a checkpoint interrupted, where the train loader restarts (docs/training.md,
         "Interrupting and resuming"). Lightning steps the optimizer when its micro-batch count
         reaches a multiple of the accumulation, so without this the resumed run would step on
-        the cycle's remaining micro-batches alone. The rewound counters are those of a
-        checkpoint saved right after the cycle before (Lightning's RESTARTED_ON_LAST stage)."""
+        the cycle's remaining micro-batches alone. A Ctrl-C inside a micro-batch (fetched, not
+        yet processed) is rewound too: Lightning resets only the epoch's counters then, and its
+        run-wide ``total`` count, which schedules validation, would stay one micro-batch ahead.
+        The rewound counters are those of a checkpoint saved right after the cycle before
+        (Lightning's RESTARTED_ON_LAST stage). A validation the checkpoint interrupted runs again
+        in full (:meth:`_restart_validation`)."""
         loop = self.trainer.fit_loop.epoch_loop
-        partial = loop.batch_progress.current.processed % self._accumulate()
-        if not partial:
+        self._restart_validation(loop.val_loop.batch_progress)
+        current = loop.batch_progress.current
+        partial = current.processed % self._accumulate()
+        if not partial and current.ready == current.processed:
             return  # at a cycle boundary: Lightning's own restart logic applies
         for progress in (loop.batch_progress.total, loop.batch_progress.current):
             n = max(0, progress.processed - partial)
             progress.ready = progress.started = progress.processed = progress.completed = n
-        # the interrupted cycle's zero_grad is counted: uncount it, so it is counted once
-        zero_grad = loop.automatic_optimization.optim_progress.optimizer.zero_grad
-        for progress in (zero_grad.total, zero_grad.current):
-            progress.ready = progress.started = progress.completed = max(0, progress.completed - 1)
+        if partial:
+            # the interrupted cycle's zero_grad is counted: uncount it, so it is counted once
+            zero_grad = loop.automatic_optimization.optim_progress.optimizer.zero_grad
+            for progress in (zero_grad.total, zero_grad.current):
+                progress.ready = progress.started = progress.completed = max(0, progress.completed - 1)
+
+    @staticmethod
+    def _restart_validation(progress) -> None:
+        """Mark a validation the checkpoint interrupted as interrupted inside its first batch, so
+        that Lightning runs it again from the start. SIGTERM stops a validation between two of
+        its batches, a state Lightning resumes as a finished validation (it never logged: the
+        step had no validation loss), and a stop inside a batch resumes at that batch (its loss
+        would be the mean over the remaining batches only)."""
+        current = progress.current
+        if not current.ready or (progress.is_last_batch and current.completed == current.ready):
+            return  # none under way: not started since the last one finished
+        for counts in (progress.total, current):
+            counts.processed = counts.completed = counts.completed - current.completed
+            counts.ready = counts.started = counts.completed + 1
+        progress.is_last_batch = False
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
