@@ -44,7 +44,7 @@ from torch.optim import Optimizer
 from .comm import CommState, register_hook
 from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
-from .convert import convert_to_fp4, fp4_modules
+from .convert import convert_to_fp4, describe_conversion, fp4_modules
 from .loss_scaler import DynamicLossScaler
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
 from .precision import COMPUTE_DTYPES, StepPolicyState
@@ -112,7 +112,7 @@ class FP4FabricPrecision(StepPolicyState, FabricPrecision):
             rank_zero_warn("FP4FabricPrecision: the model has no Linear layer that can run in FP4; training runs in "
                            f"plain {self.precision.split('-')[1]} autocast")
         else:
-            rank_zero_info(f"FP4FabricPrecision: {n} Linear layers run their GeMMs in FP4 E2M1")
+            rank_zero_info(describe_conversion(module, self.config, self.module_filter_fn, who="FP4FabricPrecision"))
         param = next(iter(module.parameters()), None)
         if param is not None and param.device.type != "meta":
             self._device = param.device.type

@@ -96,9 +96,12 @@ class LlamaLightningModule(L.LightningModule):
             return
         model = Llama(self.model_config)
         if self.hparams.fp4 is not None and self.hparams.fp4_in_module:
-            from fp4lightning.convert import convert_to_fp4
+            from lightning.pytorch.utilities import rank_zero_info
+
+            from fp4lightning.convert import convert_to_fp4, describe_conversion
 
             convert_to_fp4(model, self.fp4_config)  # the head is kept quietly; shape skips warn
+            rank_zero_info(describe_conversion(model, self.fp4_config))  # as FP4Precision says it
         trainer = getattr(self, "_trainer", None)
         bf16 = trainer is None or "bf16" in str(trainer.precision)
         if bf16 and (self.hparams.fp4 is None or self.hparams.fp4_in_module):

@@ -43,7 +43,7 @@ from torch.optim import LBFGS, Optimizer
 
 from .cpu_bf16 import emulate_bf16_linears
 from .config import FP4Config
-from .convert import convert_to_fp4, fp4_modules
+from .convert import convert_to_fp4, describe_conversion, fp4_modules
 from .nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
 from .loss_scaler import DynamicLossScaler
 from .optim import REDUCED_STATE_FORMATS, swap_to_low_precision_adamw
@@ -164,6 +164,7 @@ class FP4Precision(StepPolicyState, Precision):
             scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
         ) if compute_dtype == "fp16" else None
         self._checked_device: str | None = None
+        self._said_layers = False  # the layer summary (describe_conversion) is printed
         self._said_compile = False
         #: skipped-step counter of the non-finite policy (fp4lightning.nonfinite); read by NonFiniteGuard
         self.nonfinite = SkipCounter(max_consecutive_skips, name="FP4Precision: max_consecutive_skips")
@@ -183,8 +184,9 @@ class FP4Precision(StepPolicyState, Precision):
             rank_zero_warn("FP4Precision: the model has no Linear layer that can run in FP4 (feature sizes must be "
                            "multiples of 16 and the output head is skipped); training runs in plain "
                            f"{self.precision.split('-')[1]} autocast")
-        else:
-            rank_zero_info(f"FP4Precision: {n} Linear layers run their GeMMs in FP4 E2M1")
+        elif not self._said_layers:  # once per run: a validate() after fit converts again
+            self._said_layers = True
+            rank_zero_info(describe_conversion(module, self.config, self.module_filter_fn, who="FP4Precision"))
         return module
 
     def tensor_init_context(self) -> AbstractContextManager:

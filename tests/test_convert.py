@@ -1,6 +1,8 @@
-"""convert_to_fp4: in place, keys unchanged, filter honoured, skip warnings, trains."""
+"""convert_to_fp4: in place, keys unchanged, filter honoured, skip warnings, trains; the per-run
+summary of which layers run in FP4."""
 import logging
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -49,7 +51,7 @@ def test_in_place_keys_and_parameters_unchanged(caplog):
     msgs = " ".join(str(w.message) for w in rec)
     # a layer that cannot be converted is a warning; the output head, kept on purpose, an INFO line
     assert "odd" in msgs and "multiple of 16" in msgs and "lm_head" not in msgs
-    assert "convert_to_fp4: keeping lm_head (excluded by the module filter)" in caplog.text
+    assert "convert_to_fp4: keeping lm_head (FP4Config.skip_modules)" in caplog.text
 
 
 def test_module_filter_and_preset_name(caplog):
@@ -142,3 +144,71 @@ def test_output_head_found_by_structure_and_linear_likes_reported(recwarn, caplo
     out = model(torch.randint(0, 96, (2, 16)))
     out.float().mean().backward()
     assert model.ffn[0].weight.grad is not None
+
+
+# ----------------------------------------------------------------------------- the per-run layer summary
+class Classifier(L.LightningModule):
+    """A user's model whose head maps to 32 labels: no embedding, no head name, so it is converted."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+        self.classifier = nn.Linear(128, 32)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.classifier(self.encoder(x)), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_and_summary(caplog, tmp_path, **trainer_kwargs) -> list[str]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fp4lightning import Trainer
+
+    data = DataLoader(TensorDataset(torch.randn(32, 64), torch.randint(0, 32, (32,))), batch_size=8)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      default_root_dir=tmp_path, **trainer_kwargs)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(Classifier(), data, data)
+        trainer.validate(trainer.lightning_module, data, verbose=False)  # converts again: says nothing new
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("FP4Precision: ")]
+
+
+def test_trainer_names_the_layers_it_trains_in_fp4(caplog, tmp_path):
+    from fp4lightning import FP4Precision
+    from fp4lightning.config import DEFAULT_SKIP_MODULES
+
+    said = _fit_and_summary(caplog, tmp_path, precision="fp4")
+    summary = [m for m in said if "Linear layers in" in m]
+    assert len(summary) == 1, said  # once per run
+    fp4, high, how = summary[0].splitlines()
+    assert fp4 == "FP4Precision: Linear layers in FP4 (3): encoder.{0,2} (2), classifier"
+    assert high == "FP4Precision: Linear layers in high precision (0): none"
+    assert "FP4Config.skip_modules" in how and "DEFAULT_SKIP_MODULES + ('classifier',)" in how
+    # the advice, taken: the classifier stays in high precision, and the summary says so
+    config = FP4Config(skip_modules=DEFAULT_SKIP_MODULES + ("classifier",))
+    fp4, high, _ = next(m for m in _fit_and_summary(caplog, tmp_path, plugins=[FP4Precision(config)])
+                        if "Linear layers in" in m).splitlines()
+    assert fp4.endswith("Linear layers in FP4 (2): encoder.{0,2} (2)")
+    assert high.endswith("Linear layers in high precision (1): classifier (FP4Config.skip_modules)")
+
+
+def test_summary_collapses_repeated_blocks():
+    from fp4lightning.convert import describe_conversion
+    from fp4lightning.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=176))
+    fp4, high, _ = describe_conversion(model, "nvfp4", who="x").splitlines()  # first and last block kept
+    assert fp4 == ("x: Linear layers in FP4 (14): layers.1..2.self_attn.{q_proj,k_proj,v_proj,o_proj} (8), "
+                   "layers.1..2.mlp.{gate_proj,up_proj,down_proj} (6)")
+    assert high == ("x: Linear layers in high precision (15): layers.{0,3}.self_attn.{q_proj,k_proj,v_proj,o_proj} "
+                    "(8), layers.{0,3}.mlp.{gate_proj,up_proj,down_proj} (6) (keep_first_n/keep_last_n); "
+                    "lm_head (FP4Config.skip_modules)")
