@@ -19,6 +19,15 @@ with their epilogues, the two FP8 quantizers of dY, OCC's sparse product) timed 
 median per call over the rounds, against the bf16 layer's whole forward+backward.
 
     .venv/bin/python benchmarks/bench_linear.py [--shapes 2048x1024x2816,...] [--iters N] [--breakdown]
+
+``--layer-table`` (what scripts/gpu_check.sh runs on a GPU) instead times, per layer shape, the
+forward+backward of bf16 ``nn.Linear``, torchao's row-wise float8 training
+(``Float8LinearConfig.from_recipe_name('rowwise')``, torch.compile'd as torchao runs it; row n/a where
+torchao does not import), and FP4Linear ``w4a4-direct`` and ``paper`` on each GeMM path (on CUDA:
+``scaled_mm``, ``triton``; on CPU, for a smoke test: ``scaled_mm``, ``reference``), one layer after the
+other, each row printed as it is measured; ``--json PATH`` writes them (rewritten after each shape):
+
+    python benchmarks/bench_linear.py --layer-table --json docs/perf/h200.json
 """
 from __future__ import annotations
 
@@ -232,6 +241,125 @@ def bench_breakdown(m, k, n, dev, iters):
     return med, statistics.median(whole["fp4"]) * 1e3, statistics.median(whole["bf16"]) * 1e3
 
 
+#: the layer table's shapes (tokens x in x out): LLaMA-2 7B's qkvo, up/gate and down at 8192 tokens
+TABLE_SHAPES = "8192x4096x4096,8192x4096x11008,8192x11008x4096"
+
+
+def torchao_rowwise_peer(lin: nn.Linear, compile_it: bool):
+    """A copy of ``lin`` as torchao's row-wise float8 training layer (torch.compile'd when asked), or
+    (None, why) without torchao."""
+    import copy
+    import logging
+    try:
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as e:  # noqa: BLE001 - any import failure means: no peer row
+        return None, f"torchao not importable ({type(e).__name__}: {e})"
+    wrapper = nn.Sequential(copy.deepcopy(lin))
+    convert_to_float8_training(wrapper, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    return (torch.compile(wrapper) if compile_it else wrapper), None
+
+
+def _commit() -> str:
+    import subprocess
+    if os.environ.get("FP4LIGHTNING_COMMIT"):
+        return os.environ["FP4LIGHTNING_COMMIT"]
+    try:
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - a copy of the tree without .git
+        return "unknown"
+
+
+def layer_table(shapes: str, dev: torch.device, iters: int, json_path: str | None, compile_peer: bool) -> dict:
+    """Per shape, fwd+bwd ms of each layer (module docstring, ``--layer-table``); returns the record
+    that ``json_path`` receives."""
+    import datetime
+    import json
+
+    import triton
+
+    from fp4lightning import gemm_dispatch
+
+    cuda = dev.type == "cuda"
+    paths = ["scaled_mm", "triton"] if cuda else ["scaled_mm", "reference"]
+    if cuda and gemm_dispatch.scaled_mm_unavailable(dev):
+        paths = ["triton"]
+    record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  commit=_commit(), torch=torch.__version__, triton=triton.__version__,
+                  device=torch.cuda.get_device_name(dev) if cuda else "cpu", tokens=None,
+                  default_backend=gemm_dispatch.backend_for(dev), paths=paths,
+                  triton_autotune=os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0",
+                  fp8_fast_accum=os.environ.get("FP4LIGHTNING_FP8_FAST_ACCUM", "0") == "1",
+                  what=("median ms of forward + backward (bf16 autocast, fp32 master weights); '<preset>' on the "
+                        "first of `paths`, '<preset> <path>' on the others; `paper` on scaled_mm runs OCC folded "
+                        "into the E4M3 operand, on triton with the dense compensation GeMMs"),
+                  layers={})
+    print(f"# layer table: device={record['device']} torch={record['torch']} triton={record['triton']} "
+          f"commit={record['commit'][:12]} default backend={record['default_backend']} iters={iters}", flush=True)
+    print("| layer (in x out) | tokens | layer | GeMM path | fwd+bwd ms | / bf16 |", flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
+    for spec in shapes.split(","):
+        m, k, n = (int(v) for v in spec.split("x"))
+        record["tokens"] = m if record["tokens"] in (None, m) else "per shape"
+        key = f"{k}x{n}"
+        row = record["layers"][key] = {}
+        lin = nn.Linear(k, n, device=dev)
+        emulate_bf16_linears(lin, dev)
+        x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).requires_grad_(True)
+        dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+
+        def fwd_bwd(mod, backend=None):
+            def run():
+                if backend is not None:
+                    os.environ["FP4LIGHTNING_BACKEND"] = backend
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    y = mod(x)
+                y.backward(dy)
+            return run
+
+        peer, why = torchao_rowwise_peer(lin, compile_peer and cuda)
+        fp4 = {p: FP4Linear.from_linear(lin, FP4Config.from_preset(p)) for p in ("w4a4-direct", "paper")}
+        # bf16, the FP4 layers on the first path, torchao (its compile takes a while), the other paths
+        layers = [("bf16", None, lin)] + [(p, paths[0], mod) for p, mod in fp4.items()]
+        layers += [("torchao-float8", None, peer)]
+        layers += [(f"{p} {path}", path, mod) for path in paths[1:] for p, mod in fp4.items()]
+        before = os.environ.get("FP4LIGHTNING_BACKEND")
+        t_bf16 = None
+        try:
+            for name, path, mod in layers:
+                if mod is None:
+                    row[name] = None
+                    print(f"| {key} | {m} | {name} | - | n/a | | ({why})", flush=True)
+                    continue
+                try:
+                    ms = 1e3 * _time(fwd_bwd(mod, path), dev, iters, warmup=3)
+                except Exception as e:  # noqa: BLE001 - one failing layer must not lose the others' rows
+                    row[name] = None
+                    print(f"| {key} | {m} | {name} | {path or '-'} | FAILED | | ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else ''})", flush=True)
+                    continue
+                row[name] = round(ms, 4)
+                t_bf16 = ms if name == "bf16" else t_bf16
+                rel = f"{ms / t_bf16:.2f}x" if t_bf16 else ""
+                print(f"| {key} | {m} | {name} | {path or '-'} | {ms:.3f} | {rel} |", flush=True)
+                if json_path:  # after every row: a run cut off by its time limit keeps what it measured
+                    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+                    with open(json_path, "w") as f:
+                        json.dump(record, f, indent=1)
+                        f.write("\n")
+        finally:
+            if before is None:
+                os.environ.pop("FP4LIGHTNING_BACKEND", None)
+            else:
+                os.environ["FP4LIGHTNING_BACKEND"] = before
+        del lin, x, dy, layers, peer, fp4
+        if cuda:
+            torch.cuda.empty_cache()
+    return record
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN (tokens x in -> out)")
@@ -240,8 +368,16 @@ def main():
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of the paper layer's fwd+bwd")
     ap.add_argument("--fold", action="store_true",
                     help="also time `paper` with OCC folded into E4M3 (FP4Config.occ_fold_e4m3, opt-in)")
+    ap.add_argument("--layer-table", action="store_true",
+                    help="the per-layer table of bf16, torchao row-wise float8 and FP4 on each GeMM path instead")
+    ap.add_argument("--json", metavar="PATH", help="with --layer-table: write the table as JSON")
+    ap.add_argument("--peer-eager", action="store_true", help="with --layer-table: do not torch.compile torchao's layer")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if args.layer_table:
+        layer_table(args.shapes if args.shapes != DEFAULT_SHAPES else TABLE_SHAPES, dev, args.iters, args.json,
+                    not args.peer_eager)
+        return
     from fp4lightning import fused
 
     print(f"# device={dev} torch={torch.__version__} threads={torch.get_num_threads()} "

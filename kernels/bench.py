@@ -77,6 +77,9 @@ GPU_LINEAR_SHAPES = [(8192, 4096, 4096), (8192, 4096, 11008)]  # tokens, in, out
 CPU_LINEAR_SHAPES = [(512, 512, 512)]
 # Kernel vs reference: same math, so anything below this means a bug, not rounding.
 CHECK_SQNR_DB = 80.0
+# cuBLAS's FP8 GeMM on Hopper: its tensor cores add each instruction's products in reduced precision
+# (the Triton FP8 GeMMs measured 79-80 dB at scale; tests/test_kernels.py GPU_FP8_GEMM_SQNR_DB)
+SCALED_MM_CHECK_SQNR_DB = 74.0
 
 
 # --------------------------------------------------------------------------- timing
@@ -328,34 +331,58 @@ def bench_linear(table: Table, dev, shapes):
         t_ref = _time_ms(step(base))
         table.add("linear", "nn.Linear bf16 autocast fwd+bwd", shape, t_ref, "", "1.00x time")
         paths = ["decode", "expand", "expand+TMA"] if CUDA and kt.has_fp8_mma(dev) else [None]
+        scaled = CUDA and gemm_dispatch.scaled_mm_unavailable(dev) is None
         for preset in ("w4a4-direct", "fp4-no-occ", "paper"):
             mod = FP4Linear.from_linear(base, FP4Config.from_preset(preset))
-            for path in paths:
-                before = os.environ.get("FP4LIGHTNING_GEMM_PATH")
-                if path:
-                    os.environ["FP4LIGHTNING_GEMM_PATH"] = path.split("+")[0]
-                try:
+            for path in paths:  # the Triton backend's GeMM paths
+                with _env(FP4LIGHTNING_GEMM_PATH=path and path.split("+")[0], FP4LIGHTNING_BACKEND=CUDA and "triton"):
                     t = _time_ms(step(mod)) if path != "expand+TMA" else kt_tma(lambda: _time_ms(step(mod)))
-                finally:
-                    if path and before is None:
-                        os.environ.pop("FP4LIGHTNING_GEMM_PATH", None)
-                    elif path:
-                        os.environ["FP4LIGHTNING_GEMM_PATH"] = before
                 table.add("linear", f"FP4Linear {preset} fwd+bwd" + (f" ({path} path)" if path else ""), shape, t,
                           f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
+            if scaled:  # the vendor FP8 GeMM (kernels/scaled_mm.py; `paper` folds OCC into E4M3 there)
+                with _env(FP4LIGHTNING_BACKEND="scaled_mm"):
+                    t = _time_ms(step(mod))
+                table.add("linear", f"FP4Linear {preset} fwd+bwd (scaled_mm)", shape, t, f"{t_ref / t:.2f}x speed",
+                          f"{t / t_ref:.2f}x time")
         # `paper` with OCC folded into the E4M3 activation operand: forward and weight gradient are
         # FP8 GeMMs (expand path by construction), no bf16 compensation GeMMs (docs/perf.md)
         if not CUDA or kt.has_fp8_mma(dev):
             mod = FP4Linear.from_linear(base, FP4Config.from_preset("paper", occ_fold_e4m3=True))
-            t = _time_ms(step(mod))
+            with _env(FP4LIGHTNING_BACKEND=CUDA and "triton"):
+                t = _time_ms(step(mod))
             table.add("linear", "FP4Linear paper, OCC folded in E4M3 (occ_fold_e4m3) fwd+bwd", shape, t,
                       f"{t_ref / t:.2f}x speed", f"{t / t_ref:.2f}x time")
 
 
+class _env:
+    """Set environment variables for a block (a falsy value leaves the variable alone), restoring them after."""
+
+    def __init__(self, **values):
+        self.values = {k: v for k, v in values.items() if v}
+        self.before = {}
+
+    def __enter__(self):
+        for k, v in self.values.items():
+            self.before[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def bench_occ_parts(table: Table, dev, shape):
-    """Where ``paper``'s OCC time goes on this device, part by part, at one layer shape (tokens,
+    """Where ``paper``'s OCC time goes on the Triton backend, part by part, at one layer shape (tokens,
     in, out): the quantile, the clamped quantizer against the plain one, the compact residual
     (no host sync), and the two dense compensation GeMMs (docs/perf.md, "OCC on the GPU")."""
+    with _env(FP4LIGHTNING_BACKEND=CUDA and "triton"):
+        _bench_occ_parts(table, dev, shape)
+
+
+def _bench_occ_parts(table: Table, dev, shape):
     from fp4lightning.linear import _compact_residual, _compact_wgrad, _mm_f32
 
     m, k, n = shape
@@ -458,6 +485,38 @@ def run_checks(table: Table, dev) -> bool:
                                     fmt, factor)
         v = sq(y.cpu(), block_gemm_reference(ra, rw))
         report(f"block_gemm {fmt} vs reference", v >= CHECK_SQNR_DB, db(v))
+    if not CUDA or gemm_dispatch.scaled_mm_unavailable(dev) is None:
+        ok_all &= _check_scaled_mm(report, sq, db, x, w, dy)
+    return ok_all
+
+
+def _check_scaled_mm(report, sq, db, x, w, dy) -> bool:
+    """The scaled_mm backend's three GeMMs (kernels/scaled_mm.py: torch._scaled_mm on the Triton
+    quantizers' operands) against float64, at K cut to a multiple of 16 (what _scaled_mm reads)."""
+    from fp4lightning.kernels import scaled_mm as sm
+
+    ks = x.shape[1] - x.shape[1] % 16
+    ok_all = True
+    a_p, a_s, a8 = kt.triton_quantize_rows(x[:, :ks], e4m3=True)
+    w_p, w_s, w8 = kt.triton_quantize_rows(w[:, :ks], e4m3=True)
+    a_q, w_q = a8.double(), w8.double()
+    ok = torch.equal(a_q, decode_e2m1(unpack_fp4(a_p, ks), torch.float64))
+    report("quantize_rows E4M3 operand vs its codes", ok, "bitwise")
+    ok_all &= ok
+    v = sq(sm.scaled_fp4_gemm(a8, a_s, w8, w_s), (a_q @ w_q.t()) / (a_s.double()[:, None] * w_s.double()[None, :]))
+    report("scaled_mm forward vs float64", v >= SCALED_MM_CHECK_SQNR_DB, db(v))
+    ok_all &= v >= SCALED_MM_CHECK_SQNR_DB
+    for fmt in ("e5m2", "e4m3"):
+        g1, s1 = kt.triton_quantize_fp8(dy, 1, fmt, divide_by=w_s)
+        v = sq(sm.scaled_fp4_dgrad(g1, s1, sm.e4m3_cols(w_p, ks)), (g1.double() / s1.double()[:, None]) @ w_q)
+        report(f"scaled_mm dgrad {fmt} vs float64", v >= SCALED_MM_CHECK_SQNR_DB, db(v))
+        ok_all &= v >= SCALED_MM_CHECK_SQNR_DB
+        g2, s2 = kt.triton_quantize_fp8(dy, 0, fmt, column_major=True, divide_by=a_s)
+        dge = dge_derivative((w[:, :ks] * w_s[:, None]).clamp(-E2M1_MAX, E2M1_MAX)).double()
+        ref = ((g2.double() / s2.double()[None, :]).t() @ a_q) * dge
+        v = sq(sm.scaled_fp4_wgrad(g2, s2, sm.e4m3_cols(a_p, ks), dge_weight=w[:, :ks], dge_weight_scale=w_s), ref)
+        report(f"scaled_mm wgrad {fmt} + DGE vs float64", v >= SCALED_MM_CHECK_SQNR_DB, db(v))
+        ok_all &= v >= SCALED_MM_CHECK_SQNR_DB
     return ok_all
 
 
@@ -465,6 +524,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="two GeMM shapes and one layer shape")
     p.add_argument("--skip-checks", action="store_true", help="timings only")
+    p.add_argument("--checks-only", action="store_true", help="the kernel-vs-reference checks only, no timings")
     args = p.parse_args(argv)
 
     dev = torch.device("cuda" if CUDA else "cpu")
@@ -485,10 +545,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     table = Table()
     ok = True
-    if not args.skip_checks and CUDA:
+    if not args.skip_checks and (CUDA or args.checks_only):
         ok = run_checks(table, dev)  # first: a wrong result shows even if the timings run out of time
         if not ok:
             print("# kernel checks FAILED (timings follow anyway)", flush=True)
+        if args.checks_only:
+            print(f"# total {time.perf_counter() - t0:.0f} s; checks {'passed' if ok else 'FAILED'}")
+            return 0 if ok else 1
     bench_quantize(table, dev, GPU_QUANT_SHAPES if CUDA else CPU_QUANT_SHAPES)
     first = GPU_PRIMARY if CUDA and not args.quick else len(gemm_shapes)
     bench_gemms(table, dev, gemm_shapes[:first])

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# The one GPU check of the FP4 Triton kernels (docs/perf.md, "FP4 Triton kernels").
+# The one GPU check of the FP4 kernels and GeMM paths (docs/perf.md, "FP4 Triton kernels").
 #
 #   bash scripts/gpu_check.sh            # from the repository root of a clone, on a CUDA machine
+#   FP4LIGHTNING_COMMIT=<sha> bash scripts/gpu_check.sh   # a copy of the tree without .git
 #
 # 1. makes `fp4lightning` (with `kernels/` as `fp4lightning.kernels`) importable: uses
 #    an existing install, else `pip install --no-deps -e .` (the README's install,
-#    without touching dependencies);
-# 2. runs the GPU tests of tests/test_kernels.py (compiled kernels, default configs);
-# 3. runs the full benchmark (python -m fp4lightning.kernels.bench): kernel-vs-reference
-#    checks first, then every timing row printed as soon as it is measured;
-# 4. runs the rest of tests/test_kernels.py and tests/test_block_kernels.py compiled on the GPU.
+#    without touching dependencies); makes torchao importable for the float8 row from a wheel
+#    carried in .whl/ (the GPU machine has no network: `pip download --no-deps torchao==0.18.0
+#    -d .whl/` on a machine with one);
+# 2. correctness first: every kernel against its reference (python -m fp4lightning.kernels.bench
+#    --checks-only, the scaled_mm GeMMs included), the GPU tests of tests/test_kernels.py and all
+#    of tests/test_scaled_mm.py, compiled;
+# 3. one table measured in one run: per layer (8192 tokens; 4096->4096, 4096->11008, 11008->4096)
+#    the forward+backward of bf16 nn.Linear, torchao's row-wise float8 training, FP4Linear
+#    w4a4-direct and paper on the scaled_mm and the Triton GeMM paths, each row printed as it is
+#    measured (benchmarks/bench_linear.py --layer-table), written to docs/perf/h200.json (and to
+#    $OUT/h200.json when $OUT is set);
+# 4. only with GPU_CHECK_FULL=1: the kernel benchmark's timing rows (python -m
+#    fp4lightning.kernels.bench) and the rest of the kernel tests compiled.
 # Everything goes to stdout and to $OUT/gpu_check.log (when $OUT is set) or
 # /tmp/fp4lightning_gpu_check.log. Exit status: 0 if every test and check passed, 1 on any
 # wrong result or crash, 2 if a step ran out of its time limit without a wrong result.
-# Sized for about 8 minutes on one H100/H200; each step has its own time limit, so a
+# Sized for about 8 minutes on one H100/H200 (steps 1-3); each step has its own time limit, so a
 # hang in one still leaves the others' output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,25 +83,59 @@ if ! "$PY" -c "import fp4lightning.kernels.fp4_triton as k; print('fp4lightning.
   exit 2
 fi
 
-# Order: the realistic-size GPU tests, then the benchmark (which checks every kernel
-# against its reference before timing), then the rest of the kernel tests (the small
-# odd-shaped cases the CPU suite runs under the interpreter, here compiled).
+step "torchao (the float8 row of the layer table), from .whl/ if it is not importable yet"
+if ! "$PY" -c "import torchao" 2>/dev/null; then
+  WHL=$(ls .whl/torchao-*.whl 2>/dev/null | head -1)
+  if [ -z "$WHL" ]; then
+    echo "(no torchao and no .whl/torchao-*.whl: the table's torchao-float8 row will read n/a)"
+  elif ! "$PY" -m pip install -q --no-deps --no-index --disable-pip-version-check "$WHL" 2>/dev/null \
+       && ! "$PY" -m pip install -q --no-deps --no-index --disable-pip-version-check --break-system-packages "$WHL"; then
+    # no pip install possible: a wheel is a zip, importable once unpacked onto the path
+    TAO=$(mktemp -d)
+    "$PY" -m zipfile -e "$WHL" "$TAO" && export PYTHONPATH="$TAO${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+"$PY" -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | grep -v -i "warn\|pytree\|register" | tail -1
+
+# Correctness first (a wrong result shows even if the timings run out of time), then the table.
+step "kernels and GeMM paths against their references (python -m fp4lightning.kernels.bench --checks-only)"
+FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" -m fp4lightning.kernels.bench --checks-only
+rc=$?
+if [ $rc -eq 124 ]; then INCOMPLETE+=("kernel checks (ran out of their 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("kernel checks (rc=$rc)"); fi
+
 step "GPU tests at realistic sizes (pytest -m gpu tests/test_kernels.py; default configs)"
 FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 150 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -rfE --durations=5 \
   -m "gpu" tests/test_kernels.py
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("gpu tests (ran out of their 150 s)"); elif [ $rc -ne 0 ]; then FAIL+=("gpu tests (rc=$rc)"); fi
 
-step "benchmark + kernel checks (python -m fp4lightning.kernels.bench; autotuning on)"
-timeout -k 10 270 "$PY" -m fp4lightning.kernels.bench
-rc=$?
-if [ $rc -eq 124 ]; then INCOMPLETE+=("bench (ran out of its 270 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("bench (rc=$rc: a kernel check failed or it crashed; see above)"); fi
-
-step "the remaining kernel tests, compiled (pytest -m 'not gpu and not slow' tests/test_kernels.py tests/test_block_kernels.py)"
+step "the scaled_mm backend, compiled (pytest tests/test_scaled_mm.py)"
 FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE --durations=5 \
-  -m "not gpu and not slow" tests/test_kernels.py tests/test_block_kernels.py
+  tests/test_scaled_mm.py
 rc=$?
-if [ $rc -eq 124 ]; then INCOMPLETE+=("small-shape tests (ran out of their 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("small-shape tests (rc=$rc)"); fi
+if [ $rc -eq 124 ]; then INCOMPLETE+=("scaled_mm tests (ran out of their 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("scaled_mm tests (rc=$rc)"); fi
+
+# The Triton GeMMs run their default configs here (no autotuning: its compiles would take the
+# step's time); the table records it.
+step "the layer table (benchmarks/bench_linear.py --layer-table), written to docs/perf/h200.json"
+FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 240 "$PY" benchmarks/bench_linear.py --layer-table --iters 30 \
+  --json docs/perf/h200.json
+rc=$?
+if [ -n "${OUT:-}" ] && [ -f docs/perf/h200.json ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
+if [ $rc -eq 124 ]; then INCOMPLETE+=("layer table (ran out of its 240 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("layer table (rc=$rc)"); fi
+
+if [ "${GPU_CHECK_FULL:-0}" = "1" ]; then
+  step "kernel benchmark timings (python -m fp4lightning.kernels.bench --skip-checks; autotuning on)"
+  timeout -k 10 270 "$PY" -m fp4lightning.kernels.bench --skip-checks
+  rc=$?
+  if [ $rc -eq 124 ]; then INCOMPLETE+=("bench (ran out of its 270 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("bench (rc=$rc)"); fi
+
+  step "the remaining kernel tests, compiled (pytest -m 'not gpu and not slow' tests/test_kernels.py tests/test_block_kernels.py)"
+  FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE --durations=5 \
+    -m "not gpu and not slow" tests/test_kernels.py tests/test_block_kernels.py
+  rc=$?
+  if [ $rc -eq 124 ]; then INCOMPLETE+=("small-shape tests (ran out of their 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("small-shape tests (rc=$rc)"); fi
+fi
 
 step "done in $(( $(date +%s) - T0 )) s"
 if [ ${#FAIL[@]} -ne 0 ]; then

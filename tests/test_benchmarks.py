@@ -25,3 +25,24 @@ def test_bench_linear_runs_with_fold_and_breakdown():
     assert "FP4Config.occ_fold_e4m3:" in out and "`paper`'s)" in out  # the folded layer's row
     assert "Where the `paper` FP4Linear forward+backward spends its time" in out
     assert "64x64->96: whole" in out and "OCC quantile (sampled)" in out
+
+
+@pytest.mark.slow
+def test_bench_linear_layer_table_writes_its_json(tmp_path):
+    # the per-layer table scripts/gpu_check.sh measures on a GPU (docs/perf/h200.json), in its CPU
+    # form: the scaled_mm and reference paths at a tiny shape
+    import json
+    out = tmp_path / "table.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("FP4LIGHTNING_BACKEND", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_linear.py"), "--layer-table",
+                           "--shapes", "32x32x48", "--iters", "1", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert {"date", "commit", "torch", "triton", "layers"} <= set(rec)
+    row = rec["layers"]["32x48"]
+    assert list(row) == ["bf16", "w4a4-direct", "paper", "torchao-float8", "w4a4-direct reference",
+                         "paper reference"]
+    assert all(v is None or v > 0 for v in row.values()) and row["bf16"] > 0 and row["paper"] > 0
+    assert proc.stdout.count("| 32x48 | 32 |") == 6  # every row printed as it was measured
