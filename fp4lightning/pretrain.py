@@ -731,9 +731,9 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
 
     for k in changed:
         lines.append(f"resume: {names.get(k, 'schedule.' + k)} changed {old[k]} -> {new[k]} since the checkpoint")
-    lines.append(f"resume: the warmup + cosine LR schedule is recomputed for the new values: at step {step} the LR "
-                 f"is {lr_at(new):.3e} (the checkpoint's schedule would give {lr_at(old):.3e}); it decays to "
-                 f"{new['min_lr_ratio'] * new['lr']:.3e} at step {new['max_steps']}")
+    lines.append(f"resume: the warmup + cosine LR schedule is recomputed for the new values: the first resumed step, "
+                 f"{step + 1}, runs at LR {lr_at(new):.3e} (the checkpoint's schedule would give {lr_at(old):.3e}); "
+                 f"it decays to {new['min_lr_ratio'] * new['lr']:.3e} by step {new['max_steps']}")
     return lines
 
 

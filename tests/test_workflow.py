@@ -97,17 +97,17 @@ def test_resume_reports_schedule_change_and_init_from_weights(corpus, tmp_path, 
     printed = capsys.readouterr().out
     assert "resume: schedule.max_steps changed 4 -> 6 since the checkpoint" in printed
     assert "resume: optimizer.lr changed" in printed and "-> 0.02 since the checkpoint" in printed
-    said = re.search(r"at step 4 the LR is ([0-9.e+-]+) \(the checkpoint's schedule would give [0-9.e+-]+\); "
-                     r"it decays to 2\.000e-03 at step 6", printed)
+    said = re.search(r"the first resumed step, 5, runs at LR ([0-9.e+-]+) \(the checkpoint's schedule would give "
+                     r"[0-9.e+-]+\); it decays to 2\.000e-03 by step 6", printed)
     assert said, printed[printed.find("resuming"):][:800]
     from fp4lightning.lightning_module import warmup_cosine
 
     warmup = max(1, math.ceil(cfg.schedule.warmup_fraction * 6))
     logged = {int(r["step"]): float(r["train/lr"]) for r in _csv_rows(base) if r.get("train/lr")}
-    for step in (4, 5):  # the two resumed steps (logged before their optimizer step)
-        assert logged[step] == pytest.approx(0.02 * warmup_cosine(step, 6, warmup, cfg.schedule.min_lr_ratio),
+    for step in (5, 6):  # the two resumed steps, each at the LR the scheduler gives after step - 1 steps
+        assert logged[step] == pytest.approx(0.02 * warmup_cosine(step - 1, 6, warmup, cfg.schedule.min_lr_ratio),
                                              rel=1e-6), (step, logged)
-    assert logged[4] == pytest.approx(float(said.group(1)), rel=1e-3)
+    assert logged[5] == pytest.approx(float(said.group(1)), rel=1e-3)
 
     # HF folder -> import-hf -> checkpoint -> init.from_checkpoint, and init.from_hf directly
     ckpt = base / "checkpoints" / "last.ckpt"
