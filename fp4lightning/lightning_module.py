@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric
 
 from fp4lightning.config import FP4Config
+from fp4lightning.metrics import host_scalar
 from fp4lightning.models.llama import Llama, LlamaConfig
 
 __all__ = ["LlamaLightningModule", "warmup_cosine"]
@@ -139,12 +140,15 @@ class LlamaLightningModule(L.LightningModule):
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
             # one optimizer step ends here: log the mean over its micro-batches
             # the mean over all ranks (as val/loss): rank 0's own micro-batches are 1/world of the batch
-            self.log("train/loss", self._step_loss_sum / self._step_batches, prog_bar=True, sync_dist=True)
+            # Lightning reads progress-bar values back after every batch (a host sync on a GPU): only
+            # when a bar shows them. Python numbers go in as host tensors (fp4lightning.metrics.host_scalar).
+            bar = self.trainer.progress_bar_callback is not None
+            self.log("train/loss", self._step_loss_sum / self._step_batches, prog_bar=bar, sync_dist=True)
             now = time.perf_counter()
             if self._t_last is not None:
                 tps = self._step_tokens * self.trainer.world_size / (now - self._t_last)
-                self.log("train/tokens_per_sec", tps, prog_bar=True)
-            self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+                self.log("train/tokens_per_sec", host_scalar(tps), prog_bar=bar)
+            self.log("train/lr", host_scalar(self.lr_schedulers().get_last_lr()[0]))
             self._t_last = now
             self._step_loss_sum, self._step_batches, self._step_tokens = 0.0, 0, 0
         return loss

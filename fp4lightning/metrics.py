@@ -17,7 +17,7 @@ import torch
 
 from fp4lightning.models.llama import LlamaConfig
 
-__all__ = ["flops_per_token", "peak_tflops", "ThroughputMetrics"]
+__all__ = ["flops_per_token", "peak_tflops", "host_scalar", "ThroughputMetrics"]
 
 # peak dense bf16 TFLOP/s (vendor data sheets, without sparsity), matched on the device name
 _PEAK_BF16_TFLOPS = (
@@ -43,6 +43,16 @@ def peak_tflops(device: torch.device | str) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for key, v in _PEAK_BF16_TFLOPS if key in name), None)
+
+
+def host_scalar(value: float) -> torch.Tensor:
+    """``value`` as a 0-dim fp32 tensor in host memory, for ``LightningModule.log``.
+
+    Lightning turns a Python number into a tensor on the module's device: on a GPU that is a blocking
+    host-to-device copy, which waits for all the work queued so far (a host synchronisation inside
+    the training step, tests/test_step_sync.py). A host tensor stays where it is.
+    """
+    return torch.full((), float(value), dtype=torch.float32)
 
 
 class ThroughputMetrics(L.Callback):
@@ -74,7 +84,7 @@ class ThroughputMetrics(L.Callback):
         now = time.perf_counter()
         if self._t_last is not None:
             tflops = self._tokens * self.flops_per_token / (now - self._t_last) / 1e12
-            pl_module.log("train/tflops", tflops, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log("train/tflops", host_scalar(tflops), on_step=True, on_epoch=False, batch_size=1)
             if self.peak:
-                pl_module.log("train/mfu", tflops / self.peak, on_step=True, on_epoch=False, batch_size=1)
+                pl_module.log("train/mfu", host_scalar(tflops / self.peak), on_step=True, on_epoch=False, batch_size=1)
         self._t_last, self._tokens = now, 0

@@ -198,7 +198,9 @@ class NonFiniteGuard(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         counter = self._plugin_counter(trainer) or self.counter
-        pl_module.log("train/nonfinite_skips", float(counter.total), on_step=True, on_epoch=False, batch_size=1)
+        from fp4lightning.metrics import host_scalar  # a host tensor: a float would be copied to the GPU (a sync)
+
+        pl_module.log("train/nonfinite_skips", host_scalar(counter.total), on_step=True, on_epoch=False, batch_size=1)
 
     def state_dict(self) -> dict[str, Any]:
         return self.counter.state_dict()
