@@ -380,8 +380,21 @@ def adamw(params: Iterable[Tensor] | Iterable[dict[str, Any]], states: str = "fp
           **kwargs: Any) -> Optimizer:
     """AdamW with the recipe's ``optimizer.states``: ``"fp32"`` is ``torch.optim.AdamW``; a key of
     :data:`REDUCED_STATE_FORMATS` is a :class:`LowPrecisionAdamW` with those moment formats (``seed`` keys
-    its stochastic rounding). ``kwargs`` (lr, betas, eps, weight_decay) go to either."""
+    its stochastic rounding). ``kwargs`` (lr, betas, eps, weight_decay) go to either.
+
+    torch's AdamW is ``fused=True`` when every parameter is a plain CUDA tensor: one fused kernel per
+    step instead of torch's default foreach kernels, and no per-parameter bias-correction arithmetic on
+    the host (the default keeps the step counters there and reads each one every step). Elsewhere (CPU
+    runs, FSDP2's DTensors) torch's default stays, so CPU training computes what it always did."""
     if states == "fp32":
+        params, flat = list(params), []
+        for i, g in enumerate(params):  # groups' params as lists: a generator would be spent by the check
+            if isinstance(g, dict):
+                params[i] = g = {**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])}
+            flat += g["params"] if isinstance(g, dict) else [g]
+        if "fused" not in kwargs and flat and all(
+                p.is_cuda and p.is_floating_point() and type(p) in (Tensor, torch.nn.Parameter) for p in flat):
+            kwargs["fused"] = True
         return torch.optim.AdamW(params, **kwargs)
     if states not in REDUCED_STATE_FORMATS:
         raise ValueError(f"optimizer states {states!r} are not one of {['fp32', *REDUCED_STATE_FORMATS]}")

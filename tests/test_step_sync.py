@@ -107,3 +107,16 @@ def test_fp4_step_reads_the_device_once(tmp_path, monkeypatch):
             assert 1 < reads <= 1 + len(trainer.logged_metrics), (i, dict(ops))
         else:
             assert reads == 1, (i, dict(ops))
+
+
+def test_torch_adamw_is_fused_on_cuda_only():
+    """torch's AdamW (optimizer.states=fp32) runs fused on a GPU; CPU runs keep torch's default (same numbers)."""
+    from fp4lightning.optim import adamw
+
+    model = torch.nn.Linear(16, 16)
+    groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": (p for p in [model.bias]), "weight_decay": 0.0}]
+    cpu = adamw(groups, "fp32", lr=1e-3)
+    assert not cpu.defaults.get("fused") and [len(g["params"]) for g in cpu.param_groups] == [1, 1]
+    if torch.cuda.is_available():
+        gpu = adamw(model.cuda().parameters(), "fp32", lr=1e-3)
+        assert gpu.defaults["fused"] is True
