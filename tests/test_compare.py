@@ -63,7 +63,7 @@ def test_reuse_and_run_set_see_the_method_keys(tmp_path, capsys):
     fp32 = load_recipe(None, [])
     assert reuse_decision(recorded(fp32), fp32)[0] == "reuse"
     action, why = reuse_decision(recorded(fp32), load_recipe(None, ["optimizer.states=fp8-fp16"]))
-    assert action == "train" and "optimizer.states fp32 -> fp16" in why
+    assert action == "train" and "optimizer.states fp32 -> fp8-fp16" in why
     action, why = reuse_decision(recorded(fp32), load_recipe(None, ["trainer.grad_comm=fp8-e4m3"]))
     assert action == "train" and "trainer.grad_comm fp32 -> fp8-e4m3" in why
     assert reuse_decision(recorded(fp32, drop=True), fp32)[0] == "reuse"
