@@ -3,9 +3,9 @@
 One run, one process group, the same model and batches for every format (arXiv 2501.17116, section 3.2):
   * fp32: PyTorch's ``allreduce_hook`` (what DDP does without a hook);
   * bf16: PyTorch's ``bf16_compress_hook``;
-  * e4m3: ``fp4lightning.comm.fp8_compress_hook`` (amax MAX-reduce, all_to_all + all_gather of FP8 bytes;
+  * e4m3: ``fp4lightning.distributed.comm.fp8_compress_hook`` (amax MAX-reduce, all_to_all + all_gather of FP8 bytes;
     the default scheme at W > 2);
-  * e4m3-async: ``fp4lightning.comm.fp8_async_gather_hook`` (one asynchronous all_gather of FP8 bytes plus
+  * e4m3-async: ``fp4lightning.distributed.comm.fp8_async_gather_hook`` (one asynchronous all_gather of FP8 bytes plus
     the senders' scales per bucket, decoded in the future's callback while backward continues; the default
     scheme at W = 2);
   * none: ``DDP.no_sync()``, no communication at all, to separate the sync cost from compute.
@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp4lightning.comm import CommState, hook_for_format  # noqa: E402
+from fp4lightning.distributed.comm import CommState, hook_for_format  # noqa: E402
 from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
 
 # name -> (config overrides on the "tiny" preset, batch, sequence length)

@@ -1,5 +1,5 @@
 """CPU GeMM speed by dtype, side by side in one run: fp32, torch's own bf16 kernel, and the bf16
-emulation of ``fp4lightning.cpu_bf16`` (fp32 kernels on bf16-rounded operands, output rounded to
+emulation of ``fp4lightning.numerics.cpu_bf16`` (fp32 kernels on bf16-rounded operands, output rounded to
 bf16), plus whether this CPU has a native bf16 GeMM (what ``FP4LIGHTNING_CPU_BF16_GEMM=auto``
 decides from).
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp4lightning import cpu_bf16  # noqa: E402
+from fp4lightning.numerics import cpu_bf16  # noqa: E402
 
 # 512^3; the tiny model's output head (4096 tokens x 192 -> 4096); an FFN projection of the tiny model
 DEFAULT_SHAPES = "512x512x512,4096x192x4096,4096x192x512"

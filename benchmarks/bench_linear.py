@@ -43,9 +43,9 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning import FP4Config, FP4Linear  # noqa: E402
-from fp4lightning.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
-from fp4lightning.fidelity import saved_tensor_bytes  # noqa: E402
-from fp4lightning.occ import occ_bounds, occ_clamp  # noqa: E402
+from fp4lightning.numerics.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
+from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes  # noqa: E402
+from fp4lightning.numerics.occ import occ_bounds, occ_clamp  # noqa: E402
 
 DEFAULT_SHAPES = "2048x1024x2816,2048x2816x1024,2048x2048x2048"
 
@@ -118,7 +118,7 @@ def bench_shape(m, k, n, dev, iters, fold=False):
     lin = nn.Linear(k, n, device=dev)
     peer = torchao_float8_peer(lin)
     # the bf16 baseline as training runs it: on CPUs without native bf16 GeMMs, fp32 kernels on
-    # bf16-rounded operands (fp4lightning.cpu_bf16; the FP4 layers' GeMMs do the same)
+    # bf16-rounded operands (fp4lightning.numerics.cpu_bf16; the FP4 layers' GeMMs do the same)
     emulate_bf16_linears(lin, dev)
     fp4 = FP4Linear.from_linear(lin, FP4Config())
     fp4_noocc = FP4Linear.from_linear(lin, FP4Config(occ=False))
@@ -280,7 +280,7 @@ def layer_table(shapes: str, dev: torch.device, iters: int, json_path: str | Non
 
     import triton
 
-    from fp4lightning import gemm_dispatch
+    from fp4lightning.ops import gemm as gemm_dispatch
 
     cuda = dev.type == "cuda"
     paths = ["scaled_mm", "triton"] if cuda else ["scaled_mm", "reference"]
@@ -378,7 +378,7 @@ def main():
         layer_table(args.shapes if args.shapes != DEFAULT_SHAPES else TABLE_SHAPES, dev, args.iters, args.json,
                     not args.peer_eager)
         return
-    from fp4lightning import fused
+    from fp4lightning.numerics import cpu_fused as fused
 
     print(f"# device={dev} torch={torch.__version__} threads={torch.get_num_threads()} "
           f"backend={os.environ.get('FP4LIGHTNING_BACKEND', 'auto')} compiled={fused.compile_enabled(dev)} "

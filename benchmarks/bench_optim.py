@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from fp4lightning.models.llama import Llama, llama_config
-from fp4lightning.optim import LowPrecisionAdamW, state_bytes_per_param
-from fp4lightning.precision import FP4Precision
+from fp4lightning.lightning.optim import LowPrecisionAdamW, state_bytes_per_param
+from fp4lightning.lightning.precision import FP4Precision
 
 
 def load_text(max_bytes: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from fp4lightning.cpu_bf16 import emulate_bf16_linears  # noqa: E402
+from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears  # noqa: E402
 
 
 def import_revision(rev: str, into: str):
@@ -81,7 +81,7 @@ def bench_layer(new, old, shape: str, iters: int) -> None:
         mods[f"old {pre}"] = old.FP4Linear.from_linear(lin, old.FP4Config.from_preset(pre))
         mods[f"new {pre}"] = new.FP4Linear.from_linear(lin, new.FP4Config.from_preset(pre))
     # the yardstick as training runs it: on CPUs without native bf16 GeMMs, fp32 kernels on
-    # bf16-rounded operands (fp4lightning.cpu_bf16; a class swap, the FP4 layers share its weights)
+    # bf16-rounded operands (fp4lightning.numerics.cpu_bf16; a class swap, the FP4 layers share its weights)
     emulate_bf16_linears(lin)
     x = (torch.randn(m, k) * (1 + 9 * (torch.rand(m, k) < 0.01))).requires_grad_(True)
     dy = torch.randn(m, n, dtype=torch.bfloat16)

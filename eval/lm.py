@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from fp4lightning.errors import InputNotFoundError, UsageError
 from fp4lightning.models.llama import Llama
-from fp4lightning.tokenizer import Tokenizer
+from fp4lightning.data.tokenizer import Tokenizer
 
 __all__ = ["FP4LightningLM", "LINEAR_MODES", "to_high_precision", "load_model_and_tokenizer"]
 
@@ -69,7 +69,7 @@ def to_high_precision(model: nn.Module) -> nn.Module:
     ``FP4Linear`` keeps its high-precision master weight as ``weight``, so the swap
     gives exactly the model a BF16 run of the same weights would evaluate.
     """
-    from fp4lightning.linear import FP4Linear
+    from fp4lightning.nn.linear import FP4Linear
 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -92,8 +92,8 @@ def load_model_and_tokenizer(
     (a ``tokenizer.json`` path, a data directory holding one, or a :class:`Tokenizer`).
     Missing files raise ``FileNotFoundError`` saying what to pass.
     """
-    from fp4lightning.checkpoint import load_checkpoint
-    from fp4lightning.linear import FP4Linear
+    from fp4lightning.train.checkpoint import load_checkpoint
+    from fp4lightning.nn.linear import FP4Linear
 
     path = Path(checkpoint)
     if not path.exists():
@@ -136,7 +136,7 @@ def _load_tokenizer(tokenizer: str | Path | Tokenizer) -> Tokenizer:
 
 
 def _fp4_config_of(model: nn.Module):
-    from fp4lightning.linear import FP4Linear
+    from fp4lightning.nn.linear import FP4Linear
 
     for m in model.modules():
         if isinstance(m, FP4Linear):
@@ -214,14 +214,14 @@ class FP4LightningLM(TemplateLM):
             to_high_precision(model)
         elif linear == "fp4" and _fp4_config_of(model) is None:
             from fp4lightning.config import FP4Config
-            from fp4lightning.convert import convert_to_fp4
+            from fp4lightning.nn.convert import convert_to_fp4
 
             convert_to_fp4(model, FP4Config.from_preset(fp4_preset or "paper"))  # warns only on shape skips
         elif fp4_preset is not None:
             log.warning("fp4_preset=%s ignored: it only applies to linear=fp4 on a model trained in high precision",
                         fp4_preset)
         if self._autocast_dtype == torch.bfloat16 and self._device.type == "cpu":
-            from fp4lightning.cpu_bf16 import emulate_bf16_linears
+            from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 
             emulate_bf16_linears(model)  # CPUs without native bf16 GeMMs (docs/lightning.md)
         fp4_cfg = _fp4_config_of(model)

@@ -395,7 +395,7 @@ def evaluate_checkpoint(
     data_dir = Path(data_dir) if data_dir is not None else _default_data_dir(lm.recipe)
     if offline_names:
         task_objs.update(_load_tasks(offline_names, data_dir.resolve(), reachable))
-    from fp4lightning.fused import compile_enabled
+    from fp4lightning.numerics.cpu_fused import compile_enabled
 
     if not sys.stderr.isatty():  # a log: lm-eval calls the request loops without their switch for the bars
         for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):

@@ -2,8 +2,8 @@
 
 Implements "Optimizing Large Language Model Training Using FP4 Quantization"
 (Wang et al., arXiv 2501.17116). The public surface is the names below; everything else is
-reached through its submodule (``fp4lightning.formats``, ``fp4lightning.quantize``,
-``fp4lightning.gemm_dispatch``, ...; docs/design.md maps every concept to its file).
+reached through its submodule (``fp4lightning.numerics.formats``, ``fp4lightning.numerics.absmax``,
+``fp4lightning.ops.gemm``, ...; docs/design.md maps every concept to its file).
 
 Every name is imported lazily, on first use, so ``import fp4lightning`` (and with it
 ``fp4lightning --help``) loads neither torch nor Lightning nor omegaconf nor lm-eval.
@@ -24,14 +24,14 @@ __all__ = [
 
 _LAZY = {
     "FP4Config": ".config",
-    "FP4Linear": ".linear",
-    "convert_to_fp4": ".convert",
-    "Trainer": ".trainer",
-    "FP4Precision": ".precision",
-    "FP4DDPStrategy": ".strategy",
-    "FP4FSDPStrategy": ".strategy",
-    "LowPrecisionAdamW": ".optim",
-    "load_checkpoint": ".checkpoint",
+    "FP4Linear": ".nn.linear",
+    "convert_to_fp4": ".nn.convert",
+    "Trainer": ".lightning.trainer",
+    "FP4Precision": ".lightning.precision",
+    "FP4DDPStrategy": ".lightning.strategy",
+    "FP4FSDPStrategy": ".lightning.strategy",
+    "LowPrecisionAdamW": ".lightning.optim",
+    "load_checkpoint": ".train.checkpoint",
 }
 
 

@@ -25,7 +25,7 @@ __all__ = ["Command", "COMMANDS", "main", "build_parser", "EXIT_PREEMPTED", "EXI
 
 #: exit status of `fp4lightning train` after SIGTERM (checkpoint saved; 128 + SIGTERM, as a shell reports it)
 EXIT_PREEMPTED = 143
-#: exit status when training stopped on non-finite steps (fp4lightning.nonfinite)
+#: exit status when training stopped on non-finite steps (fp4lightning.lightning.nonfinite)
 EXIT_NONFINITE = 3
 
 
@@ -70,7 +70,7 @@ def _data_run(args: argparse.Namespace) -> int:
     opts = {"source": "builtin", "out": None, "vocab_size": 4096, "val_fraction": 0.02, "max_tokens": None,
             "text_key": "text"}
     if args.recipe is not None:  # checked before the heavy imports below
-        from fp4lightning.recipe import load_recipe
+        from fp4lightning.train.recipe import load_recipe
 
         d = load_recipe(args.recipe).data
         opts.update(source=d.source, out=d.dir, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
@@ -105,14 +105,14 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _train_run(args: argparse.Namespace) -> int:
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.recipe import load_recipe
 
     recipe, overrides = _recipe_and_overrides(args)
     cfg = load_recipe(recipe, overrides)  # before torch and Lightning: a recipe mistake is reported at once
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from fp4lightning.nonfinite import NonFiniteError
-    from fp4lightning.pretrain import train
+    from fp4lightning.lightning.nonfinite import NonFiniteError
+    from fp4lightning.train.pretrain import train
 
     try:
         train(cfg, resume=args.resume, verify_data=args.verify_data, overwrite=args.overwrite,
@@ -132,7 +132,7 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _export_hf_run(args: argparse.Namespace) -> int:
-    from fp4lightning.checkpoint import load_checkpoint
+    from fp4lightning.train.checkpoint import load_checkpoint
     from fp4lightning.models.hf import LM_EVAL_HINT, save_hf
 
     check_writable_dir(args.out_dir, "OUT_DIR")  # before loading: a bad path fails first
@@ -154,7 +154,7 @@ def _import_hf_run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from fp4lightning.initialize import import_hf
+    from fp4lightning.train.init_weights import import_hf
     from fp4lightning.models.llama import LlamaConfig
 
     out = Path(args.out) if args.out else Path(args.hf_dir) / "fp4lightning.ckpt"
@@ -205,7 +205,7 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
                              "validation loss, else the first)")
     parser.add_argument("--dge-probe", type=int, default=0, metavar="N",
                         help="record the weights' quantization error and in-interval positions every N steps "
-                             "(fp4lightning.dge_probe); 0 = off")
+                             "(fp4lightning.experiments.dge_probe); 0 = off")
     parser.add_argument("--out", default=None, help="output folder (default: runs/compare-<recipe name>)")
     parser.add_argument("--eval-tasks", default="offline",
                         help="lm-eval tasks for the zero-shot table (offline | paper | ...); 'none' skips it")
@@ -220,7 +220,7 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _compare_run(args: argparse.Namespace) -> int:
-    from fp4lightning.compare import compare
+    from fp4lightning.experiments.compare import compare
 
     recipe, overrides = _recipe_and_overrides(args)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]  # compare() checks them
@@ -242,7 +242,7 @@ def _compare_join_arguments(parser: argparse.ArgumentParser) -> None:
 def _compare_join_run(args: argparse.Namespace) -> int:
     import json
 
-    from fp4lightning.compare import join_summaries
+    from fp4lightning.experiments.compare import join_summaries
 
     joined, table = join_summaries([Path(p) for p in args.summaries], args.reference)
     out = Path(args.out)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .constants import DY_FORMATS
+from fp4lightning.numerics.constants import DY_FORMATS
 
 __all__ = ["FP4Config", "PRESETS", "DEFAULT_SKIP_MODULES"]
 
@@ -76,7 +76,7 @@ class FP4Config:
     grad_format: str = "e5m2"
     #: fnmatch patterns of fully qualified module names to leave in high precision
     skip_modules: tuple[str, ...] = field(default=DEFAULT_SKIP_MODULES)
-    # --- block-scaled recipes (fp4lightning.block_linear); "none" = the paper's per-row scales
+    # --- block-scaled recipes (fp4lightning.nn.block_linear); "none" = the paper's per-row scales
     #: "block16_e4m3" (NVFP4: 16-element blocks, E4M3 scales, per-tensor fp32 scale) or
     #: "block32_e8m0" (MXFP4: 32-element blocks, power-of-two scales); the block size follows
     block_format: str = "none"
@@ -96,7 +96,7 @@ class FP4Config:
     #: experiment (docs/results.md): STE times DGE's factor frozen at init; needs dge=False
     dge_frozen_factor: bool = False
     #: opt-in (docs/perf.md, "OCC on the GPU"): fold OCC's residual into the activation operand
-    #: and round it to E4M3 (fp4lightning.occ.fold_e4m3) instead of computing the compensation in
+    #: and round it to E4M3 (fp4lightning.numerics.occ.fold_e4m3) instead of computing the compensation in
     #: bf16; the forward and weight-gradient GeMMs then need no compensation products. Needs OCC
     #: with compensation; on the Triton backend it needs FP8 tensor cores (sm_90) and an FP8 dY
     occ_fold_e4m3: bool = False

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lightning.constants import (AMAX_EPS, E2M1_MAX, E8M0_BIAS, F8E4M3_MAX, F8E4M3_MIN_NORMAL, F32_MAX,
+from fp4lightning.numerics.constants import (AMAX_EPS, E2M1_MAX, E8M0_BIAS, F8E4M3_MAX, F8E4M3_MIN_NORMAL, F32_MAX,
                                     F32_MIN_NORMAL, FP8_AMAX_EPS)
 
 #: Kernels run under the Triton interpreter (CPU tensors) when this is set before import.
@@ -52,7 +52,7 @@ AUTOTUNE = os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0"
 
 INTERPRET_C = tl.constexpr(INTERPRET)
 
-# fp4lightning.constants as compile-time constants of the kernels (a jit function may only read
+# fp4lightning.numerics.constants as compile-time constants of the kernels (a jit function may only read
 # globals that are tl.constexpr)
 E2M1_MAX_C = tl.constexpr(E2M1_MAX)  # 6.0
 AMAX_EPS_C = tl.constexpr(AMAX_EPS)  # 2^-124
@@ -79,7 +79,7 @@ def minifloat_bits(a, MANT: tl.constexpr, EMIN: tl.constexpr):
     ``MANT`` mantissa bits, ``EMIN`` the smallest normal exponent (= 1 - bias). The
     caller clamps ``a`` to the format's maximum first (saturation) and keeps NaN out.
     Both branches are exact IEEE arithmetic, so the result is bit-identical to
-    round-to-nearest-even (and to ``fp4lightning.formats._magnitude_index`` for E2M1,
+    round-to-nearest-even (and to ``fp4lightning.numerics.formats._magnitude_index`` for E2M1,
     MANT=1, EMIN=0, which gives the code index 0..7):
 
     * ``a >= 2^EMIN`` (normal): round the fp32 bit pattern to MANT mantissa bits in
@@ -151,7 +151,7 @@ def decode_e2m1(c, DOT: tl.constexpr):
 # costs about ten instructions per code. The alternative, FP8 copies of the operands
 # (twice the bytes, transposed copies for the backward GeMMs since FP8 wgmma wants K-major
 # operands), is the ``expand`` path of kernels/fp8_gemm.py; which is faster is measured by
-# kernels/bench.py on a GPU.
+# benchmarks/bench_kernels.py on a GPU.
 #: log2 of the factor that undoes the decode's scaling, per FP8 dot type
 FP8_DECODE_SHIFT = {DOT_FP8E4: 6, DOT_FP8E5: 14}
 

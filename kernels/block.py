@@ -1,6 +1,6 @@
 """Triton kernels for the block-scaled FP4 formats: MXFP4 / NVFP4 quantizers and a block-scaled GeMM.
 
-Twins of the PyTorch reference in ``fp4lightning/block_formats.py`` (see its docstring for
+Twins of the PyTorch reference in ``fp4lightning/numerics/block_formats.py`` (see its docstring for
 the formats). They target CUDA GPUs *without* FP4 tensor cores: the GeMM decodes a tile of
 E2M1 codes, multiplies each value by its block's scale (exact in bf16), and runs one
 bf16 ``tl.dot`` with fp32 accumulation per ``block_k`` columns (several scale blocks).
@@ -106,7 +106,7 @@ def _check(x: torch.Tensor, b: int, name: str) -> torch.Tensor:
         raise ValueError(f"{name}: expected a 2-D floating-point tensor, got {tuple(x.shape)} {x.dtype}")
     if x.shape[1] % b:
         raise ValueError(f"{name}: K={x.shape[1]} must be a multiple of {b}; use the reference "
-                         "(fp4lightning.block_formats), which pads")
+                         "(fp4lightning.numerics.block_formats), which pads")
     if not INTERPRET and x.device.type != "cuda":
         raise RuntimeError(f"{name}: Triton needs a CUDA tensor (or TRITON_INTERPRET=1 set before import)")
     return x.contiguous()
@@ -125,7 +125,7 @@ def triton_quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
 
 def triton_quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
     """(packed codes, E4M3 block scales (M, K/16) float8_e4m3fn, fp32 global scale), as the reference."""
-    from fp4lightning.block_formats import nvfp4_global_scale
+    from fp4lightning.numerics.block_formats import nvfp4_global_scale
 
     x = _check(x, 16, "quantize_nvfp4")
     m, k = x.shape

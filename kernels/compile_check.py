@@ -48,7 +48,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp4lightning.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,  # noqa: E402
+from fp4lightning.numerics.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,  # noqa: E402
                                     F8E5M2_MANT_BITS, F8E5M2_MAX)
 from fp4lightning.kernels import fp8_gemm, gemm, quantize, scaled_mm  # noqa: E402
 from fp4lightning.kernels._common import DOT_BF16, DOT_FP8E4, DOT_FP8E5, DOT_FP16  # noqa: E402

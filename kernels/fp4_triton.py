@@ -1,18 +1,18 @@
-"""Triton backend of ``fp4lightning.gemm_dispatch``: the FP4 quantizer, the FP8 dY quantizer, three GeMMs.
+"""Triton backend of ``fp4lightning.ops.gemm``: the FP4 quantizer, the FP8 dY quantizer, three GeMMs.
 
-This module is what ``fp4lightning.gemm_dispatch`` imports when the backend is ``triton``
+This module is what ``fp4lightning.ops.gemm`` imports when the backend is ``triton``
 (FP4LIGHTNING_BACKEND; the default on CUDA GPUs without FP8 tensor cores), and for the quantizers
 of the ``scaled_mm`` backend (the default on sm_89+, ``kernels/scaled_mm.py``). Each function is the kernel twin of a
 PyTorch reference (arXiv 2501.17116, sections 3.1-3.3; docs/method.md sections 1-3):
 
-* ``triton_quantize_rows`` - ``fp4lightning.quantize.quantize_rows_reference``: bit-identical codes and scales;
+* ``triton_quantize_rows`` - ``fp4lightning.numerics.absmax.quantize_rows_reference``: bit-identical codes and scales;
 * ``triton_quantize_rows_clamped`` - ``occ_clamp`` then ``quantize_rows_reference`` (OCC fused, section 3.3):
   bit-identical codes, scales and residual;
-* ``triton_quantize_rows_folded`` - ``fp4lightning.gemm_dispatch.quantize_fp4_folded`` (OCC folded into an
+* ``triton_quantize_rows_folded`` - ``fp4lightning.ops.gemm.quantize_fp4_folded`` (OCC folded into an
   E4M3 operand, ``FP4Config.occ_fold_e4m3``): bit-identical, with ``triton_folded_gemm`` /
   ``triton_folded_wgrad`` its two FP8 GeMMs;
-* ``triton_quantize_fp8`` - ``fp4lightning.gemm_dispatch.quantize_fp8_reference``: bit-identical;
-* ``triton_fp4_gemm`` / ``triton_fp4_dgrad`` / ``triton_fp4_wgrad`` (DGE fused) - ``fp4lightning.gemm_dispatch.fp4_*_reference``:
+* ``triton_quantize_fp8`` - ``fp4lightning.ops.gemm.quantize_fp8_reference``: bit-identical;
+* ``triton_fp4_gemm`` / ``triton_fp4_dgrad`` / ``triton_fp4_wgrad`` (DGE fused) - ``fp4lightning.ops.gemm.fp4_*_reference``:
   the same math with fp32 accumulation (bit-identical fp32 output where the reference
   also accumulates exactly).
 

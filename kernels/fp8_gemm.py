@@ -23,7 +23,7 @@ the same epilogue operations in the same order, so the forward is bit-identical 
 Why both paths exist: the decode path's loop spends issue slots on the SWAR decode
 (``kernels/compile_check.py`` reads 0.90 issue cycles per tensor cycle for the sm_90a
 forward, 1.27 for the backward), this path's loop has none but moves twice the operand
-bytes plus the expansion pass. Which is faster is a measurement (``kernels/bench.py``
+bytes plus the expansion pass. Which is faster is a measurement (``benchmarks/bench_kernels.py``
 times both side by side); ``FP4LIGHTNING_GEMM_PATH`` picks one (docs/perf.md).
 """
 from __future__ import annotations

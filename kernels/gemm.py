@@ -404,7 +404,7 @@ def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
     ``a = min(|x|, 6)``: ``W * s_w`` rounded in fp32 lands just above 6 for each row's
     largest weight (0.37 * (6 / 0.37) = 6.0000005), and that weight quantizes to 6, a
     grid point, so its derivative is exactly 1/k - never 0. Same formula as
-    ``fp4lightning.dge.dge_derivative``; NaN and +/-inf get 0.
+    ``fp4lightning.numerics.dge.dge_derivative``; NaN and +/-inf get 0.
     """
     a = tl.minimum(tl.abs(x), E2M1_MAX_C)
     # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact

@@ -1,6 +1,6 @@
 """Fused row-wise FP4 quantization and FP8 gradient quantization in Triton (arXiv 2501.17116, 3.1).
 
-``triton_quantize_rows`` is the kernel twin of ``fp4lightning.quantize.quantize_rows_reference``: one
+``triton_quantize_rows`` is the kernel twin of ``fp4lightning.numerics.absmax.quantize_rows_reference``: one
 program reads a block of rows, takes each row's absmax, forms the fp32 scale
 ``6 / max(amax, 2^-124)`` (optionally rounded down to a power of two by masking the
 exponent bits), rounds ``x * scale`` to E2M1 with ties to even, and writes two codes
@@ -14,7 +14,7 @@ arithmetic (``_common.minifloat_bits``). ``quantize_rows_clamped`` fuses OCC's c
 Rows up to ``2 * MAX_SINGLE_PASS_KH`` elements are held in registers and read once;
 longer rows take two passes over the row (amax, then encode), the second mostly from L2.
 
-``quantize_fp8`` is the twin of ``fp4lightning.gemm_dispatch.quantize_fp8_reference`` (the
+``quantize_fp8`` is the twin of ``fp4lightning.ops.gemm.quantize_fp8_reference`` (the
 dY quantizer of the backward GeMMs, docs/method.md section 3): absmax FP8 E4M3/E5M2 with
 one fp32 scale per row or per column, saturating, round-to-nearest-even, emitted as
 FP8 bit patterns computed arithmetically.
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lightning.constants import (E4M3_FOLD_MAX_SHIFT, F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,
+from fp4lightning.numerics.constants import (E4M3_FOLD_MAX_SHIFT, F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,
                                     F8E5M2_MANT_BITS, F8E5M2_MAX)
 
 from ._common import (
@@ -206,7 +206,7 @@ def _check_input(x2d, scale_mode, bounds):
 
 def _clamp_bounds(x2d, bounds):
     """OCC's ``[lo, hi]`` as the kernels read them: fp32 holding the bounds cast to x's dtype, which
-    is what the reference clamps with (fp4lightning.occ.occ_clamp)."""
+    is what the reference clamps with (fp4lightning.numerics.occ.occ_clamp)."""
     if not isinstance(bounds, torch.Tensor) or bounds.shape != (2,) or not bounds.is_floating_point():
         raise ValueError("bounds must be a floating-point tensor([lo, hi]) as occ_bounds returns, got "
                          f"{bounds if not isinstance(bounds, torch.Tensor) else tuple(bounds.shape)}")
@@ -253,7 +253,7 @@ def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tenso
                   block_kh: int | None = None, e4m3: bool = False):
     """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
 
-    Bit-identical to ``fp4lightning.quantize.quantize_rows_reference(x2d, scale_mode, per_tensor)``
+    Bit-identical to ``fp4lightning.numerics.absmax.quantize_rows_reference(x2d, scale_mode, per_tensor)``
     (codes, padding nibble and scales, NaN scales for non-finite rows included).
     ``x2d``: fp32/bf16/fp16, 2-D, contiguous rows, on CUDA (or CPU under the
     interpreter). ``block_kh`` (bytes per block, power of two) is a tuning/testing
@@ -336,7 +336,7 @@ def _abs_bits_max(v):
 
 @triton.jit
 def _folded_values(xc, r, s):
-    """``A_q + s R`` (fp32), as ``fp4lightning.fused.fp4_rows_unpacked(fold=True)`` computes it: the
+    """``A_q + s R`` (fp32), as ``fp4lightning.numerics.cpu_fused.fp4_rows_unpacked(fold=True)`` computes it: the
     E2M1 value of ``clamp(x) * s`` (nearest, ties to even, saturating at 6) plus ``R * s``, the
     product and the sum rounded separately (the kernel is launched without FMA contraction).
     Non-decreasing in x (every step is): the two-pass path for long rows relies on it."""
@@ -358,7 +358,7 @@ def _pow2_neg(shift):
 
 @triton.jit
 def _fold_shift(famax):
-    """fp4lightning.occ.fold_e4m3's per-row shift (int32 0..8) of a finite row absmax."""
+    """fp4lightning.numerics.occ.fold_e4m3's per-row shift (int32 0..8) of a finite row absmax."""
     e = ((famax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # frexp's exponent (normal numbers)
     shift = tl.minimum(tl.maximum(e - 9, 0), E4M3_FOLD_MAX_SHIFT_C)
     return tl.minimum(tl.where(famax * _pow2_neg(shift) > F8E4M3_MAX_C, shift + 1, shift), E4M3_FOLD_MAX_SHIFT_C)
@@ -484,11 +484,11 @@ def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_m
 
     One pass over x does what the reference does in three steps: ``quantize_fp4_clamped(x2d,
     bounds, fold=True)`` (clamp, row-wise FP4 scale ``s_a``, E2M1 values ``A_q`` plus the scaled
-    residual, ``A_q + s_a R``), then ``fp4lightning.occ.fold_e4m3`` (each row shifted down by the
+    residual, ``A_q + s_a R``), then ``fp4lightning.numerics.occ.fold_e4m3`` (each row shifted down by the
     smallest power of two ``2^shift``, 0 <= shift <= 8, that brings it within E4M3's 448, rounded
     to E4M3), with ``scale = s_a 2^-shift`` so that ``x ~ e4 / scale`` and the forward GeMM needs
     no compensation term (docs/perf.md, "OCC on the GPU"). Bit-identical to that reference
-    (``fp4lightning.gemm_dispatch.quantize_fp4_folded``). Rows whose folded values are not
+    (``fp4lightning.ops.gemm.quantize_fp4_folded``). Rows whose folded values are not
     finite (NaN or +/-inf in x, or a NaN bound) get a NaN scale and zero codes, so the GeMM's
     output row is NaN and loss scaling sees it.
 
@@ -645,14 +645,14 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
-    ``fp4lightning.gemm_dispatch.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
+    ``fp4lightning.ops.gemm.quantize_fp8_reference`` for ``fmt`` in ``'e4m3'``/``'e5m2'``
     (``'bf16'`` needs no kernel; the dispatch layer handles it). ``x2d``: fp32/bf16/fp16,
     2-D, any strides. ``column_major=True`` (with ``dim=0``) returns the same values laid
     out column by column (``q.t()`` contiguous): the layout ``fp4_wgrad`` feeds to the FP8
     tensor cores without a transpose in registers. ``divide_by`` (fp32, one value per
     column for ``dim=1``, per row for ``dim=0``) quantizes ``x2d * (1 / divide_by)`` without
     materialising it (the FP4 scale of the GeMM's reduction dimension folded into dY): one IEEE
-    reciprocal per divisor, then one fp32 multiply per element, as ``fp4lightning.fused.fp8_scaled``
+    reciprocal per divisor, then one fp32 multiply per element, as ``fp4lightning.numerics.cpu_fused.fp8_scaled``
     computes it, so bit-identical to it.
     """
     x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4lightning.formats import decode_packed_fp4
+from fp4lightning.numerics.formats import decode_packed_fp4
 
 from ._common import F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, _e2m1_to_bits, minifloat_bits, sign_bit
 from ._common import check_same_device as check_kernel_devices
@@ -196,7 +196,7 @@ def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, 
         return dw.to(out_dtype)
     if dw.is_cuda:
         return triton_wgrad_finish(dw, addend, dge_weight, dge_weight_scale, dge_k, dge_clamp).to(out_dtype)
-    from fp4lightning import fused
+    from fp4lightning.numerics import cpu_fused as fused
     ones = torch.ones(dw.shape[0], dtype=torch.float32, device=dw.device)  # the scales are applied already
     return fused.wgrad_epilogue(dw, ones, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
                                 dge_k, dge_clamp, out_dtype)

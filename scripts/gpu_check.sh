@@ -9,7 +9,7 @@
 #    without touching dependencies); makes torchao importable for the float8 row from a wheel
 #    carried in .whl/ (the GPU machine has no network: `pip download --no-deps torchao==0.18.0
 #    -d .whl/` on a machine with one);
-# 2. correctness first: every kernel against its reference (python -m fp4lightning.kernels.bench
+# 2. correctness first: every kernel against its reference (python benchmarks/bench_kernels.py
 #    --checks-only, the scaled_mm GeMMs included), the GPU tests of tests/test_kernels.py and all
 #    of tests/test_scaled_mm.py, compiled;
 # 3. one table measured in one run: per layer (8192 tokens; 4096->4096, 4096->11008, 11008->4096)
@@ -18,7 +18,7 @@
 #    measured (benchmarks/bench_linear.py --layer-table), written to docs/perf/h200.json (and to
 #    $OUT/h200.json when $OUT is set);
 # 4. only with GPU_CHECK_FULL=1: the kernel benchmark's timing rows (python -m
-#    fp4lightning.kernels.bench) and the rest of the kernel tests compiled.
+#    benchmarks/bench_kernels.py) and the rest of the kernel tests compiled.
 # Everything goes to stdout and to $OUT/gpu_check.log (when $OUT is set) or
 # /tmp/fp4lightning_gpu_check.log. Exit status: 0 if every test and check passed, 1 on any
 # wrong result or crash, 2 if a step ran out of its time limit without a wrong result.
@@ -98,8 +98,8 @@ fi
 "$PY" -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | grep -v -i "warn\|pytree\|register" | tail -1
 
 # Correctness first (a wrong result shows even if the timings run out of time), then the table.
-step "kernels and GeMM paths against their references (python -m fp4lightning.kernels.bench --checks-only)"
-FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" -m fp4lightning.kernels.bench --checks-only
+step "kernels and GeMM paths against their references (python benchmarks/bench_kernels.py --checks-only)"
+FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" benchmarks/bench_kernels.py --checks-only
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("kernel checks (ran out of their 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("kernel checks (rc=$rc)"); fi
 
@@ -125,8 +125,8 @@ if [ -n "${OUT:-}" ] && [ -f docs/perf/h200.json ]; then cp docs/perf/h200.json 
 if [ $rc -eq 124 ]; then INCOMPLETE+=("layer table (ran out of its 240 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("layer table (rc=$rc)"); fi
 
 if [ "${GPU_CHECK_FULL:-0}" = "1" ]; then
-  step "kernel benchmark timings (python -m fp4lightning.kernels.bench --skip-checks; autotuning on)"
-  timeout -k 10 270 "$PY" -m fp4lightning.kernels.bench --skip-checks
+  step "kernel benchmark timings (python benchmarks/bench_kernels.py --skip-checks; autotuning on)"
+  timeout -k 10 270 "$PY" benchmarks/bench_kernels.py --skip-checks
   rc=$?
   if [ $rc -eq 124 ]; then INCOMPLETE+=("bench (ran out of its 270 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("bench (rc=$rc)"); fi
 

@@ -1,8 +1,8 @@
-"""SQNR of every FP4 format on a model's activations, weights and gradients (fp4lightning.block_analysis)."""
+"""SQNR of every FP4 format on a model's activations, weights and gradients (fp4lightning.experiments.format_fidelity)."""
 import torch
 
-from fp4lightning.fidelity import capture_linear_inputs
-from fp4lightning.block_analysis import (ACT_FORMATS, GRAD_FORMATS, WEIGHT_FORMATS, block_fidelity_report,
+from fp4lightning.experiments.occ_fidelity import capture_linear_inputs
+from fp4lightning.experiments.format_fidelity import (ACT_FORMATS, GRAD_FORMATS, WEIGHT_FORMATS, block_fidelity_report,
                                          capture_output_grads, format_block_table)
 from fp4lightning.models.llama import Llama, llama_config
 from tests._numerics import close, heavy_tailed

@@ -1,4 +1,4 @@
-"""NVFP4 / MXFP4 block quantizers, stochastic rounding and the RHT (fp4lightning.block_formats, .hadamard).
+"""NVFP4 / MXFP4 block quantizers, stochastic rounding and the RHT (fp4lightning.numerics.block_formats, .hadamard).
 
 Two oracles: exact value tables worked out from the OCP Microscaling Formats spec v1.0
 (section 6.3: shared exponent ``floor(log2(amax)) - emax_elem``, emax_elem = 2 for E2M1;
@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from fp4lightning.block_formats import (
+from fp4lightning.numerics.block_formats import (
     block_gemm_reference,
     dequantize_block,
     e8m0_to_float,
@@ -22,8 +22,8 @@ from fp4lightning.block_formats import (
     quantize_nvfp4,
     stochastic_round_e2m1,
 )
-from fp4lightning.constants import E2M1_VALUES, E8M0_NAN
-from fp4lightning.hadamard import RHT_SIZE, apply_rht, hadamard_matrix, rht_matrix
+from fp4lightning.numerics.constants import E2M1_VALUES, E8M0_NAN
+from fp4lightning.numerics.hadamard import RHT_SIZE, apply_rht, hadamard_matrix, rht_matrix
 from tests._numerics import above, below, close, heavy_tailed, sqnr
 
 try:
@@ -226,7 +226,7 @@ def test_sr_is_unbiased():
     tol = SR_MEAN_TOL_SIGMAS * 1.0 / math.sqrt(SR_DRAWS)  # 0.5 * max gap (2) / sqrt(N)
     below((draws.mean(0) - x).abs().max(), tol, "worst SR mean error")
     # round-to-nearest is biased on the same inputs (sanity: the test can fail)
-    from fp4lightning.formats import round_to_e2m1
+    from fp4lightning.numerics.formats import round_to_e2m1
     above((round_to_e2m1(x) - x).abs().max(), tol, "worst round-to-nearest error")
 
 
@@ -299,7 +299,7 @@ def test_block_gemm_matches_dequantized_float64_product(fmt, out_dtype):
 @pytest.mark.parametrize("fmt, block_2d, rounding", [("nvfp4", True, "stochastic"), ("mxfp4", False, "nearest")])
 def test_fake_quantize_block_compiled_is_bitwise_equal_to_eager(monkeypatch, fmt, block_2d, rounding):
     """torch.compile fuses the block quantizer on CPU; values, factor and scales must not change a bit."""
-    from fp4lightning import fused
+    from fp4lightning.numerics import cpu_fused as fused
 
     x = heavy_tailed(70, 100) * torch.exp(torch.randn(70, 1) * 3)  # K and M not multiples of the block
     x[3, :40] = 0
@@ -321,7 +321,7 @@ def test_fake_quantize_block_compiled_is_bitwise_equal_to_eager(monkeypatch, fmt
 def test_hash_uniform_is_uniform_independent_and_reproducible():
     """The counter-based uniforms behind stochastic rounding (block_formats.hash_uniform): moments,
     a 64-bin histogram, neighbour and cross-seed correlation; same seed, same draws."""
-    from fp4lightning.block_formats import hash_uniform, sr_seed
+    from fp4lightning.numerics.block_formats import hash_uniform, sr_seed
 
     n = 1 << 20
     s1 = sr_seed(torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item()), torch.device("cpu"))

@@ -6,7 +6,7 @@ Shapes stay <= 128 (the interpreter runs ~0.4 s per 256^3 GeMM).
 import pytest
 import torch
 
-from fp4lightning.block_formats import block_gemm_reference, quantize_mxfp4, quantize_nvfp4
+from fp4lightning.numerics.block_formats import block_gemm_reference, quantize_mxfp4, quantize_nvfp4
 from tests._numerics import above, heavy_tailed, sqnr
 
 kb = pytest.importorskip("fp4lightning.kernels.block", reason="triton is not importable here")
@@ -152,7 +152,7 @@ def test_fp4linear_block_triton_is_the_kernel_on_the_quantized_operands(monkeypa
     """Round-to-nearest NVFP4 (2-D weight tiles): each output is exactly the Triton block GeMM of the
     quantized operands, so the layer adds nothing of its own to the kernel's result."""
     from fp4lightning import FP4Config
-    from fp4lightning.block_formats import quantize_block
+    from fp4lightning.numerics.block_formats import quantize_block
 
     cfg = FP4Config.from_preset("nvfp4", stochastic_rounding=(), rht_wgrad=False)
     assert cfg.weight_block_2d

@@ -1,4 +1,4 @@
-"""FP4Linear under the block-scaled recipes (fp4lightning.block_linear): nvfp4, mxfp4, mxfp4-rht-sr.
+"""FP4Linear under the block-scaled recipes (fp4lightning.nn.block_linear): nvfp4, mxfp4, mxfp4-rht-sr.
 
 Checks the three GeMMs against their definition (quantize each operand along the GeMM's
 reduction dimension, multiply), against a float64 nn.Linear (SQNR), stochastic rounding's
@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Config, FP4Linear, convert_to_fp4
-from fp4lightning.convert import fp4_modules
-from fp4lightning.block_formats import block_gemm_reference, quantize_block
-from fp4lightning.block_linear import positional_keep
-from fp4lightning.dge import dge_derivative
-from fp4lightning.hadamard import apply_rht, rht_matrix
+from fp4lightning.nn.convert import fp4_modules
+from fp4lightning.numerics.block_formats import block_gemm_reference, quantize_block
+from fp4lightning.nn.block_linear import positional_keep
+from fp4lightning.numerics.dge import dge_derivative
+from fp4lightning.numerics.hadamard import apply_rht, rht_matrix
 from tests._numerics import above, below, heavy_tailed, sqnr
 
 PRESETS = ["nvfp4", "mxfp4", "mxfp4-rht-sr"]
@@ -177,7 +177,7 @@ def test_keep_first_and_last_blocks_in_high_precision(caplog):
 
     model = Llama(llama_config("tiny", n_layers=4, dim=64, n_heads=2, ffn_dim=128, vocab_size=256))
     assert positional_keep(model, 1, 2) == ["layers.0.", "layers.2.", "layers.3."]
-    with warnings.catch_warnings(record=True) as rec, caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
+    with warnings.catch_warnings(record=True) as rec, caplog.at_level(logging.INFO, logger="fp4lightning.nn.convert"):
         warnings.simplefilter("always")
         convert_to_fp4(model, FP4Config.from_preset("nvfp4"))
     # kept on purpose (the recipe): an INFO line, not a warning

@@ -49,11 +49,11 @@ def test_bug_keeps_its_traceback():
 
 
 def test_user_error_classes_share_the_base():
-    from fp4lightning.checkpoint import CheckpointError
+    from fp4lightning.train.checkpoint import CheckpointError
     from fp4lightning.data import DataCorruptError, DataNotPreparedError, DataSourceError
     from fp4lightning.eval.run import HubUnavailableError
-    from fp4lightning.initialize import InitError
-    from fp4lightning.recipe import RecipeError
+    from fp4lightning.train.init_weights import InitError
+    from fp4lightning.train.recipe import RecipeError
 
     for cls in (CheckpointError, DataCorruptError, DataNotPreparedError, DataSourceError, HubUnavailableError,
                 InitError, RecipeError):
@@ -79,8 +79,8 @@ def _run_overrides(corpus: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def run2(corpus, tmp_path_factory) -> Path:
     """A finished 2-step run (micro-batch 4, global batch 4, seed 1234): checkpoints and one CSV log."""
-    from fp4lightning.pretrain import train
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.recipe import load_recipe
 
     out = tmp_path_factory.mktemp("run2")
     train(load_recipe(None, _run_overrides(corpus, out)))
@@ -102,9 +102,9 @@ def _step(ckpt: Path) -> int:
 def test_resume_refuses_changed_data_order_settings(corpus, run2, tmp_path, capsys):
     """Settings that decide which samples a step reads must not change on --resume (they re-read or
     skip data): each changed key is named with its saved and new value, and how to go on."""
-    from fp4lightning.checkpoint import CheckpointError
-    from fp4lightning.pretrain import train
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.checkpoint import CheckpointError
+    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.recipe import load_recipe
 
     out = _copy(run2, tmp_path / "run")
     other = _other_data(corpus, tmp_path / "other_data")
@@ -161,10 +161,10 @@ def _truncate_train_shard(dst: Path) -> Path:
 def test_resume_from_the_same_data_under_another_path(corpus, run2, tmp_path):
     """Moving or copying the prepared data is not a change: the checkpoint records a fingerprint of
     the tokens (fp4lightning.data.data_fingerprint), not only the path."""
-    from fp4lightning.checkpoint import CheckpointError
+    from fp4lightning.train.checkpoint import CheckpointError
     from fp4lightning.data import data_fingerprint
-    from fp4lightning.pretrain import train
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.recipe import load_recipe
 
     out = _copy(run2, tmp_path / "run")
     moved = _copy(corpus, tmp_path / "moved")
@@ -183,8 +183,8 @@ def test_resume_checkpoint_without_recorded_settings(corpus, run2, tmp_path, cap
     resumes, saying what it could not check; the resumed run's curve has both log versions."""
     import torch
 
-    from fp4lightning.pretrain import read_losses, train
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.pretrain import read_losses, train
+    from fp4lightning.train.recipe import load_recipe
 
     out = _copy(run2, tmp_path / "run")
     last = out / "checkpoints" / "last.ckpt"
@@ -201,10 +201,10 @@ def test_resume_checkpoint_without_recorded_settings(corpus, run2, tmp_path, cap
 
 
 def test_resume_refuses_data_prepared_with_another_tokenizer(corpus, tmp_path_factory, tmp_path):
-    from fp4lightning.checkpoint import CheckpointError
+    from fp4lightning.train.checkpoint import CheckpointError
     from fp4lightning.data import prepare
-    from fp4lightning.pretrain import train
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.recipe import load_recipe
 
     data = _copy(corpus, tmp_path / "data")
     out = tmp_path / "run"
@@ -220,7 +220,7 @@ def test_resume_refuses_data_prepared_with_another_tokenizer(corpus, tmp_path_fa
 
 
 def test_fresh_run_in_a_used_out_dir_needs_overwrite(corpus, run2, tmp_path, capsys):
-    from fp4lightning.pretrain import read_losses
+    from fp4lightning.train.pretrain import read_losses
 
     out = _copy(run2, tmp_path / "run")
     last = out / "checkpoints" / "last.ckpt"
@@ -249,8 +249,8 @@ def test_gpu_requests_fail_before_the_data_is_read(tmp_path, monkeypatch):
     key, raised before the data folder (here missing) is looked at."""
     import torch
 
-    from fp4lightning.pretrain import build
-    from fp4lightning.recipe import RecipeError, load_recipe
+    from fp4lightning.train.pretrain import build
+    from fp4lightning.train.recipe import RecipeError, load_recipe
 
     def cfg(*extra):
         return load_recipe(None, [f"out_dir={tmp_path / 'run'}", f"data.dir={tmp_path / 'no-data'}", *extra])
@@ -282,8 +282,8 @@ def test_resume_n_kv_heads_spelled_out_is_the_same_model(corpus, run2, tmp_path)
     model: resume accepts it (the comparison normalizes both, LlamaConfig.normalized)."""
     import torch
 
-    from fp4lightning.pretrain import _check_resumable
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.pretrain import _check_resumable
+    from fp4lightning.train.recipe import load_recipe
 
     ckpt = torch.load(run2 / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     model = ckpt["hyper_parameters"]["model"]

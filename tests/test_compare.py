@@ -9,12 +9,12 @@ import statistics
 import pytest
 import torch
 
-from fp4lightning.fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
-from fp4lightning.fidelity import main as fidelity_main
-from fp4lightning.block_analysis import ACT_FORMATS, GRAD_FORMATS
+from fp4lightning.experiments.occ_fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
+from fp4lightning.experiments.occ_fidelity import main as fidelity_main
+from fp4lightning.experiments.format_fidelity import ACT_FORMATS, GRAD_FORMATS
 from fp4lightning.cli import main as cli_main
-from fp4lightning.compare import parse_variant, variant_overrides
-from fp4lightning.dge_probe import read_probe
+from fp4lightning.experiments.compare import parse_variant, variant_overrides
+from fp4lightning.experiments.dge_probe import read_probe
 from fp4lightning.models.llama import Llama, llama_config
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
@@ -45,9 +45,9 @@ def test_reuse_and_run_set_see_the_method_keys(tmp_path, capsys):
     written before those keys counts as what its run trained with (fp32 states; one device: no rounding, as
     fp32; several devices, FP4 over DDP: FP8 E4M3); summary.json's run set records both, and compare-join
     reads a run set from before them as fp32 on one device."""
-    from fp4lightning.compare import _run_set, join_summaries, reuse_decision
+    from fp4lightning.experiments.compare import _run_set, join_summaries, reuse_decision
     from fp4lightning.errors import UsageError
-    from fp4lightning.recipe import load_recipe, recipe_to_yaml
+    from fp4lightning.train.recipe import load_recipe, recipe_to_yaml
 
     def recorded(cfg, drop=False):
         run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
@@ -194,7 +194,7 @@ def test_compare_reuse_checks_the_recorded_recipe(tmp_path_factory, capsys, monk
     would run: a longer schedule resumes it to the new length, another setting starts it over, each with
     one line saying why; a run folder moved to another --out (and other thread counts) is still reused.
     summary.json records the run set, and compare-join refuses another recipe naming the key."""
-    from fp4lightning.compare import join_summaries
+    from fp4lightning.experiments.compare import join_summaries
     from fp4lightning.errors import UsageError
 
     corpus = prepared_test_corpus(tmp_path_factory)
@@ -251,7 +251,7 @@ def test_compare_reuse_checks_the_recorded_recipe(tmp_path_factory, capsys, monk
 
 def test_zero_shot_table_in_percent():
     """Accuracies print in percent, as `fp4lightning eval`'s results.md; perplexities as they are."""
-    from fp4lightning.compare import zero_shot_table
+    from fp4lightning.experiments.compare import zero_shot_table
 
     table = zero_shot_table({"bf16": [{"fp4l_cloze": {"acc_norm": 0.125}, "fp4l_ppl": {"word_perplexity": 1988.0}}],
                              "fp4": [{"fp4l_cloze": {"acc_norm": 0.25}, "fp4l_ppl": {"word_perplexity": 1603.0}},
@@ -276,7 +276,7 @@ def test_occ_report_on_model_activations():
 def test_compare_join_refuses_what_does_not_belong_together(tmp_path):
     """compare-join joins seeds of one recipe; other schedules, a variant at another rate, two different
     values for one seed and a missing or foreign file are refused with the file and the reason."""
-    from fp4lightning.compare import join_summaries
+    from fp4lightning.experiments.compare import join_summaries
     from fp4lightning.errors import UsageError
 
     def write(name, variants, steps=100):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Config, FP4Linear, convert_to_fp4
-from fp4lightning.convert import fp4_modules
+from fp4lightning.nn.convert import fp4_modules
 
 
 class Block(nn.Module):
@@ -41,7 +41,7 @@ def test_in_place_keys_and_parameters_unchanged(caplog):
     model = TinyLM()
     keys = list(model.state_dict().keys())
     params = {n: p for n, p in model.named_parameters()}
-    with pytest.warns(UserWarning) as rec, caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
+    with pytest.warns(UserWarning) as rec, caplog.at_level(logging.INFO, logger="fp4lightning.nn.convert"):
         out = convert_to_fp4(model)
     assert out is model
     assert list(model.state_dict().keys()) == keys
@@ -56,7 +56,7 @@ def test_in_place_keys_and_parameters_unchanged(caplog):
 
 def test_module_filter_and_preset_name(caplog):
     model = TinyLM()
-    with caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
+    with caplog.at_level(logging.INFO, logger="fp4lightning.nn.convert"):
         convert_to_fp4(model, "w4a4-direct", module_filter_fn=lambda m, fqn: fqn.endswith("up"))
     assert "keeping blocks.0.down (excluded by the module filter)" in caplog.text
     assert sorted(fp4_modules(model)) == ["blocks.0.up", "blocks.1.up"]
@@ -122,7 +122,7 @@ class MaskedLM(nn.Module):
 
 def test_output_head_found_by_structure_and_linear_likes_reported(recwarn, caplog):
     model = MaskedLM()
-    with caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
+    with caplog.at_level(logging.INFO, logger="fp4lightning.nn.convert"):
         convert_to_fp4(model)
     assert fp4_modules(model) == ["ffn.0", "ffn.2"]
     assert type(model.decoder) is nn.Linear
@@ -136,7 +136,7 @@ def test_output_head_found_by_structure_and_linear_likes_reported(recwarn, caplo
     tied = MaskedLM(vocab=32)  # vocab == width: only the tying identifies the head
     tied.decoder.weight = tied.embed.weight
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="fp4lightning.convert"):
+    with caplog.at_level(logging.INFO, logger="fp4lightning.nn.convert"):
         convert_to_fp4(tied)
     assert "keeping decoder (output head: weight tied to an nn.Embedding)" in caplog.text
     assert type(tied.decoder) is nn.Linear
@@ -202,7 +202,7 @@ def test_trainer_names_the_layers_it_trains_in_fp4(caplog, tmp_path):
 
 
 def test_summary_collapses_repeated_blocks():
-    from fp4lightning.convert import describe_conversion
+    from fp4lightning.nn.convert import describe_conversion
     from fp4lightning.models.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=176))

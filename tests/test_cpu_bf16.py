@@ -1,4 +1,4 @@
-"""bf16 GeMMs emulated with fp32 kernels on CPUs without native bf16 matrix kernels (fp4lightning.cpu_bf16).
+"""bf16 GeMMs emulated with fp32 kernels on CPUs without native bf16 matrix kernels (fp4lightning.numerics.cpu_bf16).
 
 Each test forces the mode it needs through ``FP4LIGHTNING_CPU_BF16_GEMM``, so the emulation and torch's
 own bf16 kernels are both exercised whatever the machine's CPU is.
@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from fp4lightning import FP4Config, FP4Linear, cpu_bf16
-from fp4lightning.convert import convert_to_fp4
+from fp4lightning import FP4Config, FP4Linear
+from fp4lightning.numerics import cpu_bf16
+from fp4lightning.nn.convert import convert_to_fp4
 from fp4lightning.models.llama import Llama, llama_config
 
 ENV = "FP4LIGHTNING_CPU_BF16_GEMM"
@@ -153,8 +154,8 @@ def test_fp4linear_gemms_emulated_match_native(monkeypatch):
 def test_recipe_baseline_module_emulates_only_under_bf16(monkeypatch, precision):
     import lightning.pytorch as L
 
-    from fp4lightning.pretrain import make_module
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.pretrain import make_module
+    from fp4lightning.train.recipe import load_recipe
 
     monkeypatch.setenv(ENV, "emulate")
     cfg = load_recipe(None, [f"trainer.precision={precision}", "model.vocab_size=256"])
@@ -173,9 +174,10 @@ def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, com
     (cpu_bf16.gemm_plan): Y and dA must be, bit for bit, the bf16 GeMMs of the bf16 operands
     (``emulated_mm``) followed by the same epilogues; dW within fp32 rounding of that. Compiled
     too: Inductor drops a ``.to(bf16).float()`` round trip unless told to keep casts."""
-    from fp4lightning import fused, gemm_dispatch as gd
-    from fp4lightning.formats import decode_packed_fp4
-    from fp4lightning.occ import occ_bounds
+    from fp4lightning.numerics import cpu_fused as fused
+    from fp4lightning.ops import gemm as gd
+    from fp4lightning.numerics.formats import decode_packed_fp4
+    from fp4lightning.numerics.occ import occ_bounds
 
     monkeypatch.setenv(ENV, "emulate")
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", compiled)
@@ -206,10 +208,10 @@ def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, com
 
 
 def test_sparse_compensation_product_in_chunks_is_the_whole_product(monkeypatch):
-    """OCC's weight-gradient share ``dY^T R``, taken in column chunks of dY (fp4lightning.linear), equals
+    """OCC's weight-gradient share ``dY^T R``, taken in column chunks of dY (fp4lightning.nn.linear), equals
     the float64 product to fp32 rounding, and the unchunked fp32 sparse product bit for bit, also
     where the last chunk is short (it failed on an AVX-512 CPU when a narrow last chunk ran alone)."""
-    from fp4lightning import linear as fl
+    from fp4lightning.nn import linear as fl
 
     m, k = 256, 64
     r = torch.randn(m, k) * (torch.rand(m, k) < 0.03)

@@ -23,7 +23,7 @@ from fp4lightning.data import (
     feistel_permute,
     prepare,
 )
-from fp4lightning.tokenizer import Tokenizer
+from fp4lightning.data.tokenizer import Tokenizer
 
 # Real English text that ships with every Python: the standard library's docstrings and
 # the interpreter's licence (no download at test time).
@@ -235,7 +235,7 @@ def _positions(ds: WindowDataset, batches: list[torch.Tensor], micro_batch_size:
 
 
 def _run(cfg, resume: bool = False, stop_after: int | None = None) -> BatchRecorder:
-    from fp4lightning.pretrain import train
+    from fp4lightning.train.pretrain import train
 
     rec = BatchRecorder(stop_after)
     if stop_after is None:
@@ -250,7 +250,7 @@ def test_extending_a_finished_run_reads_the_next_unseen_samples(corpus, tmp_path
     # docs/training.md, "Resuming with a changed schedule": a finished 4-step run extended to 6,
     # then to 8 steps, reads exactly what an uninterrupted 8-step run reads (positions 0, 1, 2, ...:
     # a sample's position does not depend on the run's length)
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.recipe import load_recipe
     from tests.test_train import tiny_overrides
 
     runs = []
@@ -266,8 +266,8 @@ def test_interrupt_mid_accumulation_restarts_the_cycle(corpus, tmp_path):
     # SIGTERM after micro-batch 4 of 8 (the first of step 3's two): the partial gradient is lost,
     # so the resumed run redoes step 3 from its first micro-batch (docs/training.md,
     # "Interrupting and resuming") and ends bitwise where an uninterrupted run ends
-    from fp4lightning.pretrain import LAST_CKPT
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.pretrain import LAST_CKPT
+    from fp4lightning.train.recipe import load_recipe
     from tests.test_train import tiny_overrides
 
     extra = ("data.global_batch_size=8", "schedule.max_steps=4", "trainer.checkpoint_every_n_steps=100")
@@ -326,7 +326,7 @@ def _prose_line(chars: int) -> str:
 def test_token_pieces_encode_like_the_whole_text(corpus):
     # pieces are cut only where the byte-level pre-tokenizer never joins two characters, so encoding
     # a long text piece by piece (bounded memory) gives exactly the ids of encoding it whole
-    from fp4lightning.tokenizer import token_pieces
+    from fp4lightning.data.tokenizer import token_pieces
 
     tok = PreparedData(corpus).tokenizer
     text = "\n\n".join(stdlib_docs(m) for m in STDLIB_MODULES[:6]) + "\n  tabs\tand\u00a0nbsp\u3000ideographic  end  "

@@ -1,4 +1,4 @@
-"""FP8 gradient communication (fp4lightning.comm) and FP4DDPStrategy on CPU: gloo, 2 real processes.
+"""FP8 gradient communication (fp4lightning.distributed.comm) and FP4DDPStrategy on CPU: gloo, 2 real processes.
 
 Process start costs ~9 s, so each test spawns one 2-process group that checks several things and writes
 what it measured to JSON; the assertions run in the parent against those numbers.
@@ -107,7 +107,7 @@ class _ListHandler(logging.Handler):
 
 
 def _hook_checks(rank: int, seed: int) -> dict:
-    from fp4lightning import comm
+    from fp4lightning.distributed import comm
 
     out: dict = {}
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -160,7 +160,7 @@ def _hook_checks(rank: int, seed: int) -> dict:
 
     # --- a backend without all_to_all: falls back to all_gather, logs once, still correct
     handler = _ListHandler()
-    logging.getLogger("fp4lightning.comm").addHandler(handler)
+    logging.getLogger("fp4lightning.distributed.comm").addHandler(handler)
     real_a2a = dist.all_to_all_single
 
     def _unsupported(*args, **kwargs):
@@ -177,7 +177,7 @@ def _hook_checks(rank: int, seed: int) -> dict:
             sqnrs += [sqnr(y.split(sizes)[i], ref.split(sizes)[i]) for i in big]
     finally:
         dist.all_to_all_single = real_a2a
-        logging.getLogger("fp4lightning.comm").removeHandler(handler)
+        logging.getLogger("fp4lightning.distributed.comm").removeHandler(handler)
     out["fallback_scheme"] = state.scheme
     out["fallback_log_lines"] = sum("falling back to all_gather" in m for m in handler.messages) if rank == 0 else 1
     out["fallback_min_sqnr"] = min(sqnrs)
@@ -224,10 +224,10 @@ def _hook_checks(rank: int, seed: int) -> dict:
     nn.functional.mse_loss(ddp2(bad), target).backward()
     out["async_nan_everywhere"] = all(bool(torch.isnan(p.grad).all()) for p in model.parameters())
     out["async_nan_flag"] = state.step_nonfinite
-    # --- the plugins' non-finite decision (fp4lightning.nonfinite.detect_nonfinite) where gradients are
+    # --- the plugins' non-finite decision (fp4lightning.lightning.nonfinite.detect_nonfinite) where gradients are
     # not all-reduced (sharded, as under FSDP): only rank 1 holds a NaN, every rank must skip
-    from fp4lightning.loss_scaler import DynamicLossScaler
-    from fp4lightning.nonfinite import detect_nonfinite
+    from fp4lightning.lightning.loss_scaler import DynamicLossScaler
+    from fp4lightning.lightning.nonfinite import detect_nonfinite
 
     local = nn.Linear(4, 4)
     local.weight.grad = torch.ones_like(local.weight)
@@ -383,7 +383,7 @@ def _fit(strategy, seed: int, steps: int, model_kwargs=None, tmp_dir=None):
 def _trainer_checks(rank: int, seed: int) -> dict:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from fp4lightning.strategy import FP4DDPStrategy
+    from fp4lightning.lightning.strategy import FP4DDPStrategy
 
     steps = 50
     out: dict = {}
@@ -513,7 +513,7 @@ def _odd_size_checks(rank: int, seed: int) -> dict:
     import lightning as L
 
     import fp4lightning
-    from fp4lightning.fabric import FP4FabricDDPStrategy, FP4FabricPrecision
+    from fp4lightning.lightning.fabric import FP4FabricDDPStrategy, FP4FabricPrecision
 
     out: dict = {}
     steps = 4
@@ -583,7 +583,7 @@ def test_default_multi_device_paths_train_a_model_of_odd_size(tmp_path):
 
 
 def test_fp8_decode_is_exact_for_every_code():
-    from fp4lightning.comm import FP8_FORMATS, _decode_sum_into
+    from fp4lightning.distributed.comm import FP8_FORMATS, _decode_sum_into
 
     codes = torch.arange(256, dtype=torch.uint8)
     for fmt, (dtype, _) in FP8_FORMATS.items():
@@ -594,10 +594,10 @@ def test_fp8_decode_is_exact_for_every_code():
 
 
 def test_fp8_comm_passes_compiled_match_eager_bitwise():
-    """The hooks' per-element passes run compiled on CPU (fp4lightning.fused); they must give the bits of
+    """The hooks' per-element passes run compiled on CPU (fp4lightning.numerics.cpu_fused); they must give the bits of
     the same math run eagerly (torch's own float8 casts): every FP8 code's value, each midpoint between
     neighbouring codes (ties to even), values beyond the range (saturation), fp32 and bf16 buckets."""
-    from fp4lightning.comm import FP8_FORMATS, _decode_sum_into, _encode_fp8_into, _mean_requantize_into
+    from fp4lightning.distributed.comm import FP8_FORMATS, _decode_sum_into, _encode_fp8_into, _mean_requantize_into
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     for fmt, (dtype8, fmax) in FP8_FORMATS.items():
@@ -633,7 +633,7 @@ ODD_BUCKETS = ([1], [3], [5], [26122], [8192, 128, 16384, 128, 1280, 10], [1, 3,
 
 def _own_scale_fp8(x: torch.Tensor, sizes, dtype8, fmax) -> torch.Tensor:
     """What one sender's payload decodes to: per-tensor power-of-two scale of its own amax, torch's cast."""
-    from fp4lightning.comm import _pow2_scales
+    from fp4lightning.distributed.comm import _pow2_scales
 
     out = []
     for seg in x.split(sizes):
@@ -647,7 +647,7 @@ def test_async_gather_payload_at_odd_sizes():
     decodes at any element count: a bucket of 1, 3, 5 or 26,122 elements, several tensors, W = 1 and
     W = 2 (where rank 1's row starts at an odd byte). The decoded mean equals each sender's own-scale FP8
     value, summed in rank order and halved, bit for bit; a NaN on one sender turns the bucket NaN."""
-    from fp4lightning.comm import FP8_FORMATS, _own_scale_payload, _sum_own_scale_payloads
+    from fp4lightning.distributed.comm import FP8_FORMATS, _own_scale_payload, _sum_own_scale_payloads
 
     gen = torch.Generator().manual_seed(5)
     for sizes in ODD_BUCKETS:
@@ -685,7 +685,7 @@ def test_fp8_hooks_on_odd_sized_buckets_in_real_ddp(world_of_one):
     """Both FP8 hooks in a real DistributedDataParallel model of 26,122 parameters (10-class head), one
     bucket and several small ones, none a multiple of 4 elements: the synchronised gradient of one rank
     is its own gradient rounded to FP8 with per-tensor power-of-two scales."""
-    from fp4lightning import comm
+    from fp4lightning.distributed import comm
 
     for hook, scheme in ((comm.fp8_async_gather_hook, "async_all_gather"), (comm.fp8_compress_hook, "reduce_scatter")):
         for bucket_cap_mb in (25, 1e-4):  # the default (one bucket), and about one bucket per bias
@@ -719,7 +719,7 @@ def test_fp8_hooks_on_odd_sized_buckets_in_real_ddp(world_of_one):
 
 
 def test_pow2_scales_use_the_fp8_range():
-    from fp4lightning.comm import FP8_FORMATS, _pow2_scales
+    from fp4lightning.distributed.comm import FP8_FORMATS, _pow2_scales
 
     amax = torch.cat([torch.rand(1000) * 10.0 ** torch.randint(-30, 30, (1000,)), torch.tensor([0.0, 448.0, 1.0])])
     for fmt, (_, fmax) in FP8_FORMATS.items():
@@ -732,8 +732,8 @@ def test_pow2_scales_use_the_fp8_range():
 
 
 def test_bad_configuration_is_refused_with_the_choices():
-    from fp4lightning.comm import CommState, hook_for_format
-    from fp4lightning.strategy import FP4DDPStrategy
+    from fp4lightning.distributed.comm import CommState, hook_for_format
+    from fp4lightning.lightning.strategy import FP4DDPStrategy
 
     with pytest.raises(ValueError, match="e4m3"):
         CommState(grad_format="fp16")
@@ -748,7 +748,7 @@ def test_bad_configuration_is_refused_with_the_choices():
 
 
 def test_auto_scheme_is_the_async_gather_at_two_ranks_only():
-    from fp4lightning.comm import fp8_async_gather_hook, fp8_compress_hook, hook_for_format, resolve_scheme
+    from fp4lightning.distributed.comm import fp8_async_gather_hook, fp8_compress_hook, hook_for_format, resolve_scheme
 
     assert hook_for_format("e4m3", "auto", world_size=2) is fp8_async_gather_hook
     for w in (1, 3, 4, 8):
@@ -760,7 +760,7 @@ def test_auto_scheme_is_the_async_gather_at_two_ranks_only():
 def test_strategy_is_registered_by_name():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from fp4lightning.strategy import FP4DDPStrategy
+    from fp4lightning.lightning.strategy import FP4DDPStrategy
 
     strategy = StrategyRegistry.get("fp4_ddp_spawn")
     assert isinstance(strategy, FP4DDPStrategy) and strategy.grad_format == "e4m3"
@@ -775,7 +775,7 @@ def _fabric_checks(rank: int, seed: int) -> dict:
     import lightning as L
 
     from fp4lightning import FP4Linear
-    from fp4lightning.fabric import FP4FabricDDPStrategy, FP4FabricPrecision
+    from fp4lightning.lightning.fabric import FP4FabricDDPStrategy, FP4FabricPrecision
 
     steps, out, params = 20, {}, {}
     for fmt in ("e4m3", "fp32"):
@@ -879,7 +879,7 @@ def test_lost_peer_reads_gloos_error_for_a_rank_that_exited():
     raised while handling it is recognised through its context; other errors are not."""
     from datetime import timedelta
 
-    from fp4lightning.comm import lost_peer
+    from fp4lightning.distributed.comm import lost_peer
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=120), wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, "-c", _GLOO_PEER, str(store.port), "1"])

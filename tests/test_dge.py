@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fp4lightning.dge import dge_derivative, dge_smooth
-from fp4lightning.constants import E2M1_VALUES
+from fp4lightning.numerics.dge import dge_derivative, dge_smooth
+from fp4lightning.numerics.constants import E2M1_VALUES
 
 from ._numerics import above, below, close
 
@@ -74,7 +74,7 @@ def test_row_maximum_gets_one_over_k_not_zero():
     """The issue's reproduction: W * s_w of a row's largest weight lands an ulp above 6 in fp32;
     its derivative must be 1/k (a grid point), so dW = STE value / k there."""
     from fp4lightning import FP4Config
-    from fp4lightning.linear import fp4_linear
+    from fp4lightning.nn.linear import fp4_linear
 
     grads = {}
     for dge in (True, False):
@@ -90,7 +90,7 @@ def test_row_maximum_gets_one_over_k_not_zero():
 
 @pytest.mark.parametrize("scale_mode", ["float", "pow2"])
 def test_no_finite_weight_gets_zero_derivative(scale_mode):
-    from fp4lightning.quantize import quantize_rows_reference
+    from fp4lightning.numerics.absmax import quantize_rows_reference
 
     w = torch.randn(256, 512) * torch.rand(256, 1)
     _, s_w = quantize_rows_reference(w, scale_mode)
@@ -117,7 +117,7 @@ def test_nonfinite_inputs_get_zero():
 def test_derivative_equals_the_interval_formula_bit_for_bit():
     """dge_derivative computes the offset in the interval as u - floor(u), u = a / delta (exact for
     a power-of-two delta); it must give the bits of the direct (a - left) / delta formula."""
-    from fp4lightning.dge import _interval
+    from fp4lightning.numerics.dge import _interval
 
     grid = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     edges = torch.cat([grid, grid + 0.25, grid - 0.25, torch.tensor([2.0, 4.0, 6.0])])

@@ -51,8 +51,8 @@ def _train(data_dir: Path, out: Path, steps: int, fp4: dict | None, tokenizer: b
     import lightning as L
 
     from fp4lightning.data import TokenDataModule
-    from fp4lightning.lightning_module import LlamaLightningModule
-    from fp4lightning.recipe import fp4_config_from_spec, load_recipe, recipe_to_dict
+    from fp4lightning.train.module import LlamaLightningModule
+    from fp4lightning.train.recipe import fp4_config_from_spec, load_recipe, recipe_to_dict
 
     dm = TokenDataModule(data_dir, seq_len=64, micro_batch_size=8, train_batches=steps, val_batches=1)
     recipe = load_recipe(None, [f"data.dir={data_dir}", f"trainer.precision={'fp4' if fp4 else 'bf16-mixed'}"])
@@ -254,8 +254,8 @@ def test_generate_until_is_greedy_and_stops(bf16_ckpt):
 # ----------------------------------------------------------------------------- FP4 / high precision
 @pytest.mark.slow
 def test_linear_modes(fp4_ckpt, bf16_ckpt, tasks_dir):
-    from fp4lightning.checkpoint import load_checkpoint
-    from fp4lightning.linear import FP4Linear
+    from fp4lightning.train.checkpoint import load_checkpoint
+    from fp4lightning.nn.linear import FP4Linear
 
     reqs = _instances("loglikelihood", _requests(tasks_dir, n=3))  # FP4 on CPU is slow: 7 requests
     fp4 = _lm(fp4_ckpt, batch_size=1, logits_cache=False)
@@ -357,7 +357,7 @@ def test_matches_lm_eval_hf_model_on_exported_checkpoint(bf16_ckpt, tasks_dir, t
     pytest.importorskip("accelerate", reason="lm-eval's hf model imports accelerate (the [hf] extra)")
     from lm_eval.models.huggingface import HFLM
 
-    from fp4lightning.checkpoint import load_checkpoint
+    from fp4lightning.train.checkpoint import load_checkpoint
     from fp4lightning.models.hf import save_hf
 
     model, tok, _ = load_checkpoint(bf16_ckpt)

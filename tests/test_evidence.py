@@ -1,4 +1,4 @@
-"""The DGE-experiment tooling (fp4lightning.dge_probe) and compare's seed statistics,
+"""The DGE-experiment tooling (fp4lightning.experiments.dge_probe) and compare's seed statistics,
 checked against hand-computed cases."""
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from fp4lightning.compare import paired_diff, paired_gap, parse_variant, spread
+from fp4lightning.experiments.compare import paired_diff, paired_gap, parse_variant, spread
 from fp4lightning.config import FP4Config
-from fp4lightning.dge import dge_derivative
-from fp4lightning.dge_probe import frozen_dge_factor, interval_position, model_weight_stats, weight_quant_stats
-from fp4lightning.linear import FP4Linear
-from fp4lightning.recipe import load_recipe
+from fp4lightning.numerics.dge import dge_derivative
+from fp4lightning.experiments.dge_probe import interval_position, model_weight_stats, weight_quant_stats
+from fp4lightning.numerics.dge import frozen_dge_factor
+from fp4lightning.nn.linear import FP4Linear
+from fp4lightning.train.recipe import load_recipe
 
 # Two rows chosen by hand, away from rounding ties and histogram bin edges.
 #   row 0: amax 6 -> scale 1;   scaled  6,  1.33, -2.35, 0.08

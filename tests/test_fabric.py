@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Linear
-from fp4lightning.convert import fp4_modules
-from fp4lightning.fabric import FP4FabricPrecision
-from fp4lightning.loss_scaler import DynamicLossScaler
-from fp4lightning.precision import FP4Precision
+from fp4lightning.nn.convert import fp4_modules
+from fp4lightning.lightning.fabric import FP4FabricPrecision
+from fp4lightning.lightning.loss_scaler import DynamicLossScaler
+from fp4lightning.lightning.precision import FP4Precision
 
 VOCAB, D = 64, 32
 
@@ -96,7 +96,7 @@ def test_fabric_non_finite_policy(compute_dtype):
     """The non-finite policy of the Trainer plugin holds under Fabric too, in bf16 as in fp16: a step
     with an inf/NaN gradient is skipped (weights and optimizer state untouched), counted, and after
     ``max_consecutive_skips`` in a row training stops with NonFiniteError naming the step."""
-    from fp4lightning.nonfinite import NonFiniteError
+    from fp4lightning.lightning.nonfinite import NonFiniteError
 
     fabric = L.Fabric(accelerator="cpu", devices=1,
                       plugins=[FP4FabricPrecision(compute_dtype=compute_dtype, max_consecutive_skips=3)])

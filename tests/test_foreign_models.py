@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Linear
-from fp4lightning.cpu_bf16 import high_precision_linear_type
-from fp4lightning.precision import FP4Precision
-from fp4lightning.strategy import FP4DDPStrategy
+from fp4lightning.numerics.cpu_bf16 import high_precision_linear_type
+from fp4lightning.lightning.precision import FP4Precision
+from fp4lightning.lightning.strategy import FP4DDPStrategy
 
 
 class Classifier(L.LightningModule):

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp4lightning.constants import E2M1_VALUES
-from fp4lightning.formats import (
+from fp4lightning.numerics.constants import E2M1_VALUES
+from fp4lightning.numerics.formats import (
     cast_to_fp8,
     decode_e2m1,
     decode_packed_fp4,
@@ -157,8 +157,8 @@ def test_round_bitwise_equal_to_exact_table_on_every_bf16_pattern():
 def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
     """formats._round_e5m2 (the fused CPU path's FP8 rounding) against torch's E5M2 cast, on
     random fp32 bit patterns of every exponent, ties, subnormals and signed zeros."""
-    from fp4lightning.constants import F8E5M2_MAX
-    from fp4lightning.formats import _round_e5m2
+    from fp4lightning.numerics.constants import F8E5M2_MAX
+    from fp4lightning.numerics.formats import _round_e5m2
 
     bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), dtype=torch.int64).to(torch.int32)
     x = bits.view(torch.float32)
@@ -177,7 +177,7 @@ def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
 def test_pow2_floor_is_exact_floor_of_log2():
     """``pow2_floor`` against math.frexp (exact), fp32 and fp64, across the normal range and at
     values one ulp either side of powers of two, where a float log2 can round the wrong way."""
-    from fp4lightning.formats import pow2_floor
+    from fp4lightning.numerics.formats import pow2_floor
 
     for dtype in (torch.float32, torch.float64):
         tiny, big = torch.finfo(dtype).tiny, torch.finfo(dtype).max
@@ -191,7 +191,7 @@ def test_pow2_floor_is_exact_floor_of_log2():
 
 
 def test_saturating_cast_matches_cast_to_fp8_and_saturates_fp16():
-    from fp4lightning.formats import saturating_cast_
+    from fp4lightning.numerics.formats import saturating_cast_
 
     x = torch.randn(512) * 1e5
     x[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])

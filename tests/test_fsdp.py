@@ -1,4 +1,4 @@
-"""FSDP2 with FP4Linear (fp4lightning.fsdp) on CPU: gloo, 2 real processes, each run under a timeout.
+"""FSDP2 with FP4Linear (fp4lightning.distributed.fsdp) on CPU: gloo, 2 real processes, each run under a timeout.
 
 Process start costs ~9 s, so one spawned run checks several things and writes what it measured to JSON;
 the parent asserts on those numbers.
@@ -101,7 +101,7 @@ def _worker(rank: int, fn, port: int, out_dir: str, seed: int, world: int = W) -
 
 
 def _model(preset: str, seed: int):
-    from fp4lightning.convert import convert_to_fp4
+    from fp4lightning.nn.convert import convert_to_fp4
     from fp4lightning.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(seed)
@@ -147,7 +147,7 @@ def _rel(a, b) -> float:
 
 
 def _training_checks(rank, out_dir):
-    from fp4lightning.fsdp import fully_shard_fp4
+    from fp4lightning.distributed.fsdp import fully_shard_fp4
 
     seed = int(os.environ.get("FP4_TEST_SEED", "0"))
     res = {}
@@ -200,8 +200,8 @@ def _gather_checks(rank, out_dir):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
 
-    from fp4lightning.fsdp import fp4_all_gather_bytes, fully_shard_fp4
-    from fp4lightning.linear import FP4Linear
+    from fp4lightning.distributed.fsdp import fp4_all_gather_bytes, fully_shard_fp4
+    from fp4lightning.nn.linear import FP4Linear
 
     seed = int(os.environ.get("FP4_TEST_SEED", "0"))
     base = _model("paper", seed)
@@ -253,10 +253,10 @@ def _lightning_checks(rank, out_dir, seed):
     import lightning.pytorch as pl
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from fp4lightning.fsdp import FP4ShardedWeight
+    from fp4lightning.distributed.fsdp import FP4ShardedWeight
     from fp4lightning.config import FP4Config
-    from fp4lightning.lightning_module import LlamaLightningModule
-    from fp4lightning.strategy import FP4FSDPStrategy
+    from fp4lightning.train.module import LlamaLightningModule
+    from fp4lightning.lightning.strategy import FP4FSDPStrategy
 
     module = LlamaLightningModule(
         model=dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=2, ffn_dim=128, max_seq_len=32),
@@ -276,7 +276,7 @@ def _lightning_checks(rank, out_dir, seed):
     trainer.save_checkpoint(ckpt)
     full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        from fp4lightning.checkpoint import load_checkpoint
+        from fp4lightning.train.checkpoint import load_checkpoint
 
         model = load_checkpoint(ckpt).model
         res["lt_ckpt_is_dir"] = os.path.isdir(ckpt)
@@ -306,7 +306,7 @@ def test_fp4_all_gather_forward_bytes_and_checkpoints(tmp_path):
 
 
 def _killed_rank(rank, out_dir):
-    from fp4lightning.fsdp import fully_shard_fp4
+    from fp4lightning.distributed.fsdp import fully_shard_fp4
 
     m = fully_shard_fp4(_model("paper", 0), fp4_all_gather=True)
     batch = torch.randint(0, VOCAB, (2, 17))
@@ -331,7 +331,7 @@ def test_killed_rank_makes_the_other_fail_not_hang(tmp_path):
 def test_fsdp2_internals_missing_is_a_clear_error():
     """fully_shard_fp4 reads FSDP2 internals (no public API walks a unit's sharded parameters); on a torch
     that renamed them it must say so, with the way out, instead of failing inside a backward."""
-    from fp4lightning.fsdp import _param_group
+    from fp4lightning.distributed.fsdp import _param_group
 
     class Renamed(torch.nn.Module):
         def _get_fsdp_state(self):
@@ -347,8 +347,8 @@ def _fabric_checks(rank, out_dir):
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from fp4lightning.fabric import FP4FabricPrecision
-    from fp4lightning.fsdp import FP4ShardedWeight, fully_shard_fp4
+    from fp4lightning.lightning.fabric import FP4FabricPrecision
+    from fp4lightning.distributed.fsdp import FP4ShardedWeight, fully_shard_fp4
     from fp4lightning.models.llama import Llama, LlamaConfig
 
     seed = int(os.environ.get("FP4_TEST_SEED", "0"))
@@ -406,10 +406,10 @@ def _one_rank_checks(rank, out_dir, corpus):
     trainer.strategy=fsdp` with one device trains (it crashed at the first forward)."""
     import lightning as L
 
-    from fp4lightning.fsdp import fully_shard_fp4
-    from fp4lightning.linear import FP4Linear
-    from fp4lightning.pretrain import train
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.distributed.fsdp import fully_shard_fp4
+    from fp4lightning.nn.linear import FP4Linear
+    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.recipe import load_recipe
     from tests.test_train import tiny_overrides
 
     seed = int(os.environ.get("FP4_TEST_SEED", "0"))

@@ -22,14 +22,14 @@ import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp4lightning import FP4Config, FP4Linear
-from fp4lightning import gemm_dispatch
-from fp4lightning.dge import dge_derivative
-from fp4lightning.constants import E2M1_MAX, E2M1_VALUES
-from fp4lightning.formats import decode_e2m1, unpack_fp4
+from fp4lightning.ops import gemm as gemm_dispatch
+from fp4lightning.numerics.dge import dge_derivative
+from fp4lightning.numerics.constants import E2M1_MAX, E2M1_VALUES
+from fp4lightning.numerics.formats import decode_e2m1, unpack_fp4
 from fp4lightning.kernels import _common as kt_common
 from fp4lightning.kernels import fp4_triton as kt
-from fp4lightning.occ import occ_bounds, occ_clamp
-from fp4lightning.quantize import quantize_rows_reference
+from fp4lightning.numerics.occ import occ_bounds, occ_clamp
+from fp4lightning.numerics.absmax import quantize_rows_reference
 
 from ._numerics import above, below, close, sqnr
 
@@ -436,7 +436,7 @@ def test_minifloat_bits_is_round_to_nearest_even(fmt):
     a_d, out_d = a.to(DEV), out.to(DEV)
     _minifloat_bits_kernel[(triton.cdiv(a.numel(), 1024),)](a_d, out_d, a.numel(), MANT=mant, EMIN=emin, BLOCK=1024)
     if fmt == "e2m1":
-        from fp4lightning.formats import _magnitude_index
+        from fp4lightning.numerics.formats import _magnitude_index
         want = _magnitude_index(a).to(torch.int32)
     else:
         want = a.to(dt).view(torch.uint8).to(torch.int32)
@@ -908,7 +908,7 @@ def test_fp4linear_triton_fold_matches_reference(dtype, grad_format, monkeypatch
 
 
 def test_fp4linear_triton_fold_has_no_host_sync_and_saves_one_byte(monkeypatch):
-    from fp4lightning.fidelity import saved_tensor_bytes
+    from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
     lin = FP4Linear(96, 48, config=FP4Config.from_preset("paper", occ_fold_e4m3=True)).to(DEV)
     x = _fold_input(80, 96, torch.bfloat16, 3).requires_grad_(True)
@@ -1017,7 +1017,7 @@ def test_fp4linear_triton_paper_has_no_host_sync(dtype, monkeypatch):
 
 def test_fp4linear_triton_occ_capacity_overflow_gives_nan_wgrad(monkeypatch):
     # more outliers than the compact residual holds: dW is NaN (a skipped step), never wrong
-    from fp4lightning import linear as linear_mod
+    from fp4lightning.nn import linear as linear_mod
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
     lin = FP4Linear(64, 32, config=FP4Config.from_preset("paper")).to(DEV)
     x = torch.randn(40, 64, device=DEV, requires_grad=True)
@@ -1036,7 +1036,7 @@ def test_fp4linear_triton_occ_capacity_overflow_gives_nan_wgrad(monkeypatch):
 
 def test_fp4linear_triton_paper_saved_bytes_within_budget(monkeypatch):
     # the compact residual keeps the Triton path within the reference path's budget
-    from fp4lightning.fidelity import saved_tensor_bytes
+    from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes
     from ._numerics import heavy_tailed
     from .test_linear import SAVED_BYTES_RATIO_MAX
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
@@ -1216,11 +1216,12 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_runs_on_cpu():
-    # kernels/bench.py is what scripts/gpu_check.sh runs in a GPU session; its CPU mode (the
+    # benchmarks/bench_kernels.py is what scripts/gpu_check.sh runs in a GPU session; its CPU mode (the
     # reference path at small sizes) runs the same section code, so a broken row shows here
     # first rather than in a GPU session. Timings are not checked (no timed tests).
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "fp4lightning.kernels.bench", "--quick", "--skip-checks"],
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_kernels.py")
+    proc = subprocess.run([sys.executable, bench, "--quick", "--skip-checks"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sections = {line.split("|")[0].strip() for line in proc.stdout.splitlines() if "|" in line}

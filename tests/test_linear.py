@@ -4,11 +4,11 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Config, FP4Linear
-from fp4lightning.fidelity import saved_tensor_bytes
-from fp4lightning.dge import dge_derivative
-from fp4lightning.occ import occ_bounds, occ_clamp
-from fp4lightning.gemm_dispatch import quantize_fp8_reference
-from fp4lightning.quantize import quantize_rows_reference
+from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes
+from fp4lightning.numerics.dge import dge_derivative
+from fp4lightning.numerics.occ import occ_bounds, occ_clamp
+from fp4lightning.ops.gemm import quantize_fp8_reference
+from fp4lightning.numerics.absmax import quantize_rows_reference
 
 from ._numerics import above, below, heavy_tailed, sqnr
 
@@ -224,7 +224,7 @@ def _layer_grads(cfg, x, dy, autocast):
 
 def test_compiled_cpu_path_is_bitwise_equal_to_eager(monkeypatch):
     """torch.compile fuses the elementwise passes; it must not change a single bit of Y, dA, dW, db."""
-    from fp4lightning import fused
+    from fp4lightning.numerics import cpu_fused as fused
 
     cfg = FP4Config(occ_quantile="exact")
     x, dy = heavy_tailed(64, 96), torch.randn(64, 48)
@@ -245,7 +245,7 @@ BF16_WGRAD_REL = 2.0**-8
 
 
 def test_bf16_wgrad_gemm_within_bf16_rounding_of_fp32_gemm():
-    from fp4lightning import gemm_dispatch
+    from fp4lightning.ops import gemm as gemm_dispatch
 
     g = torch.randn(256, 96).to(torch.float8_e5m2)
     s_g = torch.rand(96) + 0.5
@@ -280,7 +280,7 @@ def test_layer_dw_under_autocast_as_close_as_nn_linear_bf16_is_to_fp32():
 
 def test_compile_failure_falls_back_to_eager_with_one_notice(monkeypatch):
     """Where torch.compile cannot build (no C++ compiler), one warning, then the same math eagerly."""
-    from fp4lightning import fused
+    from fp4lightning.numerics import cpu_fused as fused
 
     monkeypatch.setattr(fused, "_FAILED", [])
 
@@ -305,7 +305,7 @@ def test_compile_failure_falls_back_to_eager_with_one_notice(monkeypatch):
 def test_a_fused_function_with_too_many_variants_runs_eagerly_alone(monkeypatch):
     """Past the recompile limit one fused function falls back to eager (a warning) without
     turning off compilation for the rest of the CPU path (it once disabled every pass)."""
-    from fp4lightning import fused
+    from fp4lightning.numerics import cpu_fused as fused
 
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
     monkeypatch.setattr(fused, "RECOMPILE_LIMIT", 1)
@@ -327,7 +327,7 @@ def test_sparse_residual_equals_torch_csr_conversion(shape, density):
     """The OCC residual's CSR (of R and of R^T), built from nonzero over 8-byte words and one sort, holds
     exactly what torch's own dense-to-CSR conversion gives: rows, columns, values, in order."""
     import warnings
-    from fp4lightning.linear import _nonzero_values, _sparse_residual
+    from fp4lightning.nn.linear import _nonzero_values, _sparse_residual
 
     r = torch.randn(shape) * (torch.rand(shape) < density)
     if density:
@@ -354,7 +354,7 @@ def test_occ_fold_e4m3_matches_float64_reference_of_same_math(grad_format):
     # FP4Config.occ_fold_e4m3 (experiment, docs/perf.md "OCC on the GPU"): OCC's residual folded into
     # the activation operand E = E4M3((A_q + s_a R) 2^-shift) with scale s_a 2^-shift, used by the
     # forward and the weight-gradient GeMMs; dA is the paper's
-    from fp4lightning.occ import fold_e4m3
+    from fp4lightning.numerics.occ import fold_e4m3
 
     cfg = FP4Config.from_preset("paper", occ_quantile="exact", grad_format=grad_format, occ_fold_e4m3=True)
     layer = FP4Linear(128, 64, config=cfg)

@@ -94,7 +94,7 @@ def test_named_configs_on_meta_device(name):
     else:
         assert 1e6 < n < 1e7  # tiny: a few million
     # every GeMM is FP4-eligible (feature sizes multiples of 16)
-    from fp4lightning.linear import check_fp4_shape
+    from fp4lightning.nn.linear import check_fp4_shape
 
     for mod_name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
@@ -112,7 +112,7 @@ def test_config_validation():
 
 # ----------------------------------------------------------------------------- init.from_hf / import-hf
 def _init_cfg(*overrides: str):
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.train.recipe import load_recipe
 
     shape = ["model.vocab_size=257", "model.dim=96", "model.n_layers=1", "model.n_heads=6", "model.ffn_dim=160",
              "model.tie_embeddings=true"]
@@ -122,8 +122,8 @@ def _init_cfg(*overrides: str):
 def test_init_accepts_mha_weights_whatever_way_n_kv_heads_is_spelled(tmp_path):
     """A recipe leaving model.n_kv_heads unset (= n_heads) takes its own export-hf folder, the import-hf
     checkpoint of it, and a recipe spelling n_kv_heads=n_heads takes a checkpoint that left it unset."""
-    from fp4lightning.checkpoint import load_checkpoint
-    from fp4lightning.initialize import InitError, import_hf, load_init_weights
+    from fp4lightning.train.checkpoint import load_checkpoint
+    from fp4lightning.train.init_weights import InitError, import_hf, load_init_weights
 
     ours = _init_cfg().llama_config()
     assert ours.n_kv_heads is None
@@ -142,7 +142,7 @@ def test_init_accepts_mha_weights_whatever_way_n_kv_heads_is_spelled(tmp_path):
 
 def test_import_hf_folder_without_weights_is_a_one_line_error(tmp_path, capsys):
     from fp4lightning.cli import main as cli_main
-    from fp4lightning.initialize import InitError, load_init_weights
+    from fp4lightning.train.init_weights import InitError, load_init_weights
 
     hf_interop.to_hf_config(_init_cfg().llama_config()).save_pretrained(tmp_path / "hf")
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["config.json"]

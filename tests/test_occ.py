@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fp4lightning.occ import occ_bounds, occ_clamp
-from fp4lightning.quantize import fake_quantize
+from fp4lightning.numerics.occ import occ_bounds, occ_clamp
+from fp4lightning.numerics.absmax import fake_quantize
 
 from ._numerics import above, below, close, heavy_tailed, sqnr
 
@@ -55,7 +55,7 @@ def _quantiles_by_kthvalue(flat, probs):
 def test_tail_partial_sorts_give_the_selections_bits(n, alpha):
     """_kth_quantiles reads the tails from two partial sorts (topk) where they are small: the
     same order statistics, so the same bits, as one kthvalue per rank; ties and infinities too."""
-    from fp4lightning.occ import _kth_quantiles
+    from fp4lightning.numerics.occ import _kth_quantiles
 
     for flat in (torch.randn(n) * (1 + 9 * (torch.rand(n) < 0.01)),
                  torch.randint(-3, 4, (n,)).float(),  # many ties
@@ -119,8 +119,8 @@ def test_bad_alpha_and_method():
 def test_fold_e4m3_keeps_the_fp4_grid_and_rounds_only_outliers():
     # occ.fold_e4m3: the FP4 operand with OCC's scaled residual folded in, as one E4M3 operand
     # with a per-row power-of-two shift (the smallest that fits 448, at most 2^8)
-    from fp4lightning.formats import decode_e2m1
-    from fp4lightning.occ import fold_e4m3
+    from fp4lightning.numerics.formats import decode_e2m1
+    from fp4lightning.numerics.occ import fold_e4m3
 
     grid = decode_e2m1(torch.arange(16, dtype=torch.uint8))  # every E2M1 value, both signs
     rows = grid.repeat(9, 1)
@@ -149,7 +149,7 @@ def test_folded_quantizer_fused_pass_is_its_three_steps(compile_mode, monkeypatc
     # gemm_dispatch.quantize_fp4_folded (one fused pass, fused.fp4_rows_folded) against the three
     # steps it replaces (clamped FP4 quantization with the residual folded in, occ.fold_e4m3, NaN
     # scales for non-finite rows): the same bits, odd K, three dtypes, float/pow2/per-tensor
-    from fp4lightning import gemm_dispatch
+    from fp4lightning.ops import gemm as gemm_dispatch
 
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", compile_mode)
@@ -170,7 +170,7 @@ def test_folded_quantizer_fused_pass_is_its_three_steps(compile_mode, monkeypatc
 def test_e4m3_folded_compensation_between_clamp_only_and_exact():
     # the fidelity report's folded variant: most of the compensation's gain at alpha = 0.99
     # (measured on the small model's real activations: 20.76 against 20.98 dB, docs/perf.md)
-    from fp4lightning.fidelity import E4M3_FOLD_VARIANTS, VARIANTS, occ_fidelity_report
+    from fp4lightning.experiments.occ_fidelity import E4M3_FOLD_VARIANTS, VARIANTS, occ_fidelity_report
 
     rows = {r["variant"]: r["snr_db"] for r in occ_fidelity_report({"x": heavy_tailed(1024, 512)},
                                                                      VARIANTS + E4M3_FOLD_VARIANTS)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp4lightning.optim import (
+from fp4lightning.lightning.optim import (
     LowPrecisionAdamW,
     optimizer_state_bytes,
     state_bytes_per_param,
@@ -201,7 +201,7 @@ def test_bad_arguments_fail_with_the_choices():
 
 def test_adamw_builds_each_recipe_state_layout():
     """``optimizer.states``: fp32 is torch's AdamW; fp16 and fp8-fp16 (= the plugin's fp8) LowPrecisionAdamW."""
-    from fp4lightning.optim import adamw
+    from fp4lightning.lightning.optim import adamw
 
     params = [nn.Parameter(torch.randn(4, 4))]
     assert type(adamw(params, "fp32", lr=1e-3)) is torch.optim.AdamW

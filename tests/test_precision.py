@@ -12,12 +12,12 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import fp4lightning.trainer as fp4_trainer
-from fp4lightning.cpu_bf16 import high_precision_linear_type
-from fp4lightning.linear import FP4Linear
-from fp4lightning.optim import LowPrecisionAdamW, to_torch_adamw_state_dict
-from fp4lightning.loss_scaler import DynamicLossScaler
-from fp4lightning.precision import FP4Precision
+import fp4lightning.lightning.trainer as fp4_trainer
+from fp4lightning.numerics.cpu_bf16 import high_precision_linear_type
+from fp4lightning.nn.linear import FP4Linear
+from fp4lightning.lightning.optim import LowPrecisionAdamW, to_torch_adamw_state_dict
+from fp4lightning.lightning.loss_scaler import DynamicLossScaler
+from fp4lightning.lightning.precision import FP4Precision
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
              enable_model_summary=False)
@@ -131,7 +131,7 @@ def test_unknown_precision_lists_the_valid_ones():
     with pytest.raises(ValueError, match="FSDP.*configure_model"):
         fp4_trainer.Trainer(precision="fp4", strategy="fsdp", **QUIET)
     # the project's FSDP2 strategy (a ModelParallelStrategy) is FSDP too: the same way out
-    from fp4lightning.strategy import FP4FSDPStrategy
+    from fp4lightning.lightning.strategy import FP4FSDPStrategy
 
     with pytest.raises(ValueError, match="FSDP.*configure_model"):
         fp4_trainer.Trainer(precision="fp4", strategy=FP4FSDPStrategy(), **QUIET)
@@ -148,7 +148,7 @@ def test_fp16_where_autocast_cannot_run_says_so():
 
 
 def test_more_than_one_device_selects_fp4_ddp_strategy():
-    strategy_mod = pytest.importorskip("fp4lightning.strategy")
+    strategy_mod = pytest.importorskip("fp4lightning.lightning.strategy")
     trainer = fp4_trainer.Trainer(precision="fp4", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, strategy_mod.FP4DDPStrategy)
     assert isinstance(trainer.strategy.precision_plugin, FP4Precision)
@@ -441,7 +441,7 @@ def test_ddp_inf_on_one_rank_skips_the_same_step_everywhere(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     expected_strategy = "FP4DDPStrategy"
     try:
-        import fp4lightning.strategy  # noqa: F401
+        import fp4lightning.lightning.strategy  # noqa: F401
     except ImportError:
         expected_strategy = "DDPStrategy"
     for r in (r0, r1):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fp4lightning.formats import decode_e2m1
-from fp4lightning.quantize import compute_scale, dequantize, fake_quantize, quantize, quantize_rows_reference
+from fp4lightning.numerics.formats import decode_e2m1
+from fp4lightning.numerics.absmax import compute_scale, dequantize, fake_quantize, quantize, quantize_rows_reference
 
 from ._numerics import above, below, close, heavy_tailed, sqnr
 
@@ -122,7 +122,7 @@ def test_folded_fp8_dy_equals_the_division_but_at_rare_rounding_ties(dim):
     # quantizers compute without a division per element). Against quantizing fp32 dY / s: fresh
     # draws, measured at 2.4e-7 of the FP8 codes different (a quotient an ulp or two
     # from an FP8 rounding boundary) and ~20% of the scales an ulp or two apart (an amax moved by an ulp)
-    from fp4lightning.gemm_dispatch import quantize_fp8_divided, quantize_fp8_reference
+    from fp4lightning.ops.gemm import quantize_fp8_divided, quantize_fp8_reference
 
     dy = torch.randn(1024, 1536).bfloat16()
     n = dy.shape[1] if dim == 1 else dy.shape[0]

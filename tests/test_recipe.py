@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4lightning.recipe import RecipeConfig, RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
-from fp4lightning.pretrain import _precision_setup, make_module
+from fp4lightning.train.recipe import RecipeConfig, RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
+from fp4lightning.train.pretrain import _precision_setup, make_module
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 PAPER = {"llama2-1.3b": 32, "llama2-7b": 64, "llama2-13b": 128}  # recipe -> gradient accumulation
@@ -104,7 +104,7 @@ def test_paper_recipes_build_on_meta_device(name):
     params = list(module.model.parameters())
     assert all(p.is_meta for p in params)
     assert sum(p.numel() for p in params) == cfg.llama_config().num_params()
-    from fp4lightning.linear import FP4Linear
+    from fp4lightning.nn.linear import FP4Linear
 
     n_fp4 = sum(isinstance(m, FP4Linear) for m in module.model.modules())
     assert n_fp4 == 7 * cfg.llama_config().n_layers  # q, k, v, o, gate, up, down; lm_head stays high precision
@@ -149,7 +149,7 @@ def test_overrides_win_over_the_file(tmp_path):
         (["trainer.strategy=deepspeed"], r"`trainer\.strategy`.*auto, ddp, fsdp"),
         (["optimizer.states=fp8"], r"`optimizer\.states` = 'fp8' is not valid; choose one of: fp32, fp16, fp8-fp16"),
         (["trainer.grad_comm=e4m3"], r"`trainer\.grad_comm` = 'e4m3'.*fp32, bf16, fp8-e4m3, fp8-e5m2"),
-        # FSDP's reduce-scatter runs in fp32 (FSDP2's own) or FP8 (fp4lightning.fsdp.FP8ReduceScatter)
+        # FSDP's reduce-scatter runs in fp32 (FSDP2's own) or FP8 (fp4lightning.distributed.fsdp.FP8ReduceScatter)
         (["trainer.strategy=fsdp", "trainer.grad_comm=bf16"],
          r"`trainer\.grad_comm` = 'bf16' does not work with `trainer\.strategy` = 'fsdp'.*fp32, fp8-e4m3, fp8-e5m2"),
         (["data.global_batch_size=24"], r"`data\.global_batch_size` = 24 must be a multiple"),
@@ -169,8 +169,8 @@ def test_recipe_comments_list_every_choice(path):
     optimizer.states / trainer.grad_comm name every choice the schema accepts, and nothing it refuses; so
     does the README's list of presets."""
     from fp4lightning.config import PRESETS
-    from fp4lightning.precision_names import RECIPE_PRECISIONS
-    from fp4lightning.recipe import ACCELERATORS, GRAD_COMM, OPTIMIZER_STATES, STRATEGIES
+    from fp4lightning.lightning.precision_names import RECIPE_PRECISIONS
+    from fp4lightning.train.recipe import ACCELERATORS, GRAD_COMM, OPTIMIZER_STATES, STRATEGIES
 
     lines = path.read_text().splitlines()
 

@@ -23,12 +23,12 @@ import lightning as L
 import pytest
 import torch
 
-from fp4lightning.checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
+from fp4lightning.train.checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
 from fp4lightning.cli import main as cli_main
-from fp4lightning.nonfinite import NonFiniteError
-from fp4lightning.recipe import load_recipe
+from fp4lightning.lightning.nonfinite import NonFiniteError
+from fp4lightning.train.recipe import load_recipe
 from fp4lightning.cli import EXIT_NONFINITE
-from fp4lightning.pretrain import LAST_CKPT, build, train
+from fp4lightning.train.pretrain import LAST_CKPT, build, train
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 
@@ -117,7 +117,7 @@ def _logged_skips(out: Path) -> list[float]:
 
 def _fit_with_trainer(corpus: Path, out: Path, precision: str, callbacks: list, max_steps: int):
     """fp4lightning.Trainer(precision=...) with the same module, data and checkpointing as the CLI."""
-    from fp4lightning.trainer import Trainer
+    from fp4lightning.lightning.trainer import Trainer
 
     cfg = load_recipe(None, tiny_overrides(corpus, out, f"schedule.max_steps={max_steps}"))
     _, module, dm, _ = build(cfg)
@@ -136,7 +136,7 @@ PLAN = {2: "gradient", 3: "dY", 5: "activation", 6: "embedding"}
 @pytest.mark.parametrize("precision", ["fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed"])
 def test_nonfinite_step_is_skipped_at_every_stage(corpus, tmp_path, precision, one_thread):
     inj = Injector(PLAN)
-    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.pretrain
+    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.train.pretrain
         cfg = load_recipe(None, tiny_overrides(corpus, tmp_path, "schedule.max_steps=7",
                                                f"trainer.precision={precision}"))
         result = train(cfg, callbacks=[inj])
@@ -216,10 +216,10 @@ DDP_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
     sys.path.insert(0, {root!r})
-    from fp4lightning.nonfinite import NonFiniteError
-    from fp4lightning.recipe import load_recipe
+    from fp4lightning.lightning.nonfinite import NonFiniteError
+    from fp4lightning.train.recipe import load_recipe
     from fp4lightning.cli import EXIT_NONFINITE
-    from fp4lightning.pretrain import train
+    from fp4lightning.train.pretrain import train
     from tests.test_reliability import Injector
     from tests.test_train import tiny_overrides
 
@@ -366,7 +366,7 @@ def _kill_during_saves(tmp_path: Path, io_name: str, moments: int = 4) -> list[s
 def test_kill_during_save_keeps_a_loadable_checkpoint(tmp_path, one_thread):
     assert _kill_during_saves(tmp_path, "atomic") == []
     # the orphaned temporary file (in the checkpoint folder, never in TMPDIR) goes at the next run
-    from fp4lightning.checkpoint import remove_stale_temporaries
+    from fp4lightning.train.checkpoint import remove_stale_temporaries
 
     remove_stale_temporaries(tmp_path / "ck-atomic")
     assert [p.name for p in (tmp_path / "ck-atomic").iterdir()] == [LAST_CKPT]
@@ -668,7 +668,7 @@ def test_tokenizer_training_on_a_long_unbroken_input_is_bounded(tmp_path):
     import random
     import string
 
-    from fp4lightning.tokenizer import MAX_RUN_CHARS, Tokenizer, bounded_pieces
+    from fp4lightning.data.tokenizer import MAX_RUN_CHARS, Tokenizer, bounded_pieces
 
     word = "".join(random.choices(string.ascii_letters, k=1_000_000))
     pieces = list(bounded_pieces([word, "plain text " * 10_000]))

@@ -12,8 +12,8 @@ import lightning as L
 import pytest
 import torch
 
-from fp4lightning.pretrain import LAST_CKPT, read_losses, train
-from fp4lightning.recipe import load_recipe
+from fp4lightning.train.pretrain import LAST_CKPT, read_losses, train
+from fp4lightning.train.recipe import load_recipe
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 
@@ -124,7 +124,7 @@ class NaNGradients(L.Callback):
 def test_nonfinite_stop_names_one_step(corpus, tmp_path, capsys):
     # steps 4 and 5 are skipped, and two in a row stop the run: at step 5, says every line (the
     # banner said "stopped at step 4", the steps completed, next to the error's "the last at step 5")
-    from fp4lightning.nonfinite import NonFiniteError
+    from fp4lightning.lightning.nonfinite import NonFiniteError
 
     cfg = load_recipe(None, tiny_overrides(corpus, tmp_path, "schedule.max_steps=8", "trainer.max_nonfinite_skips=2"))
     with pytest.raises(NonFiniteError) as e:

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from fp4lightning import FP4Config, FP4Linear
-from fp4lightning import fused, gemm_dispatch
-from fp4lightning.dge import dge_derivative
-from fp4lightning.formats import decode_packed_fp4
+from fp4lightning.numerics import cpu_fused as fused
+from fp4lightning.ops import gemm as gemm_dispatch
+from fp4lightning.numerics.dge import dge_derivative
+from fp4lightning.numerics.formats import decode_packed_fp4
 from fp4lightning.kernels import gemm as kgemm
 from fp4lightning.kernels import scaled_mm as sm
-from fp4lightning.quantize import quantize_rows_reference
+from fp4lightning.numerics.absmax import quantize_rows_reference
 
 from ._numerics import above, below, sqnr
 
@@ -235,7 +236,7 @@ def test_fp4linear_matches_the_reference(preset, monkeypatch):
 
 
 def test_fp4linear_nan_row_and_saved_bytes(monkeypatch):
-    from fp4lightning.fidelity import saved_tensor_bytes
+    from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes
     lin = FP4Linear(64, 32, config=FP4Config.from_preset("w4a4-direct")).to(DEV)
     x = torch.randn(20, 64, device=DEV)
     x[3, 5] = float("nan")
@@ -273,8 +274,8 @@ def _outliers(m, k, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_refold_rebuilds_the_folded_operand_bit_for_bit(dtype, scaled):
-    from fp4lightning.linear import _compact_residual
-    from fp4lightning.occ import occ_bounds
+    from fp4lightning.nn.linear import _compact_residual
+    from fp4lightning.numerics.occ import occ_bounds
     x = _outliers(48, 96, dtype)
     x[5, 7], x[9, 1] = float("nan"), float("inf")  # rows folded to NaN: zeros and a NaN scale
     bounds = occ_bounds(x, 0.97, "exact")
@@ -307,7 +308,7 @@ def test_paper_on_scaled_mm_is_the_e4m3_fold(grad_format, monkeypatch):
 
 def test_paper_on_scaled_mm_keeps_the_saved_bytes_budget(monkeypatch):
     # backward keeps the packed codes and the compact residual, not the 1-byte folded operand
-    from fp4lightning.fidelity import saved_tensor_bytes
+    from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes
     base = torch.nn.Linear(256, 512).to(DEV)
     x = _outliers(512, 256, torch.bfloat16).requires_grad_(True)
 
@@ -328,7 +329,7 @@ def test_paper_on_scaled_mm_keeps_the_saved_bytes_budget(monkeypatch):
 
 
 def test_paper_on_scaled_mm_compact_residual_overflow_is_a_nan_weight_gradient(monkeypatch):
-    from fp4lightning import linear
+    from fp4lightning.nn import linear
     monkeypatch.setattr(linear, "OCC_CAPACITY_MARGIN", 0.05)
     monkeypatch.setattr(linear, "OCC_CAPACITY_SLACK", 0)
     lin = FP4Linear(64, 32, config=FP4Config(occ_quantile="exact")).to(DEV)
@@ -342,7 +343,7 @@ def test_paper_on_scaled_mm_compact_residual_overflow_is_a_nan_weight_gradient(m
 @pytest.mark.parametrize("block", [None, 16], ids=["one-pass", "two-pass"])
 def test_triton_quantizer_writes_codes_and_e4m3_operand_in_one_pass(dtype, block):
     from fp4lightning.kernels import fp4_triton as kt
-    from fp4lightning.occ import occ_clamp
+    from fp4lightning.numerics.occ import occ_clamp
     x, _ = _operands(37, 96, 16, dtype)
     x[4, 3] = float("nan")
     codes, scale, e4 = kt.triton_quantize_rows(x, block_kh=block, e4m3=True)
@@ -361,8 +362,8 @@ def test_triton_quantizer_writes_codes_and_e4m3_operand_in_one_pass(dtype, block
 @pytest.mark.parametrize("block_k", [None, 32], ids=["one-pass", "two-pass"])
 def test_triton_fold_quantizer_also_writes_what_backward_refolds_from(dtype, block_k, monkeypatch):
     from fp4lightning.kernels import fp4_triton as kt
-    from fp4lightning.linear import _compact_residual
-    from fp4lightning.occ import occ_bounds
+    from fp4lightning.nn.linear import _compact_residual
+    from fp4lightning.numerics.occ import occ_bounds
     x = _outliers(41, 74, dtype)
     x[2, 9], x[7, 0] = float("nan"), float("-inf")
     bounds = occ_bounds(x, 0.97, "exact")

@@ -23,11 +23,11 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from fp4lightning.lightning_module import LlamaLightningModule
-from fp4lightning.metrics import ThroughputMetrics, flops_per_token
+from fp4lightning.train.module import LlamaLightningModule
+from fp4lightning.train.throughput import ThroughputMetrics, flops_per_token
 from fp4lightning.models.config import llama_config
-from fp4lightning.nonfinite import NonFiniteGuard
-from fp4lightning.precision import FP4Precision
+from fp4lightning.lightning.nonfinite import NonFiniteGuard
+from fp4lightning.lightning.precision import FP4Precision
 
 READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique",
          "aten::_unique2", "aten::unique_consecutive", "aten::equal")
@@ -82,7 +82,7 @@ def test_fp4_step_reads_the_device_once(tmp_path, monkeypatch):
     cfg = dataclasses.replace(llama_config("tiny"), dim=64, n_layers=2, n_heads=2, ffn_dim=128, vocab_size=256,
                               max_seq_len=32)
     # the 1.3B recipe's optimizer (optimizer.states=fp16: LowPrecisionAdamW, step counters on the host);
-    # torch's AdamW is fused on CUDA (fp4lightning.optim.adamw), its CPU form reads host-side counters
+    # torch's AdamW is fused on CUDA (fp4lightning.lightning.optim.adamw), its CPU form reads host-side counters
     module = LlamaLightningModule(model=dataclasses.asdict(cfg), max_steps=STEPS, optimizer_states="fp16")
     data = torch.utils.data.DataLoader(torch.randint(0, cfg.vocab_size, (ACCUM * STEPS * 4, 33)), batch_size=4)
     prof = _ProfileSteps()
@@ -111,7 +111,7 @@ def test_fp4_step_reads_the_device_once(tmp_path, monkeypatch):
 
 def test_torch_adamw_is_fused_on_cuda_only():
     """torch's AdamW (optimizer.states=fp32) runs fused on a GPU; CPU runs keep torch's default (same numbers)."""
-    from fp4lightning.optim import adamw
+    from fp4lightning.lightning.optim import adamw
 
     model = torch.nn.Linear(16, 16)
     groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": (p for p in [model.bias]), "weight_decay": 0.0}]

@@ -16,10 +16,10 @@ import lightning as L
 import pytest
 import torch
 
-from fp4lightning.checkpoint import CheckpointError, load_checkpoint
+from fp4lightning.train.checkpoint import CheckpointError, load_checkpoint
 from fp4lightning.cli import main as cli_main
-from fp4lightning.recipe import load_recipe
-from fp4lightning.pretrain import LAST_CKPT, train
+from fp4lightning.train.recipe import load_recipe
+from fp4lightning.train.pretrain import LAST_CKPT, train
 from tests.test_data import prepared_test_corpus
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ class LossRecorder(L.Callback):
         self.stop_at, self.sig = stop_at, sig
 
     def on_train_start(self, trainer, pl_module):
-        from fp4lightning.convert import fp4_modules
+        from fp4lightning.nn.convert import fp4_modules
 
         self.fp4_layers = fp4_modules(pl_module.model)
 
@@ -97,7 +97,7 @@ def test_training_lowers_loss(full_run):
 def test_last_validation_is_at_the_last_step(corpus, tmp_path, caplog, recwarn):
     # max_steps not a multiple of val_every_n_steps: Lightning validates at steps 4 and 8 only;
     # the run validates once more on its final weights (step 10), and that is the reported loss
-    from fp4lightning.pretrain import read_losses
+    from fp4lightning.train.pretrain import read_losses
 
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO):
@@ -178,7 +178,7 @@ def test_ctrl_c_prints_the_command_that_resumes(corpus, tmp_path, capsys):
     """Ctrl-C on `fp4lightning train RECIPE key=value ...` (a real SIGINT to a real process) finishes
     the step under way and prints the whole command that resumes, as typed plus --resume; running
     that command finishes the run, every step logged once."""
-    from fp4lightning.pretrain import read_losses
+    from fp4lightning.train.pretrain import read_losses
 
     recipe = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
     out = tmp_path / "my run"  # a space: the printed command must quote it
@@ -216,7 +216,7 @@ def test_load_checkpoint_and_export_hf(full_run, tmp_path):
     assert logits.shape == (1, ids.shape[1], 512) and torch.isfinite(logits).all()
     # the FP4 variant computes with the run's FP4 layers
     fp4_model, _, _ = load_checkpoint(out / "checkpoints" / LAST_CKPT, fp4=True)
-    from fp4lightning.linear import FP4Linear
+    from fp4lightning.nn.linear import FP4Linear
 
     assert isinstance(fp4_model.layers[0].mlp.up_proj, FP4Linear)
     assert not isinstance(fp4_model.lm_head, FP4Linear)

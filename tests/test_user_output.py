@@ -94,7 +94,7 @@ def test_training_on_a_terminal_prints_no_noise(tmp_path_factory, tmp_path):
 def test_fp4_precision_says_before_the_first_step_that_it_compiles(compile_mode, monkeypatch, caplog):
     import torch
 
-    from fp4lightning.precision import FP4Precision
+    from fp4lightning.lightning.precision import FP4Precision
 
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", compile_mode)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))

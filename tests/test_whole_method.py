@@ -1,6 +1,6 @@
 """The paper's whole method from a recipe: ``optimizer.states`` (AdamW's moments in reduced precision) and
 ``trainer.grad_comm`` (the data-parallel gradient format, and on one device its rounding,
-fp4lightning.grad_comm_sim) reach the optimizer, the strategy and the checkpoints; ``--resume`` keeps them;
+fp4lightning.distributed.grad_comm_sim) reach the optimizer, the strategy and the checkpoints; ``--resume`` keeps them;
 one device rounds its gradients as a two-process exchange does; FSDP2 shards reduced-precision states."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fp4lightning.comm import CommState, hook_for_format
-from fp4lightning.grad_comm_sim import GradCommSimulation, round_trip_
-from fp4lightning.optim import LowPrecisionAdamW
-from fp4lightning.recipe import GRAD_COMM, OPTIMIZER_STATES, WIRE_FORMAT, load_recipe
+from fp4lightning.distributed.comm import CommState, hook_for_format
+from fp4lightning.distributed.grad_comm_sim import GradCommSimulation, round_trip_
+from fp4lightning.lightning.optim import LowPrecisionAdamW
+from fp4lightning.train.recipe import GRAD_COMM, OPTIMIZER_STATES, WIRE_FORMAT, load_recipe
 
 ROOT = Path(__file__).parents[1]
 RECIPES = ROOT / "recipes"
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),  # see conftest.py
 # ----------------------------------------------------------------------------- recipes and wiring
 def test_schema_defaults_keep_the_old_training():
     """No key set: torch's AdamW, no gradient rounding on one device, Lightning's own strategy string."""
-    from fp4lightning.pretrain import _grad_comm_simulation, _strategy, make_module
+    from fp4lightning.train.pretrain import _grad_comm_simulation, _strategy, make_module
 
     cfg = load_recipe(None, ["trainer.accelerator=cpu"])
     assert (cfg.optimizer.states, cfg.trainer.grad_comm) == ("fp32", "fp32")
@@ -48,8 +48,8 @@ def test_schema_defaults_keep_the_old_training():
 @pytest.mark.parametrize("name", ["llama2-1.3b", "llama2-7b", "llama2-13b"])
 def test_paper_recipes_use_the_whole_method(name):
     """FP16 states (the paper's text) and FP8 E4M3 gradients, through DDP's hook or FSDP's reduce-scatter."""
-    from fp4lightning.pretrain import _strategy, make_module
-    from fp4lightning.strategy import FP4DDPStrategy, FP4FSDPStrategy
+    from fp4lightning.train.pretrain import _strategy, make_module
+    from fp4lightning.lightning.strategy import FP4DDPStrategy, FP4FSDPStrategy
 
     cfg = load_recipe(RECIPES / f"{name}.yaml")
     assert (cfg.optimizer.states, cfg.trainer.grad_comm) == ("fp16", "fp8-e4m3")
@@ -71,7 +71,7 @@ def test_paper_recipes_use_the_whole_method(name):
     ("fp32", "bf16-mixed", ("str", "ddp")),  # Lightning's DDP, as before
 ])
 def test_grad_comm_picks_the_ddp_wire_format(comm, precision, expect):
-    from fp4lightning.pretrain import _grad_comm_simulation, _strategy
+    from fp4lightning.train.pretrain import _grad_comm_simulation, _strategy
 
     cfg = load_recipe(None, ["trainer.devices=2", "trainer.strategy=ddp", "data.micro_batch_size=8",
                              f"trainer.grad_comm={comm}", f"trainer.precision={precision}"])
@@ -81,7 +81,7 @@ def test_grad_comm_picks_the_ddp_wire_format(comm, precision, expect):
 
 
 def test_wire_formats_are_comms():
-    from fp4lightning.comm import WIRE_FORMATS
+    from fp4lightning.distributed.comm import WIRE_FORMATS
 
     assert set(WIRE_FORMAT.values()) == set(WIRE_FORMATS) and tuple(WIRE_FORMAT) == GRAD_COMM
     assert GradCommSimulation(WIRE_FORMAT["fp8-e4m3"]).fmt == "e4m3"
@@ -89,7 +89,7 @@ def test_wire_formats_are_comms():
 
 @pytest.mark.parametrize("states,formats", [("fp16", ("fp16", "fp16")), ("fp8-fp16", ("fp8", "fp16"))])
 def test_optimizer_states_build_low_precision_adamw(states, formats):
-    from fp4lightning.pretrain import make_module
+    from fp4lightning.train.pretrain import make_module
 
     assert states in OPTIMIZER_STATES
     for precision in ("fp4", "bf16-mixed"):  # the module builds it: every precision and strategy gets it
@@ -159,8 +159,8 @@ ONE_STEP = textwrap.dedent("""
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-    from fp4lightning.grad_comm_sim import GradCommSimulation
-    from fp4lightning.strategy import FP4DDPStrategy
+    from fp4lightning.distributed.grad_comm_sim import GradCommSimulation
+    from fp4lightning.lightning.strategy import FP4DDPStrategy
 
 
     class M(L.LightningModule):
@@ -243,7 +243,7 @@ def whole_run(tmp_path_factory):
     """2 steps of the test LLaMA with E4M3 first moments and FP8 E4M3 gradient rounding on one device."""
     import lightning as L
 
-    from fp4lightning.pretrain import train
+    from fp4lightning.train.pretrain import train
     from tests.test_data import prepared_test_corpus
     from tests.test_train import tiny_overrides
 
@@ -285,7 +285,7 @@ def test_recipe_run_trains_with_the_whole_method(whole_run):
                                         ("optimizer.states=fp16", "optimizer.states"),
                                         ("trainer.grad_comm=fp8-e5m2", "trainer.grad_comm")])
 def test_resume_refuses_a_changed_method_key(whole_run, change, key):
-    from fp4lightning.pretrain import ResumeMismatchError, build
+    from fp4lightning.train.pretrain import ResumeMismatchError, build
 
     _, _, overrides, _ = whole_run
     with pytest.raises(ResumeMismatchError, match=rf"{key} = '[\w-]+' in the checkpoint, '[\w-]+' now.*"
@@ -298,7 +298,7 @@ def test_checkpoint_from_before_the_keys_resumes_with_a_note(whole_run, tmp_path
     """The keys removed from a checkpoint's recorded recipe (as one written before them): it trained with
     fp32 states and, on one device, fp32 gradients; a recipe saying so resumes with a note, one that
     changes them is refused naming the inferred key."""
-    from fp4lightning.pretrain import ResumeMismatchError, _check_resumable, recorded_method_keys
+    from fp4lightning.train.pretrain import ResumeMismatchError, _check_resumable, recorded_method_keys
 
     result, _, overrides, _ = whole_run
     ckpt = torch.load(result.checkpoint, weights_only=True)
@@ -328,7 +328,7 @@ def _fsdp_states(rank, out_dir):
     checkpoints use); FP8 first moments get the unsharded scale."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from fp4lightning.fsdp import fully_shard_fp4
+    from fp4lightning.distributed.fsdp import fully_shard_fp4
     from tests.test_fsdp import _full, _loss, _model
 
     res = {}
@@ -380,7 +380,7 @@ def _fsdp_recipe_run(rank, out_dir, corpus):
     7B / 13B recipes' method): trains, writes its sharded checkpoint and resumes from it."""
     import lightning as L
 
-    from fp4lightning.pretrain import train
+    from fp4lightning.train.pretrain import train
     from tests.test_train import tiny_overrides
 
     res = {"on_grid": [], "optimizer": None}

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fp4lightning.cli import main as cli_main
-from fp4lightning.recipe import RecipeError, load_recipe
-from fp4lightning.pretrain import train
+from fp4lightning.train.recipe import RecipeError, load_recipe
+from fp4lightning.train.pretrain import train
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 
@@ -50,7 +50,7 @@ def _csv_rows(out: Path) -> list[dict]:
 
 
 def test_recipe_precisions_token_budget_loggers_and_mfu(corpus, tmp_path):
-    from fp4lightning.precision import FP4Precision
+    from fp4lightning.lightning.precision import FP4Precision
 
     for p in ("fp4-fp16", "fp4-bf16", "bf16-true", "16-mixed"):
         assert load_recipe(None, [f"trainer.precision={p}"]).trainer.precision == p
@@ -69,7 +69,7 @@ def test_recipe_precisions_token_budget_loggers_and_mfu(corpus, tmp_path):
     assert not (out / "logs" / "tensorboard").exists()
     rows = [r for r in _csv_rows(out) if r.get("train/mfu")]
     assert len(rows) == 3  # every step but the first (no interval to time yet)
-    from fp4lightning.metrics import flops_per_token
+    from fp4lightning.train.throughput import flops_per_token
 
     ratios = []
     for r in rows:
@@ -100,7 +100,7 @@ def test_resume_reports_schedule_change_and_init_from_weights(corpus, tmp_path, 
     said = re.search(r"the first resumed step, 5, runs at LR ([0-9.e+-]+) \(the checkpoint's schedule would give "
                      r"[0-9.e+-]+\); it decays to 2\.000e-03 by step 6", printed)
     assert said, printed[printed.find("resuming"):][:800]
-    from fp4lightning.lightning_module import warmup_cosine
+    from fp4lightning.train.module import warmup_cosine
 
     warmup = max(1, math.ceil(cfg.schedule.warmup_fraction * 6))
     logged = {int(r["step"]): float(r["train/lr"]) for r in _csv_rows(base) if r.get("train/lr")}
@@ -117,7 +117,7 @@ def test_resume_reports_schedule_change_and_init_from_weights(corpus, tmp_path, 
     assert cli_main(["import-hf", str(hf_dir), str(imported)]) == 0
     printed = capsys.readouterr().out
     assert f"init.from_checkpoint={imported}" in printed and "tokenizer: included" in printed
-    from fp4lightning.checkpoint import load_checkpoint
+    from fp4lightning.train.checkpoint import load_checkpoint
 
     want = load_checkpoint(ckpt).model.state_dict()
     for key in (f"init.from_checkpoint={imported}", f"init.from_hf={hf_dir}"):

@@ -1,6 +1,6 @@
 """``prepare``: tokenise a corpus into token shards, atomically and idempotently.
 
-A byte-level BPE (:mod:`fp4lightning.tokenizer`) is trained on the training split, then every
+A byte-level BPE (:mod:`fp4lightning.data.tokenizer`) is trained on the training split, then every
 document is written as ``BOS tokens EOS`` into the train or validation shards; each document goes
 to the validation split by a hash of its name, so the split is deterministic, spread over the
 whole corpus, and decidable while streaming. The folder is built beside ``out_dir`` and swapped
@@ -27,7 +27,7 @@ from fp4lightning.data._common import _log, _sha256
 from fp4lightning.errors import check_writable_dir
 from fp4lightning.data.manifest import FORMAT_VERSION, META_FILE, MIN_VOCAB, default_data_dir, shard_problems
 from fp4lightning.data.sources import BUILTIN_PACKAGES, DATA_SUFFIXES, BadRecords, DataSourceError, iter_documents
-from fp4lightning.tokenizer import TOKENIZER_FILE, Tokenizer, token_pieces
+from fp4lightning.data.tokenizer import TOKENIZER_FILE, Tokenizer, token_pieces
 
 __all__ = ["prepare", "SHARD_TOKENS"]
 

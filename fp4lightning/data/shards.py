@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from fp4lightning.data.manifest import META_FILE, DataCorruptError, DataNotPreparedError, prepare_command, shard_problems
-from fp4lightning.tokenizer import Tokenizer
+from fp4lightning.data.tokenizer import Tokenizer
 
 __all__ = ["PreparedData"]
 

@@ -1,7 +1,7 @@
 """The shape of a LLaMA-2 model (:class:`LlamaConfig`) and the named configs, without torch.
 
 Kept apart from :mod:`fp4lightning.models.llama` so that the recipe schema
-(:mod:`fp4lightning.recipe`) can check ``model.*`` keys before torch is imported: a recipe
+(:mod:`fp4lightning.train.recipe`) can check ``model.*`` keys before torch is imported: a recipe
 mistake is reported in well under a second. The table of named configs is in
 :mod:`fp4lightning.models.llama`.
 """

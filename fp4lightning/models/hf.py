@@ -162,7 +162,7 @@ def from_hf_model(hf_model) -> Llama:
 def save_hf(model: Llama, out_dir: str | Path, tokenizer=None) -> Path:
     """Write a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
-    ``tokenizer`` (an :class:`fp4lightning.tokenizer.Tokenizer`) is saved alongside as a
+    ``tokenizer`` (an :class:`fp4lightning.data.tokenizer.Tokenizer`) is saved alongside as a
     ``PreTrainedTokenizerFast`` so ``AutoTokenizer.from_pretrained(out_dir)`` works too. Its
     post-processor prepends BOS (as LLaMA's tokenizer does), because every training document
     started with BOS: ``tokenizer(text)`` and lm-eval's ``hf`` model then see the same tokens
@@ -193,7 +193,7 @@ def _bos_first(tokenizer):
     """A copy of the ``tokenizers`` backend whose ``encode`` starts with BOS (special tokens on)."""
     from tokenizers import processors
 
-    from fp4lightning.tokenizer import Tokenizer
+    from fp4lightning.data.tokenizer import Tokenizer
 
     backend = Tokenizer.from_str(tokenizer.to_str()).backend
     bos = processors.TemplateProcessing(

@@ -3,7 +3,7 @@
 RMSNorm (pre-norm), rotary position embeddings, SwiGLU MLP, optional grouped-query
 attention (``n_kv_heads < n_heads``), causal scaled-dot-product attention and an
 untied output head named ``lm_head``. Every GeMM is a plain ``nn.Linear`` so that
-``fp4lightning.convert.convert_to_fp4`` can swap them for ``FP4Linear`` in place; the
+``fp4lightning.nn.convert.convert_to_fp4`` can swap them for ``FP4Linear`` in place; the
 head keeps its name so the converter can leave it in high precision.
 
 Module names follow the Hugging Face ``LlamaForCausalLM`` layout minus its ``model.``
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import LLAMA_CONFIGS, LlamaConfig, llama_config
+from fp4lightning.models.config import LLAMA_CONFIGS, LlamaConfig, llama_config
 
 __all__ = ["LlamaConfig", "Llama", "LLAMA_CONFIGS", "llama_config", "init_weights_"]
 
@@ -148,7 +148,7 @@ class Llama(nn.Module):
     and calling ``init_weights()`` after ``to_empty(device=...)``.
     """
 
-    #: the module types a sharding strategy wraps as units (read by ``fp4lightning.fsdp.fully_shard_fp4``)
+    #: the module types a sharding strategy wraps as units (read by ``fp4lightning.distributed.fsdp.fully_shard_fp4``)
     shard_units: tuple[type[nn.Module], ...] = (Block,)
 
     def __init__(self, config: LlamaConfig):

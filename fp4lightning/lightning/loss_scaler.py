@@ -1,0 +1,112 @@
+"""Dynamic loss scaling for fp16 compute (arXiv 2501.17116 trains in bf16; fp16 needs this).
+
+One implementation shared by the Trainer plugin (:class:`~fp4lightning.lightning.precision.FP4Precision`)
+and the Fabric plugin (:class:`~fp4lightning.lightning.fabric.FP4FabricPrecision`): the loss is multiplied
+by the scale before backward; the gradients are unscaled and checked for inf/NaN before the step,
+which is skipped and the scale halved on overflow, or the scale doubled after ``growth_interval``
+good steps (docs/lightning.md).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["DynamicLossScaler"]
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling for fp16 (the scheme of ``torch.amp.GradScaler``, on any device).
+
+    ``scale(loss)`` multiplies the loss before backward; ``unscale_(optimizer)`` divides the
+    gradients of ``optimizer``'s parameters by the scale in place and returns whether any is
+    inf/NaN; ``update(found_inf)`` halves the scale on overflow (and counts a skipped step) or
+    doubles it after ``growth_interval`` consecutive good steps.
+
+    Args:
+        init_scale: starting scale (2^16, as torch).
+        growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
+        max_consecutive_skips: raise after this many overflowing steps in a row: a loss that is
+            still non-finite after the scale has fallen that far is a diverged run, not an overflow.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, max_consecutive_skips: int = 50) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"DynamicLossScaler: init_scale must be positive, got {init_scale}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"DynamicLossScaler: growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"DynamicLossScaler: backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1 or max_consecutive_skips < 1:
+            raise ValueError("DynamicLossScaler: growth_interval and max_consecutive_skips must be >= 1")
+        self.scale_value = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.max_consecutive_skips = max_consecutive_skips
+        self.good_steps = 0  # consecutive finite steps since the last change of scale
+        self.consecutive_skips = 0
+        self.skipped_steps = 0  # over the whole run
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """``loss * scale`` (in fp32: an fp16 loss times 2^16 would overflow)."""
+        return loss.float() * self.scale_value
+
+    @torch.no_grad()
+    def unscale_(self, optimizer: Optimizer) -> bool:
+        """Divide the gradients by the scale in place; True if any gradient is inf or NaN."""
+        grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FP4Precision's loss scaler does not support sparse gradients")
+                grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        found = []
+        for (device, _), gs in grads.items():
+            found_inf = torch.zeros(1, device=device)
+            inv = torch.full((1,), 1.0 / self.scale_value, device=device)
+            # one fused kernel per (device, dtype): unscale and flag non-finite values
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv)
+            found.append(found_inf.to("cpu", non_blocking=False))
+        return bool(sum(found).item() > 0) if found else False
+
+    def update(self, found_inf: bool) -> None:
+        """Back off on overflow, grow after a run of good steps."""
+        if found_inf:
+            self.scale_value *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.max_consecutive_skips:
+                raise RuntimeError(
+                    f"FP4Precision: {self.consecutive_skips} optimizer steps in a row had inf/NaN gradients; the loss "
+                    f"scale is down to {self.scale_value:g}. The model has diverged (a NaN loss is not an fp16 "
+                    "overflow): lower the learning rate, check the data, or try precision='fp4-bf16'."
+                )
+            return
+        self.consecutive_skips = 0
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale_value *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale_value, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale_value = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        # growth/backoff settings stay those of this run's plugin: they are configuration, not state
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaler(scale={self.scale_value:g}, good_steps={self.good_steps}, "
+                f"skipped_steps={self.skipped_steps})")

@@ -1,0 +1,261 @@
+"""The block-scaled FP4 linear layer: NVFP4 / MXFP4 recipes through ``FP4Linear``.
+
+``FP4Linear`` dispatches here when ``FP4Config.block_format`` is not ``"none"``. Per
+layer ``Y = A W^T`` (A: M x K tokens, W: N x K), every GeMM takes block-FP4 operands
+whose blocks run along that GeMM's reduction dimension:
+
+    fprop  Y  = A  W^T     A blocks along K,  W blocks along K (or 16 x 16 tiles)
+    dgrad  dA = dY W       dY blocks along N, W blocks along N (the same tiles when 2-D)
+    wgrad  dW = dY^T A     dY and A blocks along M (tokens), optionally after a 16-point
+                           random Hadamard transform of both along M
+
+Because the wgrad operands are blocked along tokens, the high-precision input is kept
+for backward (as TransformerEngine's NVFP4 recipe does) and re-quantized there, unlike
+the paper's per-token path, which saves packed codes. Each of the six operands can use
+stochastic rounding (``FP4Config.stochastic_rounding``). Its random draws come from a
+generator seeded by ``(sr_seed, operand, checksum of the operand's bits)``: a function of
+the training state only, so a run resumed from a checkpoint draws exactly what the
+uninterrupted run drew.
+
+The paper's techniques compose (arXiv 2501.17116, sections 3.2 and 3.3): OCC clamps A
+before it is quantized and adds the residual's products in high precision (fprop and
+wgrad); DGE multiplies the weight gradient by ``f'(W * s)`` with ``s`` each weight
+element's block encode scale.
+
+Two GeMM paths, picked per device like the paper recipe's quantizers
+(``gemm_dispatch.triton_quantizers``: CUDA tensors, or ``FP4LIGHTNING_BACKEND=triton``):
+
+* reference (PyTorch): each operand is quantized and decoded in one pass to
+  ``e2m1 * block_scale`` (exact in bf16 and fp32; nothing is packed), each GeMM is one dense
+  matmul in the compute dtype, and the per-tensor factors (NVFP4's global scale) are applied
+  in the epilogue;
+* Triton: each operand is quantized to packed codes and block scales (``quantize_block``,
+  the same codes and the same stochastic draws as the reference's), and each GeMM is
+  ``kernels/block.py``'s block-scaled kernel, which decodes a tile, applies its block scales
+  exactly and accumulates in fp32. OCC's residual product and DGE run in PyTorch around it.
+  The two paths compute the same products; they differ only in accumulation order and in the
+  reference's bf16 output rounding under bf16 autocast.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp4lightning.numerics import cpu_bf16
+from fp4lightning.config import SR_OPERANDS  # the six GeMM operands SR can apply to (GeMM.operand)
+from fp4lightning.numerics.block_formats import BLOCK_SIZES, fake_quantize_block
+from fp4lightning.numerics.hadamard import apply_rht, rht_matrix
+
+__all__ = ["BLOCK_FORMAT_NAMES", "SR_OPERANDS", "block_fp4_linear", "positional_keep"]
+
+#: FP4Config.block_format -> block_formats name (block size and scale type)
+BLOCK_FORMAT_NAMES = {"block16_e4m3": "nvfp4", "block32_e8m0": "mxfp4"}
+_MASK63 = (1 << 63) - 1
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Sum of the tensor's raw bits: identical tensors (e.g. after a resume) give identical seeds."""
+    t = t.detach()  # any layout: the sum does not depend on the order (no copy of a transposed operand)
+    if t.dtype == torch.float64:
+        t = t.float()
+    ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    from fp4lightning.numerics.cpu_fused import bits_sum
+
+    return int(bits_sum(ints))
+
+
+def _rounding(cfg, operand: str, t: torch.Tensor):
+    """("nearest", None) or ("stochastic", a generator seeded from the config and the data)."""
+    if operand not in cfg.stochastic_rounding:
+        return "nearest", None
+    seed = (cfg.sr_seed * 1_000_003 + SR_OPERANDS.index(operand) * 7_919 + _checksum(t)) & _MASK63
+    return "stochastic", torch.Generator(device=t.device).manual_seed(seed)
+
+
+def _quant(t: torch.Tensor, fmt: str, cfg, operand: str, cd: torch.dtype, block_2d: bool = False):
+    """(values * block scales in ``cd``, tensor-wide factor, block decode scales) of one operand."""
+    rounding, gen = _rounding(cfg, operand, t)
+    return fake_quantize_block(t, fmt, rounding, gen, block_2d=block_2d, dtype=cd)
+
+
+def _gemm(a, b, a_extra: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``A B^T`` of two fake-quantized operands ``(values, factor, _)``; per-tensor factors
+    in the epilogue. ``a_extra`` (high precision, OCC's outliers) joins A's values."""
+    av, ga, _ = a
+    bv, gb, _ = b
+    if a_extra is not None:
+        av = av.float().add_(a_extra.float() / ga).to(av.dtype)
+    y = cpu_bf16.mm(av, bv.t()).float()
+    g = ga * gb
+    return y if isinstance(g, float) and g == 1.0 else y.mul_(g)
+
+
+# --------------------------------------------------------------------------- Triton path
+def _use_triton(t: torch.Tensor) -> bool:
+    from fp4lightning.ops import gemm as gemm_dispatch
+
+    return gemm_dispatch.triton_quantizers(t.device)  # the Triton and the scaled_mm backends on CUDA
+
+
+def _quant_packed(t: torch.Tensor, fmt: str, cfg, operand: str, block_2d: bool = False):
+    """One operand as packed block FP4 (``BlockFP4``), drawing what ``_quant`` draws."""
+    from fp4lightning.numerics.block_formats import quantize_block
+
+    rounding, gen = _rounding(cfg, operand, t)
+    return quantize_block(t, fmt, rounding, gen, block_2d=block_2d)
+
+
+def _gemm_triton(a, b) -> torch.Tensor:
+    """fp32 ``A B^T`` of two ``BlockFP4`` operands through the Triton block GeMM."""
+    from fp4lightning.ops import gemm as gemm_dispatch
+
+    return gemm_dispatch.block_gemm(a, b)
+
+
+def _values_of(q) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
+    """``(values, factor, block decode scales)`` of a ``BlockFP4``: ``_quant``'s triple (fp32)."""
+    from fp4lightning.numerics.block_formats import _operand
+
+    vals, g = _operand(q, torch.float32)
+    return vals, g, q.block_scales_fp32()
+
+
+def _element_decode(q, shape, block_2d: bool, b: int) -> torch.Tensor:
+    """(N, K) fp32 decode scale of every element of a fake-quantized weight (for DGE)."""
+    _, factor, dec = q
+    el = dec.repeat_interleave(b, dim=1)
+    if block_2d:
+        el = el.repeat_interleave(b, dim=0)
+    return el[: shape[0], : shape[1]] * factor
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _occ(x2d: torch.Tensor, cfg, bounds=None):
+    """(clamped A, residual or None, bounds) - OCC of section 3.3, or the identity."""
+    if not cfg.occ:
+        return x2d, None, None
+    from fp4lightning.numerics.occ import occ_bounds, occ_clamp
+
+    if bounds is None:
+        bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
+    xc, r = occ_clamp(x2d, bounds)
+    return xc, (r if cfg.occ_compensation else None), bounds
+
+
+class _BlockFP4LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, cfg):
+        out_dtype = _out_dtype(x)
+        cd = _compute_dtype(out_dtype)
+        fmt = BLOCK_FORMAT_NAMES[cfg.block_format]
+        n, k = weight.shape
+        x2d = x.reshape(-1, k)
+        triton = _use_triton(x)
+        with torch.autocast(x.device.type, enabled=False):
+            xc, r, bounds = _occ(x2d, cfg)
+            if triton:
+                pw = _quant_packed(weight.detach(), fmt, cfg, "fprop.w", block_2d=cfg.weight_block_2d)
+                y = _gemm_triton(_quant_packed(xc, fmt, cfg, "fprop.a"), pw)
+                qw = _values_of(pw) if cfg.weight_block_2d else None
+                if r is not None:  # OCC compensation R W_q^T, in fp32
+                    wv, gw, _ = _values_of(pw) if qw is None else qw
+                    y.add_((r.float() @ wv.t()).mul_(gw))
+            else:
+                qa = _quant(xc, fmt, cfg, "fprop.a", cd)
+                qw = _quant(weight.detach(), fmt, cfg, "fprop.w", cd, block_2d=cfg.weight_block_2d)
+                y = _gemm(qa, qw, r)
+            if bias is not None:
+                y.add_(bias.float())
+        ctx.save_for_backward(x2d, weight)
+        # 2-D tiles: W^T's quantization is W's, transposed - keep it for dgrad (reference) and DGE
+        ctx.cfg, ctx.fmt, ctx.bounds, ctx.qw = cfg, fmt, bounds, (qw if cfg.weight_block_2d else None)
+        ctx.triton = triton
+        ctx.has_bias, ctx.cd, ctx.x_dtype, ctx.x_shape = bias is not None, cd, x.dtype, x.shape
+        return y.to(out_dtype).reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight = ctx.saved_tensors
+        cfg, fmt, cd = ctx.cfg, ctx.fmt, ctx.cd
+        n, k = weight.shape
+        dyf = dy.reshape(-1, n).float()
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0] and ctx.triton:
+                # dgrad: reduction over N (2-D tiles quantize W^T to W's codes, transposed)
+                pwt = _quant_packed(weight.detach().t(), fmt, cfg, "dgrad.w", block_2d=cfg.weight_block_2d)
+                grad_x = _gemm_triton(_quant_packed(dyf, fmt, cfg, "dgrad.g"), pwt)
+                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+            elif ctx.needs_input_grad[0]:
+                # dgrad: reduction over N
+                qg = _quant(dyf, fmt, cfg, "dgrad.g", cd)
+                if ctx.qw is not None and "dgrad.w" not in cfg.stochastic_rounding:
+                    wv, gw, _ = ctx.qw
+                    qwt = (wv.t(), gw, None)
+                else:
+                    qwt = _quant(weight.detach().t(), fmt, cfg, "dgrad.w", cd, block_2d=cfg.weight_block_2d)
+                grad_x = _gemm(qg, qwt).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                # wgrad: reduction over tokens M; optional RHT of both operands along M
+                xc, r, _ = _occ(x2d, cfg, ctx.bounds)
+                g_op, a_op = dyf, xc
+                if cfg.rht_wgrad:
+                    q = rht_matrix(cfg.rht_seed, device=dyf.device)
+                    g_op, a_op = apply_rht(g_op, q, 0), apply_rht(a_op, q, 0)
+                if ctx.triton:
+                    grad_w = _gemm_triton(_quant_packed(g_op.t().contiguous(), fmt, cfg, "wgrad.g"),
+                                          _quant_packed(a_op.t().contiguous(), fmt, cfg, "wgrad.a"))
+                else:
+                    qg = _quant(g_op.t(), fmt, cfg, "wgrad.g", cd)
+                    qa = _quant(a_op.t(), fmt, cfg, "wgrad.a", cd)
+                    grad_w = _gemm(qg, qa)
+                if r is not None:  # OCC compensation's share dY^T R, in high precision
+                    grad_w.add_(dyf.t() @ r.float())
+                if cfg.dge:
+                    from fp4lightning.numerics.dge import dge_derivative
+
+                    qw = ctx.qw
+                    if qw is None:  # re-derive fprop's (round-to-nearest) weight scales
+                        qw = _quant(weight.detach(), fmt, cfg.replace(stochastic_rounding=()), "fprop.w", cd)
+                        # (the decode scales are the same on both paths: only they are used here)
+                    dec = _element_decode(qw, (n, k), cfg.weight_block_2d, BLOCK_SIZES[fmt])
+                    grad_w.mul_(dge_derivative(weight.detach().float() / dec, cfg.dge_k, cfg.dge_clamp))
+                grad_w = grad_w.to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = dyf.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def block_fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg) -> torch.Tensor:
+    """``F.linear`` with block-FP4 GeMMs (``cfg.block_format`` != "none"); inputs already validated."""
+    return _BlockFP4LinearFn.apply(x, weight, bias, cfg)
+
+
+def positional_keep(module: nn.Module, keep_first_n: int, keep_last_n: int) -> list[str]:
+    """Name prefixes (``"layers.0."``) of the first/last transformer blocks to keep in high precision.
+
+    The blocks are the children of the longest ``nn.ModuleList`` that holds Linear layers
+    (``layers`` in ``fp4lightning.models.llama``, ``model.layers`` in Hugging Face LLaMA).
+    """
+    if keep_first_n <= 0 and keep_last_n <= 0:
+        return []
+    best, best_name = None, ""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList) and any(isinstance(c, nn.Linear) for c in m.modules()):
+            if best is None or len(m) > len(best):
+                best, best_name = m, name
+    if best is None:
+        raise ValueError("keep_first_n / keep_last_n: found no nn.ModuleList of transformer blocks in the model; "
+                         "set both to 0 and list the layers in skip_modules instead")
+    n = len(best)
+    idx = sorted(set(range(min(keep_first_n, n))) | set(range(max(0, n - keep_last_n), n)))
+    prefix = f"{best_name}." if best_name else ""
+    return [f"{prefix}{i}." for i in idx]
