@@ -8,7 +8,9 @@ Rows (``--precisions``):
 
 * ``bf16-mixed``: Lightning's bf16 autocast (``trainer.precision=bf16-mixed``);
 * ``torchao-float8``: torchao's ``convert_to_float8_training`` with the ``rowwise`` recipe (CUDA,
-  sm_89+ only; the output head stays bf16, as FP4's);
+  sm_89+ only; the output head stays bf16, as FP4's); eager like the other rows, or with
+  ``--compile-torchao`` the whole model under ``torch.compile`` as torchao recommends (that row then
+  has no time split);
 * ``fp4``: the recipe's FP4 configuration (``fp4.preset`` + overrides; ``paper`` in the recipes),
   converted and autocast by ``FP4Precision`` as in training;
 * ``w4a4-direct``: the ``w4a4-direct`` preset (no DGE, no OCC).
@@ -16,7 +18,7 @@ Rows (``--precisions``):
 Each row starts from the same initial weights (the recipe's seed) and batch: random tokens, or the
 first windows of the recipe's prepared data folder when there is one. Printed per row: step time
 (median of ``--steps`` timed steps after two warm-up steps), tokens/s, MFU (model FLOPs per step,
-the PaLM count of ``fp4lightning.metrics.flops_per_token``, over the step time and the device's
+the PaLM count of ``fp4lightning.train.throughput.flops_per_token``, over the step time and the device's
 dense bf16 peak; FP4 is simulated, so bf16's peak is the yardstick for every row), peak memory
 (on CUDA ``torch.cuda.max_memory_allocated``; on CPU the analytic sum of parameters, gradients,
 optimizer state and the bytes autograd saves for backward), and where one step's time goes: the
@@ -45,7 +47,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -53,14 +54,14 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fp4lightning.config import FP4Config  # noqa: E402
-from fp4lightning.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
+from fp4lightning.numerics.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
 from fp4lightning.errors import UsageError  # noqa: E402
-from fp4lightning.fidelity import saved_tensor_bytes  # noqa: E402
-from fp4lightning.metrics import flops_per_token, peak_tflops  # noqa: E402
+from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes  # noqa: E402
+from fp4lightning.train.throughput import flops_per_token, peak_tflops  # noqa: E402
 from fp4lightning.models.llama import Attention, Llama  # noqa: E402
-from fp4lightning.nonfinite import detect_nonfinite  # noqa: E402
-from fp4lightning.optim import state_bytes_per_param  # noqa: E402
-from fp4lightning.recipe import load_recipe  # noqa: E402
+from fp4lightning.lightning.nonfinite import detect_nonfinite  # noqa: E402
+from fp4lightning.lightning.optim import state_bytes_per_param  # noqa: E402
+from fp4lightning.train.recipe import load_recipe  # noqa: E402
 
 ROWS = ("bf16-mixed", "torchao-float8", "fp4", "w4a4-direct")
 SPLIT = ("linears", "attention", "other", "optimizer")
@@ -101,9 +102,9 @@ def _is_decoder_linear(module: nn.Module, fqn: str) -> bool:
 class Row:
     """One precision's model, optimizer, autocast and step."""
 
-    def __init__(self, name: str, cfg, dev: torch.device, micro_batch: int, seq: int):
-        from fp4lightning.pretrain import make_module
-        from fp4lightning.precision import FP4Precision
+    def __init__(self, name: str, cfg, dev: torch.device, micro_batch: int, seq: int, compile_torchao: bool = False):
+        from fp4lightning.train.pretrain import make_module
+        from fp4lightning.lightning.precision import FP4Precision
 
         self.name, self.dev, self.micro_batch, self.seq = name, dev, micro_batch, seq
         llama = cfg.llama_config()
@@ -127,9 +128,12 @@ class Row:
                     model, config=Float8LinearConfig.from_recipe_name("rowwise"),
                     module_filter_fn=lambda m, fqn: (_is_decoder_linear(m, fqn) and m.in_features % 16 == 0
                                                      and m.out_features % 16 == 0))
+                if compile_torchao:
+                    model.compile()
             emulate_bf16_linears(model, dev)  # as LlamaLightningModule.configure_model on CPUs without bf16 GeMMs
             self.autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16)  # Lightning's bf16-mixed
             self.preset = None
+        self.compiled = name == "torchao-float8" and compile_torchao
         # the LightningModule's optimizer (AdamW groups, optimizer.states) and schedule, outside Lightning
         module = make_module(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision="bf16-mixed")))
         module.model = model
@@ -262,12 +266,13 @@ def _analytic_memory(row: Row) -> tuple[int, int, float]:
     return param_b * 2 + int(bpp * row.n_params) + saved, saved, bpp
 
 
-def _build(name: str, cfg, dev: torch.device, micro_batch: int, seq: int, search: bool) -> Row:
+def _build(name: str, cfg, dev: torch.device, micro_batch: int, seq: int, search: bool,
+           compile_torchao: bool = False) -> Row:
     """The row, warmed up; on CUDA with ``search``, halving the micro-batch on out-of-memory."""
     while True:
         row = oom = None
         try:
-            row = Row(name, cfg, dev, micro_batch, seq)
+            row = Row(name, cfg, dev, micro_batch, seq, compile_torchao)
             row.x, row.source = _batch(cfg, cfg.llama_config().vocab_size, micro_batch, seq, dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -301,6 +306,8 @@ def main(argv=None) -> int:
     ap.add_argument("--precisions", default=",".join(ROWS), help=f"comma-separated rows out of {', '.join(ROWS)}")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="dense bf16 peak TFLOP/s of the device for MFU (default: known GPUs; none on CPU)")
+    ap.add_argument("--compile-torchao", action="store_true",
+                    help="torch.compile the torchao-float8 row's model (torchao's recommended use)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
@@ -339,7 +346,7 @@ def main(argv=None) -> int:
         if why:
             results[name] = {"skipped": why}
             continue
-        row = _build(name, cfg, dev, micro_batch, seq, search)
+        row = _build(name, cfg, dev, micro_batch, seq, search, args.compile_torchao)
         micro_batch = row.micro_batch  # later rows start from what fitted
         if interleave:
             built[name] = row
@@ -365,7 +372,7 @@ def main(argv=None) -> int:
     print(f"# device={dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}) torch={torch.__version__} "
           f"threads={torch.get_num_threads()} steps={args.steps} (median, after {WARMUP} warm-up) "
           f"bf16_gemm={'emulated (fp32 kernels)' if emulate_bf16_gemm(dev) else 'native'}")
-    print(f"# MFU: model FLOPs per token {fpt / 1e9:.3f} GFLOP (PaLM count, fp4lightning.metrics) x tokens / step time / "
+    print(f"# MFU: model FLOPs per token {fpt / 1e9:.3f} GFLOP (PaLM count, fp4lightning.train.throughput) x tokens / step time / "
           + (f"peak {peak:g} TFLOP/s (dense bf16)" if peak else "no peak known for this device (--peak-tflops)"))
     print(f"# peak memory: {mem_kind}")
     print("# time split: one extra step with module hooks"
@@ -375,14 +382,14 @@ def main(argv=None) -> int:
           "other fwd+bwd ms | optimizer ms | saved activations MB | attention kernel |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        label = f"{name} ({r['preset']})" if name == "fp4" else name
+        label = f"{name} ({r['preset']})" if name == "fp4" else f"{name} (compiled)" if r.get("compiled") else name
         if "skipped" in r:
             print(f"| {label} | skipped: {r['skipped']} |" + " |" * 10)
             continue
-        s = r["split_ms"]
+        s = r["split_ms"] or dict.fromkeys(SPLIT)
         print(f"| {label} | {r['micro_batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-              f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.3g')} | {r['peak_mem_gb']:.3f} | {s['linears']:.1f} | {s['attention']:.1f} | "
-              f"{s['other']:.1f} | {s['optimizer']:.1f} | {_mb(r['saved_activation_bytes'])} | {r['attention_op']} |")
+              f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.3g')} | {r['peak_mem_gb']:.3f} | "
+              f"{' | '.join(_fmt(s[k], '.1f') for k in SPLIT)} | {_mb(r['saved_activation_bytes'])} | {r['attention_op']} |")
     base = results.get("bf16-mixed", {})
     if "tokens_per_s" in base:
         ratios = ", ".join(f"{n} {r['tokens_per_s'] / base['tokens_per_s']:.2f}x" for n, r in results.items()
@@ -416,8 +423,10 @@ def _measure(row: Row, fpt: float, peak: float | None) -> dict:
     if row.dev.type == "cuda":
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(row.dev) / 1e9
         out["saved_activation_bytes"] = None
-    out["split_ms"] = time_split(row)
-    out["attention_op"] = attention_op(row)
+    if row.compiled:  # hooks and the dispatch probe would break the compiled graph
+        out["compiled"] = True
+    out["split_ms"] = None if row.compiled else time_split(row)
+    out["attention_op"] = "n/a (compiled)" if row.compiled else attention_op(row)
     if row.dev.type != "cuda":
         total, saved, _ = _analytic_memory(row)
         out["peak_mem_gb"] = total / 1e9
