@@ -112,7 +112,7 @@ def _train_run(args: argparse.Namespace) -> int:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from fp4lightning.lightning.nonfinite import NonFiniteError
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
 
     try:
         train(cfg, resume=args.resume, verify_data=args.verify_data, overwrite=args.overwrite,

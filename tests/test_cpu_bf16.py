@@ -154,7 +154,7 @@ def test_fp4linear_gemms_emulated_match_native(monkeypatch):
 def test_recipe_baseline_module_emulates_only_under_bf16(monkeypatch, precision):
     import lightning.pytorch as L
 
-    from fp4lightning.train.pretrain import make_module
+    from fp4lightning.train.run import make_module
     from fp4lightning.train.recipe import load_recipe
 
     monkeypatch.setenv(ENV, "emulate")

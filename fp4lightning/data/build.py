@@ -19,13 +19,21 @@ import shutil
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from fp4lightning.data._common import _log, _sha256
+from fp4lightning.data.manifest import (
+    FORMAT_VERSION,
+    META_FILE,
+    MIN_VOCAB,
+    default_data_dir,
+    file_sha256,
+    shard_problems,
+)
+from fp4lightning.data.progress import progress
 from fp4lightning.errors import check_writable_dir
-from fp4lightning.data.manifest import FORMAT_VERSION, META_FILE, MIN_VOCAB, default_data_dir, shard_problems
 from fp4lightning.data.sources import BUILTIN_PACKAGES, DATA_SUFFIXES, BadRecords, DataSourceError, iter_documents
 from fp4lightning.data.tokenizer import TOKENIZER_FILE, Tokenizer, token_pieces
 
@@ -132,7 +140,7 @@ class _FolderLock:
         except BlockingIOError:
             self._f.seek(0)
             holder = self._f.read().strip() or "?"
-            _log(f"another `data prepare` (pid {holder}) is writing {self.path.parent / self.path.name[1:-5]}; "
+            progress(f"another `data prepare` (pid {holder}) is writing {self.path.parent / self.path.name[1:-5]}; "
                  "waiting for it to finish")
             fcntl.flock(self._f, fcntl.LOCK_EX)
         self._f.seek(0)
@@ -150,14 +158,12 @@ class _FolderLock:
 
 def _recover_and_clean(out_dir: Path) -> None:
     """Under the lock: undo a swap cut short by a crash, and remove a killed run's build folders."""
-    import shutil
-
     olds = sorted(out_dir.parent.glob(f".{out_dir.name}.old-*"))
     if not out_dir.exists():
         for old in olds:
             if (old / META_FILE).is_file():
                 os.rename(old, out_dir)  # the previous complete data, put back
-                _log(f"restored {out_dir} from an interrupted update")
+                progress(f"restored {out_dir} from an interrupted update")
                 break
     for leftover in [*out_dir.parent.glob(f".{out_dir.name}.old-*"), *out_dir.parent.glob(f".{out_dir.name}.build-*")]:
         shutil.rmtree(leftover, ignore_errors=True)
@@ -165,13 +171,45 @@ def _recover_and_clean(out_dir: Path) -> None:
 
 def _swap_in(build: Path, out_dir: Path) -> None:
     """Replace ``out_dir`` by the complete ``build`` folder: two renames, the old data deleted last."""
-    import shutil
-
     old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
     if out_dir.exists():
         os.rename(out_dir, old)
     os.rename(build, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass
+class _Job:
+    """The arguments of one :func:`prepare` call, checked."""
+
+    source: str
+    out_dir: Path
+    cache_dir: Path
+    vocab_size: int
+    val_fraction: float
+    max_tokens: int | None
+    tokenizer_train_chars: int
+    text_key: str
+    force: bool
+    shard_tokens: int
+    on_bad_record: str
+    #: what meta.json records of the call: a second ``prepare`` with the same ``args`` does nothing
+    args: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.args = {
+            "format_version": FORMAT_VERSION,
+            "source": self.source if not Path(self.source).exists() else str(Path(self.source).resolve()),
+            "vocab_size": self.vocab_size,
+            "val_fraction": self.val_fraction,
+            "max_tokens": self.max_tokens,
+            "tokenizer_train_chars": self.tokenizer_train_chars,
+            "text_key": self.text_key,
+            "on_bad_record": self.on_bad_record,
+        }
+
+    def documents(self, bad: BadRecords | None = None) -> Iterator[tuple[str, str]]:
+        return iter_documents(self.source, self.cache_dir, self.text_key, bad)
 
 
 def prepare(
@@ -195,6 +233,21 @@ def prepare(
     """
     out_dir = Path(out_dir) if out_dir is not None else default_data_dir(source)
     cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "downloads"
+    _check_arguments(vocab_size, val_fraction, max_tokens, on_bad_record)
+    job = _Job(source, out_dir, cache_dir, vocab_size, val_fraction, max_tokens, tokenizer_train_chars, text_key,
+               force, shard_tokens, on_bad_record)
+    check_writable_dir(out_dir, "--out", DataSourceError)
+    try:
+        with _FolderLock(out_dir):
+            _prepare_locked(job)
+    except OSError as e:  # the lock file or the build folder could not be written
+        if _no_space(e):
+            raise _disk_full_error(out_dir, 0) from e
+        raise
+    return out_dir
+
+
+def _check_arguments(vocab_size: int, val_fraction: float, max_tokens: int | None, on_bad_record: str) -> None:
     if not 0.0 < val_fraction < 1.0:
         raise DataSourceError(f"--val-fraction must be in (0, 1) (both splits need text), got {val_fraction}")
     if not MIN_VOCAB <= vocab_size <= 1 << 31:
@@ -204,137 +257,140 @@ def prepare(
         raise DataSourceError(f"--max-tokens must be a positive number of tokens (omit it for the whole source), "
                               f"got {max_tokens}")
     BadRecords(on_bad_record)  # validates the policy
-    args = {
-        "format_version": FORMAT_VERSION,
-        "source": source if not Path(source).exists() else str(Path(source).resolve()),
-        "vocab_size": vocab_size,
-        "val_fraction": val_fraction,
-        "max_tokens": max_tokens,
-        "tokenizer_train_chars": tokenizer_train_chars,
-        "text_key": text_key,
-        "on_bad_record": on_bad_record,
-    }
-    check_writable_dir(out_dir, "--out", DataSourceError)
-    try:
-        with _FolderLock(out_dir):
-            _prepare_locked(out_dir, source, cache_dir, args, force, vocab_size, val_fraction, max_tokens,
-                            tokenizer_train_chars, text_key, shard_tokens, on_bad_record)
-    except OSError as e:  # the lock file or the build folder could not be written
-        if _no_space(e):
-            raise _disk_full_error(out_dir, 0) from e
-        raise
-    return out_dir
 
 
-def _prepare_locked(out_dir: Path, source: str, cache_dir: Path, args: dict, force: bool, vocab_size: int,
-                    val_fraction: float, max_tokens: int | None, tokenizer_train_chars: int, text_key: str,
-                    shard_tokens: int, on_bad_record: str) -> None:
-    _recover_and_clean(out_dir)
-    meta_path = out_dir / META_FILE
-    if meta_path.is_file() and not force:
-        meta = json.loads(meta_path.read_text())
-        problems = shard_problems(out_dir, meta, checksums=True) if meta.get("args") == args else None
-        if problems == []:
-            _log(f"{out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
-                 f"{meta['splits']['val']['tokens']:,} val tokens, checksums verified); nothing to do "
-                 "(--force redoes it)")
-            return
-        if problems:
-            _log(f"{out_dir} is damaged ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})"
-                 "; preparing again")
-        else:
-            _log(f"{out_dir} was prepared with different arguments; preparing again")
+def _prepare_locked(job: _Job) -> None:
+    _recover_and_clean(job.out_dir)
+    if not job.force and _up_to_date(job):
+        return
     # reach the source before building: downloads, hub access and paths fail here
-    next(iter_documents(source, cache_dir, text_key), None)
+    next(job.documents(), None)
     # build beside the folder and swap it in only when complete: a failure or a kill leaves the
     # previous data as it was
-    build = out_dir.parent / f".{out_dir.name}.build-{os.getpid()}"
+    build = job.out_dir.parent / f".{job.out_dir.name}.build-{os.getpid()}"
     build.mkdir(parents=True)
     try:
-        _build(build, source, cache_dir, args, vocab_size, val_fraction, max_tokens, tokenizer_train_chars,
-               text_key, shard_tokens, on_bad_record)
+        _build(job, build)
     except BaseException as e:
         written = sum(p.stat().st_size for p in build.iterdir()) if _no_space(e) else 0
         shutil.rmtree(build, ignore_errors=True)
         if _no_space(e):
-            raise _disk_full_error(out_dir, written) from e
+            raise _disk_full_error(job.out_dir, written) from e
         raise
-    _swap_in(build, out_dir)
+    _swap_in(build, job.out_dir)
 
 
-def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: int, val_fraction: float,
-           max_tokens: int | None, tokenizer_train_chars: int, text_key: str, shard_tokens: int,
-           on_bad_record: str = "error") -> None:
-    """Tokenizer, shards and meta.json of ``source`` into the (new, empty) folder ``out_dir``."""
-    meta_path = out_dir / META_FILE
+def _up_to_date(job: _Job) -> bool:
+    """True (and says so) when ``job.out_dir`` holds intact data prepared with the same arguments."""
+    meta_path = job.out_dir / META_FILE
+    if not meta_path.is_file():
+        return False
+    meta = json.loads(meta_path.read_text())
+    problems = shard_problems(job.out_dir, meta, checksums=True) if meta.get("args") == job.args else None
+    if problems == []:
+        progress(f"{job.out_dir} is up to date ({meta['splits']['train']['tokens']:,} train / "
+                 f"{meta['splits']['val']['tokens']:,} val tokens, checksums verified); nothing to do "
+                 "(--force redoes it)")
+        return True
+    if problems:
+        progress(f"{job.out_dir} is damaged ({problems[0]}"
+                 f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''}); preparing again")
+    else:
+        progress(f"{job.out_dir} was prepared with different arguments; preparing again")
+    return False
+
+
+def _build(job: _Job, out_dir: Path) -> None:
+    """Tokenizer, shards and meta.json of ``job.source`` into the (new, empty) folder ``out_dir``."""
     t0 = time.perf_counter()
+    tok = _train_tokenizer(job, out_dir, t0)
+    writers, n_docs, n_chars = _write_shards(job, tok, out_dir)
+    if writers["val"].total == 0 or writers["train"].total == 0:
+        raise DataSourceError(
+            f"{job.source}: {n_docs} documents gave {writers['train'].total} train / {writers['val'].total} val "
+            "tokens; both splits need text (add more documents or raise --val-fraction)"
+        )
+    meta = {
+        "args": job.args,
+        "dtype": writers["train"].dtype.name,
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": file_sha256(out_dir / TOKENIZER_FILE),
+        "documents": n_docs,
+        "characters": n_chars,
+        "splits": {s: {"tokens": w.total, "shards": w.files} for s, w in writers.items()},
+        "builtin_packages": [p.__dict__ for p in BUILTIN_PACKAGES] if job.source == "builtin" else None,
+    }
+    meta_path = out_dir / META_FILE
+    tmp = meta_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, meta_path)  # meta.json last: its presence means the shards are complete
+    progress(f"done in {time.perf_counter() - t0:.1f}s: {n_docs:,} documents, {n_chars / 1e6:.1f}M characters -> "
+             f"{writers['train'].total:,} train / {writers['val'].total:,} val tokens "
+             f"({n_chars / max(1, writers['train'].total + writers['val'].total):.2f} chars/token)")
 
-    # 1) tokenizer, trained on the training split's documents only
-    _log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {source}")
 
-    def train_texts() -> Iterator[str]:
-        # both splits are counted while the text is read, so a source that leaves one of them empty is
-        # refused here, before the merges are computed
-        seen, docs = 0, {False: 0, True: 0}  # documents by held_out
-        for name, text in iter_documents(source, cache_dir, text_key, BadRecords(on_bad_record)):
-            held_out = _is_val(name, val_fraction)
-            docs[held_out] += 1
-            if seen >= tokenizer_train_chars:  # enough to train on: read on only to find a held-out document
-                if docs[True]:
-                    return
-            elif not held_out:
-                yield text
-                seen += len(text)
-        if not docs[True] and not docs[False]:
-            raise DataSourceError(f"{source}: no documents found (a folder is read for files ending in "
-                                  f"{', '.join(sorted(DATA_SUFFIXES))})")
-        if not docs[True] or not docs[False]:
-            empty, change = ("validation", "raise") if not docs[True] else ("training", "lower")
-            raise DataSourceError(
-                f"{source}: none of its {sum(docs.values())} documents is in the {empty} split "
-                f"(--val-fraction {val_fraction} holds out documents by a hash of their name); "
-                f"{change} --val-fraction or add documents (a text file is one document per ~8 KB between blank lines)")
+# 1) the tokenizer, trained on the training split's documents only
 
-    tok = Tokenizer.train(train_texts(), vocab_size=vocab_size, progress=_log)
+def _train_tokenizer(job: _Job, out_dir: Path, t0: float) -> Tokenizer:
+    progress(f"training a byte-level BPE tokenizer (vocab {job.vocab_size}) on {job.source}")
+    tok = Tokenizer.train(_training_texts(job), vocab_size=job.vocab_size, progress=progress)
     tok.save(out_dir / TOKENIZER_FILE)
-    _log(f"tokenizer: {tok} saved to {out_dir / TOKENIZER_FILE} ({time.perf_counter() - t0:.1f}s)")
+    progress(f"tokenizer: {tok} saved to {out_dir / TOKENIZER_FILE} ({time.perf_counter() - t0:.1f}s)")
+    return tok
 
-    # 2) tokenise every document into the train / val shards, ENCODE_CHARS of text per encoder call;
-    #    a longer document is encoded in pieces cut where the ids do not change (token_pieces)
+
+def _training_texts(job: _Job) -> Iterator[str]:
+    """The training split's texts, up to ``job.tokenizer_train_chars`` characters.
+
+    Both splits are counted while the text is read, so a source that leaves one of them empty is
+    refused here, before the merges are computed."""
+    seen, docs = 0, {False: 0, True: 0}  # documents by held_out
+    for name, text in job.documents(BadRecords(job.on_bad_record)):
+        held_out = _is_val(name, job.val_fraction)
+        docs[held_out] += 1
+        if seen >= job.tokenizer_train_chars:  # enough to train on: read on only to find a held-out document
+            if docs[True]:
+                return
+        elif not held_out:
+            yield text
+            seen += len(text)
+    if not docs[True] and not docs[False]:
+        raise DataSourceError(f"{job.source}: no documents found (a folder is read for files ending in "
+                              f"{', '.join(sorted(DATA_SUFFIXES))})")
+    if not docs[True] or not docs[False]:
+        empty, change = ("validation", "raise") if not docs[True] else ("training", "lower")
+        raise DataSourceError(
+            f"{job.source}: none of its {sum(docs.values())} documents is in the {empty} split "
+            f"(--val-fraction {job.val_fraction} holds out documents by a hash of their name); "
+            f"{change} --val-fraction or add documents (a text file is one document per ~8 KB between blank lines)")
+
+
+# 2) every document into the train / val shards, ENCODE_CHARS of text per encoder call
+
+def _write_shards(job: _Job, tok: Tokenizer, out_dir: Path) -> tuple[dict[str, _ShardWriter], int, int]:
+    """Tokenise every document into the train / val shards of ``out_dir``, each as ``BOS tokens EOS``;
+    returns the closed shard writers by split, the number of documents and of characters."""
     dtype = np.dtype(np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
-    writers = {s: _ShardWriter(out_dir, s, dtype, shard_tokens) for s in ("train", "val")}
+    writers = {s: _ShardWriter(out_dir, s, dtype, job.shard_tokens) for s in ("train", "val")}
+    batch = _EncodeBatch(tok)
     n_docs, n_chars, last = 0, 0, time.perf_counter()
-    pending: list[tuple[_ShardWriter, str, bool, bool]] = []  # (writer, piece, first of its document, last)
-    pending_chars = 0
-
-    def flush() -> None:
-        nonlocal pending_chars
-        for (w, _, first, end), ids in zip(pending, tok.encode_batch([p for _, p, _, _ in pending], bos=False,
-                                                                      eos=False)):
-            w.write(np.asarray(([tok.bos_id] if first else []) + ids + ([tok.eos_id] if end else []), dtype=np.int64))
-        pending.clear()
-        pending_chars = 0
-
-    bad = BadRecords(on_bad_record)
+    bad = BadRecords(job.on_bad_record)
     try:
-        for name, text in iter_documents(source, cache_dir, text_key, bad):
-            w = writers["val" if _is_val(name, val_fraction) else "train"]
-            pieces = list(token_pieces(text)) or [""]
-            for k, piece in enumerate(pieces):
-                pending.append((w, piece, k == 0, k == len(pieces) - 1))
-                pending_chars += len(piece)
-                if pending_chars >= ENCODE_CHARS:
-                    flush()
+        for name, text in job.documents(bad):
+            batch.add(writers["val" if _is_val(name, job.val_fraction) else "train"], text)
             n_docs += 1
             n_chars += len(text)
             if time.perf_counter() - last > 2.0:
                 last = time.perf_counter()
-                _log(f"tokenised {n_docs:,} documents, {n_chars / 1e6:.1f}M characters, "
-                     f"{writers['train'].total + writers['val'].total:,} tokens")
-            if max_tokens is not None and writers["train"].total + writers["val"].total >= max_tokens:
-                _log(f"reached max_tokens={max_tokens:,}")
+                progress(f"tokenised {n_docs:,} documents, {n_chars / 1e6:.1f}M characters, "
+                         f"{writers['train'].total + writers['val'].total:,} tokens")
+            if job.max_tokens is not None and writers["train"].total + writers["val"].total >= job.max_tokens:
+                progress(f"reached max_tokens={job.max_tokens:,}")
                 break
-        flush()
+        batch.flush()
         for w in writers.values():
             w.close()
     except BaseException:
@@ -342,27 +398,32 @@ def _build(out_dir: Path, source: str, cache_dir: Path, args: dict, vocab_size: 
             w.abort()
         raise
     bad.summary()
-    if writers["val"].total == 0 or writers["train"].total == 0:
-        raise DataSourceError(
-            f"{source}: {n_docs} documents gave {writers['train'].total} train / {writers['val'].total} val "
-            "tokens; both splits need text (add more documents or raise --val-fraction)"
-        )
-    meta = {
-        "args": args,
-        "dtype": dtype.name,
-        "vocab_size": tok.vocab_size,
-        "bos_id": tok.bos_id,
-        "eos_id": tok.eos_id,
-        "tokenizer": TOKENIZER_FILE,
-        "tokenizer_sha256": _sha256(out_dir / TOKENIZER_FILE),
-        "documents": n_docs,
-        "characters": n_chars,
-        "splits": {s: {"tokens": w.total, "shards": w.files} for s, w in writers.items()},
-        "builtin_packages": [p.__dict__ for p in BUILTIN_PACKAGES] if source == "builtin" else None,
-    }
-    tmp = meta_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, meta_path)  # meta.json last: its presence means the shards are complete
-    _log(f"done in {time.perf_counter() - t0:.1f}s: {n_docs:,} documents, {n_chars / 1e6:.1f}M characters -> "
-         f"{writers['train'].total:,} train / {writers['val'].total:,} val tokens "
-         f"({n_chars / max(1, writers['train'].total + writers['val'].total):.2f} chars/token)")
+    return writers, n_docs, n_chars
+
+
+class _EncodeBatch:
+    """Pieces of documents waiting for one call of the tokenizer's encoder (about ``ENCODE_CHARS``
+    characters), each with the shard writer it goes to."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.pending: list[tuple[_ShardWriter, str, bool, bool]] = []  # (writer, piece, first of its document, last)
+        self.chars = 0
+
+    def add(self, writer: _ShardWriter, text: str) -> None:
+        """Queue one document for ``writer``; a long one in pieces cut where the ids do not change (token_pieces)."""
+        pieces = list(token_pieces(text)) or [""]
+        for k, piece in enumerate(pieces):
+            self.pending.append((writer, piece, k == 0, k == len(pieces) - 1))
+            self.chars += len(piece)
+            if self.chars >= ENCODE_CHARS:
+                self.flush()
+
+    def flush(self) -> None:
+        """Encode the queued pieces in one call and write their ids (BOS before a document, EOS after it)."""
+        tok = self.tok
+        encoded = tok.encode_batch([p for _, p, _, _ in self.pending], bos=False, eos=False)
+        for (w, _, first, end), ids in zip(self.pending, encoded):
+            w.write(np.asarray(([tok.bos_id] if first else []) + ids + ([tok.eos_id] if end else []), dtype=np.int64))
+        self.pending.clear()
+        self.chars = 0

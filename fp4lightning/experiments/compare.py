@@ -213,7 +213,7 @@ def reuse_decision(run_dir: Path, cfg, need_probe: bool = False) -> tuple[str, s
     one longer), it is resumed from its ``last.ckpt``; anything else starts over."""
     import yaml
 
-    from fp4lightning.train.pretrain import recorded_method_keys
+    from fp4lightning.train.resume import recorded_method_keys
     from fp4lightning.train.recipe import load_recipe
 
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -448,7 +448,6 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
     """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
     from fp4lightning.train.recipe import load_recipe
-    from fp4lightning.train.pretrain import read_losses, train
 
     parsed = [parse_variant(v) for v in variants]  # fail on a bad variant before hours of training
     if len({v.name for v in parsed}) != len(parsed) or not parsed:
@@ -458,6 +457,10 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
     if reference is not None and reference not in {v.name for v in parsed}:
         raise UsageError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
     base = load_recipe(recipe, overrides)
+    # the training run's modules (torch, Lightning) only once the recipe is known to be valid
+    from fp4lightning.train.loss_log import read_losses
+    from fp4lightning.train.run import train
+
     seed_list = [base.seed + i for i in range(seeds)]
     out_dir = Path(out_dir or f"runs/compare-{base.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
