@@ -103,7 +103,7 @@ class Row:
     """One precision's model, optimizer, autocast and step."""
 
     def __init__(self, name: str, cfg, dev: torch.device, micro_batch: int, seq: int, compile_torchao: bool = False):
-        from fp4lightning.train.pretrain import make_module
+        from fp4lightning.train.run import make_module
         from fp4lightning.lightning.precision import FP4Precision
 
         self.name, self.dev, self.micro_batch, self.seq = name, dev, micro_batch, seq

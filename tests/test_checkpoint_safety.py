@@ -20,9 +20,10 @@ import lightning as L
 import pytest
 import torch
 
-from fp4lightning.train.checkpoint import AtomicCheckpointIO, CheckpointError, load_checkpoint, read_checkpoint
+from fp4lightning.train.checkpoint import (LAST_CKPT, AtomicCheckpointIO, CheckpointError, load_checkpoint,
+                                           read_checkpoint)
 from fp4lightning.cli import main as cli_main
-from fp4lightning.train.pretrain import LAST_CKPT, build, train
+from fp4lightning.train.run import build, train
 from fp4lightning.train.recipe import load_recipe
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides

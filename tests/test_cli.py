@@ -79,7 +79,7 @@ def _run_overrides(corpus: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def run2(corpus, tmp_path_factory) -> Path:
     """A finished 2-step run (micro-batch 4, global batch 4, seed 1234): checkpoints and one CSV log."""
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from fp4lightning.train.recipe import load_recipe
 
     out = tmp_path_factory.mktemp("run2")
@@ -103,7 +103,7 @@ def test_resume_refuses_changed_data_order_settings(corpus, run2, tmp_path, caps
     """Settings that decide which samples a step reads must not change on --resume (they re-read or
     skip data): each changed key is named with its saved and new value, and how to go on."""
     from fp4lightning.train.checkpoint import CheckpointError
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from fp4lightning.train.recipe import load_recipe
 
     out = _copy(run2, tmp_path / "run")
@@ -163,7 +163,7 @@ def test_resume_from_the_same_data_under_another_path(corpus, run2, tmp_path):
     the tokens (fp4lightning.data.data_fingerprint), not only the path."""
     from fp4lightning.train.checkpoint import CheckpointError
     from fp4lightning.data import data_fingerprint
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from fp4lightning.train.recipe import load_recipe
 
     out = _copy(run2, tmp_path / "run")
@@ -183,7 +183,8 @@ def test_resume_checkpoint_without_recorded_settings(corpus, run2, tmp_path, cap
     resumes, saying what it could not check; the resumed run's curve has both log versions."""
     import torch
 
-    from fp4lightning.train.pretrain import read_losses, train
+    from fp4lightning.train.loss_log import read_losses
+    from fp4lightning.train.run import train
     from fp4lightning.train.recipe import load_recipe
 
     out = _copy(run2, tmp_path / "run")
@@ -203,7 +204,7 @@ def test_resume_checkpoint_without_recorded_settings(corpus, run2, tmp_path, cap
 def test_resume_refuses_data_prepared_with_another_tokenizer(corpus, tmp_path_factory, tmp_path):
     from fp4lightning.train.checkpoint import CheckpointError
     from fp4lightning.data import prepare
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from fp4lightning.train.recipe import load_recipe
 
     data = _copy(corpus, tmp_path / "data")
@@ -220,7 +221,7 @@ def test_resume_refuses_data_prepared_with_another_tokenizer(corpus, tmp_path_fa
 
 
 def test_fresh_run_in_a_used_out_dir_needs_overwrite(corpus, run2, tmp_path, capsys):
-    from fp4lightning.train.pretrain import read_losses
+    from fp4lightning.train.loss_log import read_losses
 
     out = _copy(run2, tmp_path / "run")
     last = out / "checkpoints" / "last.ckpt"
@@ -249,7 +250,7 @@ def test_gpu_requests_fail_before_the_data_is_read(tmp_path, monkeypatch):
     key, raised before the data folder (here missing) is looked at."""
     import torch
 
-    from fp4lightning.train.pretrain import build
+    from fp4lightning.train.run import build
     from fp4lightning.train.recipe import RecipeError, load_recipe
 
     def cfg(*extra):
@@ -282,7 +283,7 @@ def test_resume_n_kv_heads_spelled_out_is_the_same_model(corpus, run2, tmp_path)
     model: resume accepts it (the comparison normalizes both, LlamaConfig.normalized)."""
     import torch
 
-    from fp4lightning.train.pretrain import _check_resumable
+    from fp4lightning.train.resume import check_resumable
     from fp4lightning.train.recipe import load_recipe
 
     ckpt = torch.load(run2 / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -290,5 +291,5 @@ def test_resume_n_kv_heads_spelled_out_is_the_same_model(corpus, run2, tmp_path)
     kv = model["n_kv_heads"]
     model["n_heads"], model["n_kv_heads"] = kv, None  # recorded the other way: None meaning n_heads
     torch.save(ckpt, tmp_path / "mha.ckpt")
-    _check_resumable(tmp_path / "mha.ckpt", load_recipe(None, _run_overrides(
+    check_resumable(tmp_path / "mha.ckpt", load_recipe(None, _run_overrides(
         corpus, run2, f"model.n_heads={kv}", f"model.n_kv_heads={kv}")))

@@ -235,7 +235,7 @@ def _positions(ds: WindowDataset, batches: list[torch.Tensor], micro_batch_size:
 
 
 def _run(cfg, resume: bool = False, stop_after: int | None = None) -> BatchRecorder:
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
 
     rec = BatchRecorder(stop_after)
     if stop_after is None:
@@ -266,7 +266,7 @@ def test_interrupt_mid_accumulation_restarts_the_cycle(corpus, tmp_path):
     # SIGTERM after micro-batch 4 of 8 (the first of step 3's two): the partial gradient is lost,
     # so the resumed run redoes step 3 from its first micro-batch (docs/training.md,
     # "Interrupting and resuming") and ends bitwise where an uninterrupted run ends
-    from fp4lightning.train.pretrain import LAST_CKPT
+    from fp4lightning.train.checkpoint import LAST_CKPT
     from fp4lightning.train.recipe import load_recipe
     from tests.test_train import tiny_overrides
 

@@ -408,7 +408,7 @@ def _one_rank_checks(rank, out_dir, corpus):
 
     from fp4lightning.distributed.fsdp import fully_shard_fp4
     from fp4lightning.nn.linear import FP4Linear
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from fp4lightning.train.recipe import load_recipe
     from tests.test_train import tiny_overrides
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp4lightning.train.recipe import RecipeConfig, RecipeError, load_recipe, recipe_from_dict, recipe_to_dict
-from fp4lightning.train.pretrain import _precision_setup, make_module
+from fp4lightning.train.run import make_module, precision_setup
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 PAPER = {"llama2-1.3b": 32, "llama2-7b": 64, "llama2-13b": 128}  # recipe -> gradient accumulation
@@ -93,7 +93,7 @@ def test_paper_recipes_build_on_meta_device(name):
     assert cfg.trainer.strategy == ("ddp" if name == "llama2-1.3b" else "fsdp")
     assert cfg.accumulate_grad_batches == PAPER[name]
     # the LightningModule builds (and FP4-converts) the model on the meta device: no memory
-    precision = _precision_setup(cfg)
+    precision = precision_setup(cfg)
     module = make_module(cfg, precision)
     if not precision.convert_in_module:  # DDP: the FP4Precision plugin converts the model
         (plugin,) = precision.plugins

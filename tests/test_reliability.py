@@ -23,12 +23,12 @@ import lightning as L
 import pytest
 import torch
 
-from fp4lightning.train.checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
+from fp4lightning.train.checkpoint import LAST_CKPT, AtomicCheckpointIO, CheckpointError, read_checkpoint
 from fp4lightning.cli import main as cli_main
 from fp4lightning.lightning.nonfinite import NonFiniteError
 from fp4lightning.train.recipe import load_recipe
 from fp4lightning.cli import EXIT_NONFINITE
-from fp4lightning.train.pretrain import LAST_CKPT, build, train
+from fp4lightning.train.run import build, train
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 
@@ -136,7 +136,7 @@ PLAN = {2: "gradient", 3: "dY", 5: "activation", 6: "embedding"}
 @pytest.mark.parametrize("precision", ["fp4", "fp4-bf16", "fp4-fp16", "bf16-mixed"])
 def test_nonfinite_step_is_skipped_at_every_stage(corpus, tmp_path, precision, one_thread):
     inj = Injector(PLAN)
-    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.train.pretrain
+    if precision in ("fp4", "bf16-mixed"):  # recipe precisions, through fp4lightning.train.run
         cfg = load_recipe(None, tiny_overrides(corpus, tmp_path, "schedule.max_steps=7",
                                                f"trainer.precision={precision}"))
         result = train(cfg, callbacks=[inj])
@@ -219,7 +219,7 @@ DDP_SCRIPT = textwrap.dedent("""
     from fp4lightning.lightning.nonfinite import NonFiniteError
     from fp4lightning.train.recipe import load_recipe
     from fp4lightning.cli import EXIT_NONFINITE
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from tests.test_reliability import Injector
     from tests.test_train import tiny_overrides
 

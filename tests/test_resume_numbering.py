@@ -12,7 +12,9 @@ import lightning as L
 import pytest
 import torch
 
-from fp4lightning.train.pretrain import LAST_CKPT, read_losses, train
+from fp4lightning.train.checkpoint import LAST_CKPT
+from fp4lightning.train.loss_log import read_losses
+from fp4lightning.train.run import train
 from fp4lightning.train.recipe import load_recipe
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides

@@ -16,10 +16,10 @@ import lightning as L
 import pytest
 import torch
 
-from fp4lightning.train.checkpoint import CheckpointError, load_checkpoint
+from fp4lightning.train.checkpoint import LAST_CKPT, CheckpointError, load_checkpoint
 from fp4lightning.cli import main as cli_main
 from fp4lightning.train.recipe import load_recipe
-from fp4lightning.train.pretrain import LAST_CKPT, train
+from fp4lightning.train.run import train
 from tests.test_data import prepared_test_corpus
 
 pytestmark = pytest.mark.slow
@@ -97,13 +97,13 @@ def test_training_lowers_loss(full_run):
 def test_last_validation_is_at_the_last_step(corpus, tmp_path, caplog, recwarn):
     # max_steps not a multiple of val_every_n_steps: Lightning validates at steps 4 and 8 only;
     # the run validates once more on its final weights (step 10), and that is the reported loss
-    from fp4lightning.train.pretrain import read_losses
+    from fp4lightning.train.loss_log import read_losses
 
     out = tmp_path / "run"
     with caplog.at_level(logging.INFO):
         result = train(load_recipe(None, tiny_overrides(corpus, out, "schedule.max_steps=10",
                                                         "trainer.val_every_n_steps=4")))
-    # and none of Lightning's and torch's per-run noise reaches the user (pretrain._quiet_lightning)
+    # and none of Lightning's and torch's per-run noise reaches the user (run._quiet_lightning)
     assert caplog.records and not [r for r in caplog.records if "litlogger" in r.getMessage()]
     noise = [str(w.message) for w in recwarn if "model summary" in str(w.message) or "LeafSpec" in str(w.message)]
     assert not noise, noise
@@ -178,7 +178,7 @@ def test_ctrl_c_prints_the_command_that_resumes(corpus, tmp_path, capsys):
     """Ctrl-C on `fp4lightning train RECIPE key=value ...` (a real SIGINT to a real process) finishes
     the step under way and prints the whole command that resumes, as typed plus --resume; running
     that command finishes the run, every step logged once."""
-    from fp4lightning.train.pretrain import read_losses
+    from fp4lightning.train.loss_log import read_losses
 
     recipe = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
     out = tmp_path / "my run"  # a space: the printed command must quote it

@@ -32,11 +32,12 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),  # see conftest.py
 # ----------------------------------------------------------------------------- recipes and wiring
 def test_schema_defaults_keep_the_old_training():
     """No key set: torch's AdamW, no gradient rounding on one device, Lightning's own strategy string."""
-    from fp4lightning.train.pretrain import _grad_comm_simulation, _strategy, make_module
+    from fp4lightning.train.callbacks import grad_comm_simulation
+    from fp4lightning.train.run import make_module, make_strategy
 
     cfg = load_recipe(None, ["trainer.accelerator=cpu"])
     assert (cfg.optimizer.states, cfg.trainer.grad_comm) == ("fp32", "fp32")
-    assert _grad_comm_simulation(cfg) == [] and _strategy(cfg) == "auto"
+    assert grad_comm_simulation(cfg) == [] and make_strategy(cfg) == "auto"
     module = make_module(cfg)
     module.configure_model()
     assert type(module.configure_optimizers()["optimizer"]) is torch.optim.AdamW
@@ -48,12 +49,12 @@ def test_schema_defaults_keep_the_old_training():
 @pytest.mark.parametrize("name", ["llama2-1.3b", "llama2-7b", "llama2-13b"])
 def test_paper_recipes_use_the_whole_method(name):
     """FP16 states (the paper's text) and FP8 E4M3 gradients, through DDP's hook or FSDP's reduce-scatter."""
-    from fp4lightning.train.pretrain import _strategy, make_module
+    from fp4lightning.train.run import make_module, make_strategy
     from fp4lightning.lightning.strategy import FP4DDPStrategy, FP4FSDPStrategy
 
     cfg = load_recipe(RECIPES / f"{name}.yaml")
     assert (cfg.optimizer.states, cfg.trainer.grad_comm) == ("fp16", "fp8-e4m3")
-    strategy = _strategy(cfg)
+    strategy = make_strategy(cfg)
     assert isinstance(strategy, FP4FSDPStrategy if cfg.trainer.strategy == "fsdp" else FP4DDPStrategy)
     assert strategy.grad_format == "e4m3"
     cfg = load_recipe(RECIPES / f"{name}.yaml", ["model.name=tiny", "data.seq_len=256"])  # small enough to build
@@ -71,13 +72,14 @@ def test_paper_recipes_use_the_whole_method(name):
     ("fp32", "bf16-mixed", ("str", "ddp")),  # Lightning's DDP, as before
 ])
 def test_grad_comm_picks_the_ddp_wire_format(comm, precision, expect):
-    from fp4lightning.train.pretrain import _grad_comm_simulation, _strategy
+    from fp4lightning.train.callbacks import grad_comm_simulation
+    from fp4lightning.train.run import make_strategy
 
     cfg = load_recipe(None, ["trainer.devices=2", "trainer.strategy=ddp", "data.micro_batch_size=8",
                              f"trainer.grad_comm={comm}", f"trainer.precision={precision}"])
-    s = _strategy(cfg)
+    s = make_strategy(cfg)
     assert (type(s).__name__, s if isinstance(s, str) else s.grad_format) == expect
-    assert _grad_comm_simulation(cfg) == []  # two devices: the hook rounds
+    assert grad_comm_simulation(cfg) == []  # two devices: the hook rounds
 
 
 def test_wire_formats_are_comms():
@@ -89,7 +91,7 @@ def test_wire_formats_are_comms():
 
 @pytest.mark.parametrize("states,formats", [("fp16", ("fp16", "fp16")), ("fp8-fp16", ("fp8", "fp16"))])
 def test_optimizer_states_build_low_precision_adamw(states, formats):
-    from fp4lightning.train.pretrain import make_module
+    from fp4lightning.train.run import make_module
 
     assert states in OPTIMIZER_STATES
     for precision in ("fp4", "bf16-mixed"):  # the module builds it: every precision and strategy gets it
@@ -243,7 +245,7 @@ def whole_run(tmp_path_factory):
     """2 steps of the test LLaMA with E4M3 first moments and FP8 E4M3 gradient rounding on one device."""
     import lightning as L
 
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from tests.test_data import prepared_test_corpus
     from tests.test_train import tiny_overrides
 
@@ -285,7 +287,8 @@ def test_recipe_run_trains_with_the_whole_method(whole_run):
                                         ("optimizer.states=fp16", "optimizer.states"),
                                         ("trainer.grad_comm=fp8-e5m2", "trainer.grad_comm")])
 def test_resume_refuses_a_changed_method_key(whole_run, change, key):
-    from fp4lightning.train.pretrain import ResumeMismatchError, build
+    from fp4lightning.train.resume import ResumeMismatchError
+    from fp4lightning.train.run import build
 
     _, _, overrides, _ = whole_run
     with pytest.raises(ResumeMismatchError, match=rf"{key} = '[\w-]+' in the checkpoint, '[\w-]+' now.*"
@@ -298,7 +301,7 @@ def test_checkpoint_from_before_the_keys_resumes_with_a_note(whole_run, tmp_path
     """The keys removed from a checkpoint's recorded recipe (as one written before them): it trained with
     fp32 states and, on one device, fp32 gradients; a recipe saying so resumes with a note, one that
     changes them is refused naming the inferred key."""
-    from fp4lightning.train.pretrain import ResumeMismatchError, _check_resumable, recorded_method_keys
+    from fp4lightning.train.resume import ResumeMismatchError, check_resumable, recorded_method_keys
 
     result, _, overrides, _ = whole_run
     ckpt = torch.load(result.checkpoint, weights_only=True)
@@ -307,11 +310,11 @@ def test_checkpoint_from_before_the_keys_resumes_with_a_note(whole_run, tmp_path
     old = tmp_path / "old.ckpt"
     torch.save(ckpt, old)
     base = [o for o in overrides if not o.startswith(("optimizer.states", "trainer.grad_comm"))]
-    _check_resumable(old, load_recipe(None, base))
+    check_resumable(old, load_recipe(None, base))
     err = capsys.readouterr().err
     assert "does not record optimizer.states, trainer.grad_comm" in err and "optimizer.states=fp32" in err
     with pytest.raises(ResumeMismatchError, match=r"optimizer.states = 'fp32' in the checkpoint \(not recorded"):
-        _check_resumable(old, load_recipe(None, overrides))
+        check_resumable(old, load_recipe(None, overrides))
     # several devices, FP4, DDP: fp4lightning.Trainer sent FP8 E4M3 before the key existed
     legacy = {"trainer": {"precision": "fp4", "devices": 2, "num_nodes": 1, "strategy": "ddp"}}
     assert recorded_method_keys(legacy) == ({"optimizer.states": "fp32", "trainer.grad_comm": "fp8-e4m3"},
@@ -380,7 +383,7 @@ def _fsdp_recipe_run(rank, out_dir, corpus):
     7B / 13B recipes' method): trains, writes its sharded checkpoint and resumes from it."""
     import lightning as L
 
-    from fp4lightning.train.pretrain import train
+    from fp4lightning.train.run import train
     from tests.test_train import tiny_overrides
 
     res = {"on_grid": [], "optimizer": None}

@@ -15,7 +15,7 @@ import torch
 
 from fp4lightning.cli import main as cli_main
 from fp4lightning.train.recipe import RecipeError, load_recipe
-from fp4lightning.train.pretrain import train
+from fp4lightning.train.run import train
 from tests.test_data import prepared_test_corpus
 from tests.test_train import tiny_overrides
 

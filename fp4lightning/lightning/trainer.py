@@ -124,7 +124,7 @@ class Trainer(pl.Trainer):
                 "fp4lightning.Trainer: Lightning's FSDP strategy only accepts its own FSDPPrecision plugin, so "
                 "FP4Precision cannot drive it. For FSDP use precision='bf16-mixed' and convert the model in "
                 "LightningModule.configure_model with fp4lightning.convert_to_fp4(model, config) (as "
-                "fp4lightning.train.pretrain does), or use strategy='ddp' for FP4 with FP8 gradient communication")
+                "fp4lightning.train.run does), or use strategy='ddp' for FP4 with FP8 gradient communication")
         if fp4_plugin is not None and isinstance(strategy, str) and strategy in _DDP_STRATEGIES:
             world = _world_size(kwargs.get("accelerator", "auto"), kwargs.get("devices", "auto"),
                                 kwargs.get("num_nodes", 1))

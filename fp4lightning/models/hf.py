@@ -28,12 +28,14 @@ __all__ = [
     "to_hf_model",
     "from_hf_model",
     "save_hf",
+    "require_transformers",
 ]
 
 _DECODER_PREFIX = "model."
 
 
-def _require_transformers():
+def require_transformers():
+    """The ``transformers`` module; ImportError saying how to install it (an optional dependency)."""
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -45,7 +47,7 @@ def _require_transformers():
 
 def to_hf_config(cfg: LlamaConfig, bos_token_id: int | None = None, eos_token_id: int | None = None):
     """``transformers.LlamaConfig`` equivalent to ``cfg``."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,
@@ -124,7 +126,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) ->
 
 def to_hf_model(model: Llama, bos_token_id: int | None = None, eos_token_id: int | None = None):
     """A ``transformers.LlamaForCausalLM`` holding a copy of ``model``'s weights (fp32)."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     hf_cfg = to_hf_config(model.config, bos_token_id, eos_token_id)
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(hf_cfg)
@@ -168,7 +170,7 @@ def save_hf(model: Llama, out_dir: str | Path, tokenizer=None) -> Path:
     started with BOS: ``tokenizer(text)`` and lm-eval's ``hf`` model then see the same tokens
     as training and the ``fp4lightning`` lm-eval model (docs/evaluation.md).
     """
-    transformers = _require_transformers()
+    transformers = require_transformers()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     bos = tokenizer.bos_id if tokenizer is not None else None

@@ -1,2 +1,3 @@
-"""Pretraining a LLaMA from a recipe: the recipe schema, the LightningModule, the run itself (build, fit,
-resume checks, callbacks, the loss log), checkpoints, starting from existing weights, throughput."""
+"""Pretraining a LLaMA from a recipe: the recipe schema, the LightningModule, the run itself (build and fit:
+run; start or resume: resume; its callbacks; its logs: loss_log), checkpoints, starting from existing weights,
+throughput."""

@@ -39,8 +39,10 @@ from fp4lightning.lightning.nonfinite import NonFiniteError, params_nonfinite
 from fp4lightning.data.tokenizer import Tokenizer
 
 __all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError", "AtomicCheckpointIO",
-           "TMP_GLOB", "resume_candidates"]
+           "TMP_GLOB", "LAST_CKPT", "resume_candidates"]
 
+#: the checkpoint a run keeps up to date beside its newest numbered ``step=N.ckpt`` (``--resume`` reads it)
+LAST_CKPT = "last.ckpt"
 #: temporary files of an unfinished save (removed by the next run: see AtomicCheckpointIO)
 TMP_GLOB = ".*.ckpt.*.tmp"
 
@@ -162,7 +164,7 @@ class LoadedCheckpoint(NamedTuple):
 
 def _resolve(path: Path) -> Path:
     if path.is_dir():
-        for candidate in (path / "last.ckpt", path / "checkpoints" / "last.ckpt"):
+        for candidate in (path / LAST_CKPT, path / "checkpoints" / LAST_CKPT):
             if candidate.exists():
                 return candidate
         if (path / ".metadata").is_file():
@@ -220,20 +222,10 @@ def _corrupt(what: str | Path, e: BaseException) -> CheckpointError:
                            "use another checkpoint (e.g. the numbered one beside last.ckpt) or retrain")
 
 
-def _read_sharded(folder: Path) -> dict[str, Any]:
-    """A sharded checkpoint folder (torch.distributed.checkpoint shards + ``.metadata``, Lightning's ``meta.pt``)
-    as one checkpoint dict on CPU, read without running code from it.
-
-    torch's FileSystemReader unpickles ``.metadata`` with plain ``pickle`` and its load planner the non-tensor
-    entries with ``weights_only=False``; Lightning's reader loads ``meta.pt`` with torch's default. Here
-    ``.metadata`` goes through :class:`_MetadataUnpickler`, entries and ``meta.pt`` through ``weights_only=True``.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-    # what Lightning's and torch's own consolidation use: the public load() fills only keys already present
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+def _read_dcp_metadata(folder: Path) -> Any:
+    """A sharded folder's pickled ``.metadata``, unpickled admitting only what torch.distributed.checkpoint
+    writes there (:class:`_MetadataUnpickler`)."""
+    from torch.distributed.checkpoint.metadata import Metadata
 
     md_file = folder / ".metadata"
     try:
@@ -244,6 +236,15 @@ def _read_sharded(folder: Path) -> dict[str, Any]:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {md_file} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
                               "metadata; use another checkpoint (e.g. the numbered one beside last.ckpt) or retrain")
+    return metadata
+
+
+def _safe_reader_and_planner(folder: Path, metadata: Any) -> tuple[Any, Any]:
+    """torch's FileSystemReader and load planner for ``folder``, the reader serving ``metadata`` (read safely
+    already) and the planner loading every non-tensor entry with ``weights_only=True``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -265,16 +266,11 @@ def _read_sharded(folder: Path) -> dict[str, Any]:
             plain.seek(0)
             super().load_bytes(read_item, plain)
 
-    ckpt: dict[str, Any] = {}
-    try:
-        _load_state_dict(ckpt, storage_reader=Reader(folder), planner=Planner(), no_dist=True)
-    except CheckpointException as e:  # torch collects each rank's error (one rank here) into this BaseException
-        err = next(iter(e.failures.values()))[0]
-        if isinstance(err, CheckpointError):
-            raise err from None
-        raise _corrupt(folder, err) from err
-    except Exception as e:
-        raise _corrupt(folder, e) from e
+    return Reader(folder), Planner()
+
+
+def _as_ckpt_file_layout(ckpt: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A sharded folder's entries plus Lightning's ``meta.pt`` under the keys a ``.ckpt`` file has."""
     extra = folder / "meta.pt"  # Lightning's file of everything but the weights and optimizer states
     if extra.is_file():
         try:
@@ -292,6 +288,32 @@ def _read_sharded(folder: Path) -> dict[str, Any]:
     if optimizers:
         ckpt["optimizer_states"] = [ckpt.pop(k) for k in optimizers]
     return ckpt
+
+
+def _read_sharded(folder: Path) -> dict[str, Any]:
+    """A sharded checkpoint folder (torch.distributed.checkpoint shards + ``.metadata``, Lightning's ``meta.pt``)
+    as one checkpoint dict on CPU, read without running code from it.
+
+    torch's FileSystemReader unpickles ``.metadata`` with plain ``pickle`` and its load planner the non-tensor
+    entries with ``weights_only=False``; Lightning's reader loads ``meta.pt`` with torch's default. Here
+    ``.metadata`` goes through :class:`_MetadataUnpickler`, entries and ``meta.pt`` through ``weights_only=True``.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    # what Lightning's and torch's own consolidation use: the public load() fills only keys already present
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader, planner = _safe_reader_and_planner(folder, _read_dcp_metadata(folder))
+    ckpt: dict[str, Any] = {}
+    try:
+        _load_state_dict(ckpt, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as e:  # torch collects each rank's error (one rank here) into this BaseException
+        err = next(iter(e.failures.values()))[0]
+        if isinstance(err, CheckpointError):
+            raise err from None
+        raise _corrupt(folder, err) from err
+    except Exception as e:
+        raise _corrupt(folder, e) from e
+    return _as_ckpt_file_layout(ckpt, folder)
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Path]:
@@ -337,7 +359,7 @@ def resume_candidates(ckpt_dir: Path) -> list[Path]:
     (``last.ckpt``: newest), so it is tried, and reported as unusable, before older ones.
     """
     def key(p: Path) -> tuple:
-        is_last = p.name == "last.ckpt"
+        is_last = p.name == LAST_CKPT
         step = _recorded_step(p)
         if step is None:
             try:
@@ -346,7 +368,7 @@ def resume_candidates(ckpt_dir: Path) -> list[Path]:
                 step = -1
         return step, is_last, p.stat().st_mtime
 
-    found = [p for p in (ckpt_dir / "last.ckpt", *ckpt_dir.glob("step=*.ckpt")) if p.exists()]
+    found = [p for p in (ckpt_dir / LAST_CKPT, *ckpt_dir.glob("step=*.ckpt")) if p.exists()]
     return sorted(found, key=key, reverse=True)
 
 

@@ -25,12 +25,14 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
-from fp4lightning.models.llama import LlamaConfig
-from fp4lightning.train.recipe import RecipeError
 from fp4lightning.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from fp4lightning.models.hf import from_hf_model, require_transformers
+from fp4lightning.models.llama import LlamaConfig
+from fp4lightning.train.checkpoint import load_checkpoint
+from fp4lightning.train.recipe import RecipeError
 
-__all__ = ["load_init_weights", "InitWeights", "import_hf"]
-
+__all__ = ["load_init_weights", "InitWeights", "import_hf", "check_init_tokenizer", "same_tokenizer",
+           "config_differences", "InitError"]
 
 
 class InitError(RecipeError):
@@ -59,9 +61,7 @@ _HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorc
 
 def _from_hf(hf_dir: Path) -> tuple[torch.nn.Module, Tokenizer | None, bool]:
     """(model, tokenizer or None, the folder had a tokenizer at all)."""
-    from fp4lightning.models.hf import _require_transformers, from_hf_model
-
-    transformers = _require_transformers()
+    transformers = require_transformers()
     if not (hf_dir / "config.json").is_file():
         raise InitError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     if not any((hf_dir / n).is_file() for n in _HF_WEIGHT_FILES):
@@ -96,8 +96,6 @@ def load_init_weights(cfg) -> tuple[dict[str, torch.Tensor], LlamaConfig, Tokeni
     Raises :class:`InitError` naming the recipe keys that disagree with the weights.
     """
     if cfg.init.from_checkpoint:
-        from fp4lightning.train.checkpoint import load_checkpoint
-
         key, src = "init.from_checkpoint", Path(cfg.init.from_checkpoint)
         model, tok, _ = load_checkpoint(src)
     else:
@@ -117,7 +115,7 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     return _vocab(a) == _vocab(b)
 
 
-def check_tokenizer(init_tok: Tokenizer | None, data_tok: Tokenizer, source: str, data_dir: str) -> None:
+def check_init_tokenizer(init_tok: Tokenizer | None, data_tok: Tokenizer, source: str, data_dir: str) -> None:
     """Refuse data whose token ids mean something else than the imported model's."""
     if init_tok is not None and not same_tokenizer(init_tok, data_tok):
         raise InitError(

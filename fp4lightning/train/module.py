@@ -7,7 +7,7 @@ Gradient clipping is the Trainer's (``gradient_clip_val``).
 The model is built in ``configure_model`` so that strategies that shard it (FSDP) can
 build it on the meta device. FP4 conversion is done by the ``FP4Precision`` plugin, or
 here right after building the model where that plugin cannot be used (FSDP); see
-``fp4lightning.train.pretrain._precision_setup``.
+``fp4lightning.train.run.precision_setup``.
 """
 
 from __future__ import annotations

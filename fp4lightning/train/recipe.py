@@ -315,6 +315,15 @@ def _in_range(key: str, value: Any, lo: float, hi: float, hi_open: bool = True) 
 
 
 def _validate(cfg: RecipeConfig) -> None:
+    """Every check of a merged recipe, the first failing one raising :class:`RecipeError`."""
+    _validate_choices(cfg)
+    _validate_extras(cfg)
+    _validate_ranges(cfg)
+    _validate_consistency(cfg)
+
+
+def _validate_choices(cfg: RecipeConfig) -> None:
+    """Keys with a fixed set of values, and the pairs of them that do not work together."""
     _check_choice("model.name", cfg.model.name, sorted(LLAMA_CONFIGS))
     if cfg.trainer.precision in REFUSED_PRECISIONS:
         raise RecipeError(f"recipe key `trainer.precision` = {cfg.trainer.precision!r} is not supported: "
@@ -333,7 +342,10 @@ def _validate(cfg: RecipeConfig) -> None:
         raise RecipeError(f"recipe key `trainer.grad_comm` = {cfg.trainer.grad_comm!r} does not work with "
                           "`trainer.strategy` = 'fsdp' (its reduce-scatter runs in fp32 or FP8); choose one of: "
                           f"{', '.join(FSDP_GRAD_COMM)}, or trainer.strategy=ddp")
-    _validate_extras(cfg)
+
+
+def _validate_ranges(cfg: RecipeConfig) -> None:
+    """Numbers within their ranges (counts positive, fractions in [0, 1), ...)."""
     for section in ("model", "data", "schedule", "trainer"):
         for f in dataclasses.fields(getattr(cfg, section)):
             v = getattr(getattr(cfg, section), f.name)
@@ -354,6 +366,11 @@ def _validate(cfg: RecipeConfig) -> None:
         v = getattr(getattr(cfg, section), name)
         if not 0.0 <= v < 1.0 or (key == "data.val_fraction" and v == 0.0):  # also refuses NaN
             raise RecipeError(f"recipe key `{key}` must be in {'(0, 1)' if key == 'data.val_fraction' else '[0, 1)'}, got {v}")
+
+
+def _validate_consistency(cfg: RecipeConfig) -> None:
+    """Keys that must agree with each other: the model builds and fits ``data.seq_len``, the batch sizes
+    divide, the FP4 overrides make an :class:`FP4Config`."""
     try:
         llama = cfg.llama_config()
     except (ValueError, TypeError) as e:
@@ -394,6 +411,8 @@ def _refuse_env_interpolation(layer: Any, origin: str, prefix: str = "") -> None
             raise RecipeError(f"recipe key `{key}` ({origin}) reads an environment variable ({v}); environment "
                               "interpolation is not allowed in recipes (the value would be saved in config.yaml and "
                               "checkpoints): write the value itself, or pass it as an override key=value")
+
+
 #: recipe ``trainer.loggers`` entries
 LOGGERS = ("csv", "tensorboard", "wandb")
 
@@ -493,11 +512,13 @@ def flat_recipe_dict(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def recipe_to_yaml(cfg: RecipeConfig) -> str:
-    """The resolved recipe as YAML (printed and saved beside the checkpoints)."""
+def recipe_to_yaml(recipe: RecipeConfig | dict[str, Any]) -> str:
+    """The resolved recipe as YAML (printed and saved beside the checkpoints): of the typed recipe, or of
+    the dict :func:`recipe_to_dict` made of it (what a run records, serialised once)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(cfg)))
+    d = recipe_to_dict(recipe) if isinstance(recipe, RecipeConfig) else recipe
+    return OmegaConf.to_yaml(OmegaConf.create(d))
 
 
 def recipe_from_dict(d: dict[str, Any]) -> RecipeConfig:
