@@ -18,8 +18,9 @@ Each evaluation writes ``results.json`` (lm-eval's results plus ours under
 also writes ``compare.md`` / ``compare.json``. ``--compare`` takes checkpoints or
 ``results.json`` files from earlier runs.
 
-lm_eval is imported inside functions: the Hugging Face offline switches must be in the
-environment before ``datasets`` / ``huggingface_hub`` are first imported.
+lm_eval, the model and torch are imported inside functions: the Hugging Face offline switches
+must be in the environment before ``datasets`` / ``huggingface_hub`` are first imported, and
+``fp4lightning compare-join``, which imports this module, stays light.
 """
 
 from __future__ import annotations
@@ -35,18 +36,19 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from fp4lightning.errors import InputNotFoundError, UsageError, UserError, check_writable_dir, run_command
+from fp4lightning.errors import InputNotFoundError, UsageError, UserError, check_writable_dir
+from fp4lightning.eval.tasks import OFFLINE_TASKS, build_offline_tasks, offline_tasks_ready
 
 __all__ = [
     "PAPER_TASKS",
     "PAPER_PPL_TASKS",
     "TASK_GROUPS",
     "HubUnavailableError",
-    "add_arguments",
     "run",
     "evaluate_checkpoint",
     "resolve_tasks",
     "headline_metrics",
+    "metric_kind",
     "results_table",
     "compare_table",
     "prepare_hf_environment",
@@ -82,13 +84,7 @@ _BUILTIN_TASK_DIRS = {
 }
 
 
-def _offline_tasks() -> tuple[str, ...]:
-    from fp4lightning.eval.tasks import OFFLINE_TASKS
-
-    return OFFLINE_TASKS
-
-
-TASK_GROUPS = {"paper": PAPER_TASKS, "paper-ppl": PAPER_PPL_TASKS}  # plus "offline", resolved lazily
+TASK_GROUPS = {"paper": PAPER_TASKS, "paper-ppl": PAPER_PPL_TASKS}  # and "offline": OFFLINE_TASKS
 
 
 class HubUnavailableError(UserError, RuntimeError):
@@ -104,7 +100,7 @@ def resolve_tasks(spec: str | list[str]) -> list[str]:
         if not item:
             continue
         if item in ("offline", "fp4l_offline"):
-            names = _offline_tasks()
+            names = OFFLINE_TASKS
         elif item in TASK_GROUPS:
             names = TASK_GROUPS[item]
         else:
@@ -152,8 +148,6 @@ def prepare_hf_environment(need_hub: bool, probe_timeout: float = 3.0) -> bool:
 
 
 def _offline_task_dir(data_dir: Path) -> Path:
-    from fp4lightning.eval.tasks import build_offline_tasks, offline_tasks_ready
-
     if not (data_dir / "meta.json").is_file():
         raise InputNotFoundError(
             f"the offline tasks are built from a prepared data directory, and {data_dir} is not one "
@@ -184,7 +178,7 @@ def _user_tasks(include_path: list[str] | None) -> set[str]:
 def _load_tasks(names: list[str], data_dir: Path | None, hub_reachable: bool,
                 include_path: list[str] | None = None) -> dict:
     """``{name: lm-eval Task}``; hub tasks that cannot load fail together, with advice."""
-    offline = set(_offline_tasks())
+    offline = set(OFFLINE_TASKS)
     user = _user_tasks(include_path)
     include = None
     if any(n in offline for n in names):
@@ -253,7 +247,9 @@ def headline_metrics(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def _kind(task: str, metric: str) -> str:
+def metric_kind(task: str, metric: str) -> str:
+    """How a table shows ``metric`` of ``task``: ``"acc"`` / ``"acc_norm"`` (an accuracy, in percent),
+    ``"ppl"`` (a perplexity), ``"bpb"`` (bits per byte) or ``"other"`` (as lm-eval reports it)."""
     for m, k in _HEADLINE.get(task, []):
         if m == metric:
             return k
@@ -281,7 +277,7 @@ def _averages(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
     groups: dict[str, list[float]] = {}
     for task, ms in metrics.items():
         for metric, value in ms.items():
-            if metric == "acc" or _kind(task, metric) == "ppl":
+            if metric == "acc" or metric_kind(task, metric) == "ppl":
                 groups.setdefault(metric, []).append(value)
     return {metric: sum(vs) / len(vs) for metric, vs in groups.items()}
 
@@ -291,7 +287,7 @@ def results_table(metrics: dict[str, dict[str, float]]) -> str:
     lines = ["| Task | Metric | Value |", "|---|---|---:|"]
     for task, ms in metrics.items():
         for metric, value in ms.items():
-            lines.append(f"| {task} | {metric} | {_fmt(value, _kind(task, metric))} |")
+            lines.append(f"| {task} | {metric} | {_fmt(value, metric_kind(task, metric))} |")
     for metric, value in _averages(metrics).items():
         kind = "acc" if metric == "acc" else "ppl"
         lines.append(f"| **Average** | {metric} | {_fmt(value, kind)} |")
@@ -306,7 +302,7 @@ def compare_table(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]
     for task in tasks:
         ma, mb = a.get(task, {}), b.get(task, {})
         for metric in list(ma) + [m for m in mb if m not in ma]:
-            kind = _kind(task, metric)
+            kind = metric_kind(task, metric)
             va, vb = ma.get(metric), mb.get(metric)
             delta = "-" if va is None or vb is None else _fmt_delta(va - vb, kind)
             lines.append(f"| {task} | {metric} | {_fmt(va, kind)} | {_fmt(vb, kind)} | {delta} |")
@@ -374,18 +370,13 @@ def evaluate_checkpoint(
     names = resolve_tasks(tasks)
     if isinstance(include_path, (str, Path)):
         include_path = [str(include_path)]
-    offline = set(_offline_tasks())
+    offline = set(OFFLINE_TASKS)
     user = _user_tasks(include_path) if include_path else set()
-    hub_names = [n for n in names if n not in offline and n not in user]
-    reachable = prepare_hf_environment(bool(hub_names))
+    reachable = prepare_hf_environment(any(n not in offline and n not in user for n in names))
     t0 = time.perf_counter()
     _TASK_MANAGERS.clear()
-    task_objs = {}
     first = [n for n in names if n not in offline]  # hub and user tasks load before the model
-    if first:
-        task_objs.update(_load_tasks(first, None, reachable, include_path))
-
-    import lm_eval
+    task_objs = _load_tasks(first, None, reachable, include_path) if first else {}
 
     from fp4lightning.eval.lm import FP4LightningLM
 
@@ -395,20 +386,7 @@ def evaluate_checkpoint(
     data_dir = Path(data_dir) if data_dir is not None else _default_data_dir(lm.recipe)
     if offline_names:
         task_objs.update(_load_tasks(offline_names, data_dir.resolve(), reachable))
-    from fp4lightning.numerics.cpu_fused import compile_enabled
-
-    if not sys.stderr.isatty():  # a log: lm-eval calls the request loops without their switch for the bars
-        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
-            setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
-    if lm.linear == "fp4" and lm.device.type == "cpu" and compile_enabled(lm.device):
-        print("[eval] compiling the CPU kernels (first batch only; a minute or more)", file=sys.stderr, flush=True)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=[task_objs[n] for n in names], task_manager=_TASK_MANAGERS.pop(),
-        limit=limit, bootstrap_iters=bootstrap_iters,
-        log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
-    metrics = headline_metrics(results)
+    results = _run_lm_eval(lm, [task_objs[n] for n in names], limit, bootstrap_iters, seed)
     results["fp4lightning"] = {
         "checkpoint": str(Path(lm.checkpoint).resolve()),
         "linear": lm.linear,
@@ -421,9 +399,34 @@ def evaluate_checkpoint(
         "include_path": include_path,
         "data_dir": str(data_dir.resolve()) if offline_names else None,
         "seconds": round(time.perf_counter() - t0, 2),
-        "metrics": metrics,
+        "metrics": headline_metrics(results),
     }
-    table = results_table(metrics)
+    _write_results(results, out_dir, verbose)
+    return results
+
+
+def _run_lm_eval(lm, task_objs: list, limit: int | float | None, bootstrap_iters: int, seed: int) -> dict:
+    """``lm_eval.simple_evaluate`` of the loaded tasks on ``lm``, every random seed set to ``seed``."""
+    import lm_eval
+
+    from fp4lightning.numerics.cpu_fused import compile_enabled
+
+    if not sys.stderr.isatty():  # a log: lm-eval calls the request loops without their switch for the bars
+        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+            setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
+    if lm.linear == "fp4" and lm.device.type == "cpu" and compile_enabled(lm.device):
+        print("[eval] compiling the CPU kernels (first batch only; a minute or more)", file=sys.stderr, flush=True)
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=task_objs, task_manager=_TASK_MANAGERS.pop(),
+        limit=limit, bootstrap_iters=bootstrap_iters,
+        log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+
+
+def _write_results(results: dict, out_dir: str | Path | None, verbose: bool) -> None:
+    """``results.json`` and ``results.md`` into ``out_dir`` (if given); the table on stdout if ``verbose``."""
+    table = results_table(results["fp4lightning"]["metrics"])
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -432,7 +435,6 @@ def evaluate_checkpoint(
         (out / "results.md").write_text(f"{_label(results)}\n\n{table}\n")
     if verbose:
         print(f"\n{_label(results)}\n\n{table}\n")
-    return results
 
 
 def _label(results: dict) -> str:
@@ -457,56 +459,7 @@ def _load_or_evaluate(item: str, args: argparse.Namespace, out_dir: Path | None)
     )
 
 
-# ----------------------------------------------------------------------------- CLI
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``fp4lightning eval``."""
-    parser.add_argument("checkpoint", nargs="?", help="checkpoint (.ckpt) to evaluate")
-    parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
-                        help="evaluate two checkpoints (or read two results.json) and print them side by side, "
-                             "e.g. --compare runs/fp4/last.ckpt runs/bf16/last.ckpt")
-    parser.add_argument("--tasks", default="offline",
-                        help="offline (held-out text, no network), paper (the paper's zero-shot tasks), "
-                             "paper-ppl (its perplexity tasks) or comma-separated lm-eval task names "
-                             "(default: offline)")
-    parser.add_argument("--limit", type=float, default=None,
-                        help="at most this many documents per task (a fraction < 1 means that share)")
-    parser.add_argument("--batch-size", "--batch_size", type=_batch_size_arg, default=8,
-                        help="requests per forward pass, or auto: the largest that fits (default: 8)")
-    parser.add_argument("--include_path", "--include-path", action="append", default=None, metavar="DIR",
-                        help="folder of your own lm-eval task YAMLs, as in lm-eval (repeatable); "
-                             "their task names then work in --tasks")
-    parser.add_argument("--linear", choices=("auto", "fp4", "high"), default="auto",
-                        help="auto: as trained; fp4: FP4 GeMMs (converting a high-precision model with the paper "
-                             "recipe); high: plain nn.Linear on the same weights (default: auto)")
-    parser.add_argument("--fp4-preset", default=None,
-                        help="FP4 recipe for --linear fp4 on a model trained in high precision (default: paper)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                        help="autocast dtype around the forward pass (default: float32)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--data-dir", default=None,
-                        help="prepared data directory whose held-out split the offline tasks come from "
-                             "(default: data.dir of the run's recipe, else data/builtin)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead of the checkpoint's")
-    parser.add_argument("--out", default=None,
-                        help="output folder for results.json / results.md (default: <checkpoint dir>/eval/<stem>-<linear>; "
-                             "with --compare, DIR/a, DIR/b and DIR/compare.md)")
-    parser.add_argument("--bootstrap-iters", type=int, default=0,
-                        help="lm-eval bootstrap iterations for standard errors (default: 0, none)")
-    parser.add_argument("--seed", type=int, default=1234, help="random seed (OCC sampling, lm-eval) (default: 1234)")
-
-
-def _batch_size_arg(value: str) -> int | str:
-    if value.strip().startswith("auto"):
-        return value.strip()
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
+# ----------------------------------------------------------------------------- the eval command
 def _limit(value: float | None) -> int | float | None:
     if value is None:
         return None
@@ -571,14 +524,3 @@ def _short_label(results: dict) -> str:
     if (linear == "fp4") != bool(trained):
         name += f" (eval {linear})"
     return name
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fp4lightning.eval.run ...`` (the same as ``fp4lightning eval ...``)."""
-    parser = argparse.ArgumentParser(prog="fp4lightning eval", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run_command("fp4lightning eval", run, parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

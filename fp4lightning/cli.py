@@ -1,10 +1,9 @@
 """The ``fp4lightning`` command line: argument parsing and dispatch, nothing else.
 
 Every subcommand is a :class:`Command`: a one-line help, a function adding its arguments and
-a ``run(args) -> int``. The parser is built from this light module only (plus the
-stdlib-only ``fp4lightning.eval.run``), so ``fp4lightning --help`` and every subcommand's
-``--help`` return without importing torch or Lightning; a command's heavy modules are
-imported inside its ``run``.
+a ``run(args) -> int``. The parser is built from this light module only, so
+``fp4lightning --help`` and every subcommand's ``--help`` return without importing torch or
+Lightning; a command's heavy modules are imported inside its ``run``.
 
 Errors follow :mod:`fp4lightning.errors`: a user error prints one line and exits 2, anything
 else is a bug and keeps its traceback. ``fp4lightning train`` also exits 143 after SIGTERM
@@ -177,9 +176,51 @@ def _import_hf_run(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- eval
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
-    from fp4lightning.eval.run import add_arguments  # stdlib-only module (its standalone main shares it)
+    parser.add_argument("checkpoint", nargs="?", help="checkpoint (.ckpt) to evaluate")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                        help="evaluate two checkpoints (or read two results.json) and print them side by side, "
+                             "e.g. --compare runs/fp4/last.ckpt runs/bf16/last.ckpt")
+    parser.add_argument("--tasks", default="offline",
+                        help="offline (held-out text, no network), paper (the paper's zero-shot tasks), "
+                             "paper-ppl (its perplexity tasks) or comma-separated lm-eval task names "
+                             "(default: offline)")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="at most this many documents per task (a fraction < 1 means that share)")
+    parser.add_argument("--batch-size", "--batch_size", type=_batch_size_arg, default=8,
+                        help="requests per forward pass, or auto: the largest that fits (default: 8)")
+    parser.add_argument("--include_path", "--include-path", action="append", default=None, metavar="DIR",
+                        help="folder of your own lm-eval task YAMLs, as in lm-eval (repeatable); "
+                             "their task names then work in --tasks")
+    parser.add_argument("--linear", choices=("auto", "fp4", "high"), default="auto",
+                        help="auto: as trained; fp4: FP4 GeMMs (converting a high-precision model with the paper "
+                             "recipe); high: plain nn.Linear on the same weights (default: auto)")
+    parser.add_argument("--fp4-preset", default=None,
+                        help="FP4 recipe for --linear fp4 on a model trained in high precision (default: paper)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="autocast dtype around the forward pass (default: float32)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--data-dir", default=None,
+                        help="prepared data directory whose held-out split the offline tasks come from "
+                             "(default: data.dir of the run's recipe, else data/builtin)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead of the checkpoint's")
+    parser.add_argument("--out", default=None,
+                        help="output folder for results.json / results.md (default: <checkpoint dir>/eval/<stem>-<linear>; "
+                             "with --compare, DIR/a, DIR/b and DIR/compare.md)")
+    parser.add_argument("--bootstrap-iters", type=int, default=0,
+                        help="lm-eval bootstrap iterations for standard errors (default: 0, none)")
+    parser.add_argument("--seed", type=int, default=1234, help="random seed (OCC sampling, lm-eval) (default: 1234)")
 
-    add_arguments(parser)
+
+def _batch_size_arg(value: str) -> int | str:
+    if value.strip().startswith("auto"):
+        return value.strip()
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _eval_run(args: argparse.Namespace) -> int:
@@ -253,6 +294,38 @@ def _compare_join_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- occ-fidelity / format-fidelity
+def _fidelity_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="a training checkpoint (.ckpt)")
+    parser.add_argument("--data", required=True, metavar="DIR",
+                        help="prepared data folder whose validation windows are scored (fp4lightning data prepare --out)")
+    parser.add_argument("--seq-len", type=int, default=256, help="window length (the recipe's data.seq_len)")
+
+
+def _occ_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
+    _fidelity_arguments(parser)
+    parser.add_argument("--e4m3-fold", action="store_true",
+                        help="compare exact compensation with the residual folded into an E4M3 operand")
+
+
+def _occ_fidelity_run(args: argparse.Namespace) -> int:
+    from fp4lightning.experiments.occ_fidelity import (E4M3_FOLD_VARIANTS, VARIANTS, checkpoint_occ_report,
+                                                       format_occ_table)
+
+    variants = VARIANTS + E4M3_FOLD_VARIANTS if args.e4m3_fold else VARIANTS
+    print(format_occ_table(checkpoint_occ_report(Path(args.checkpoint), Path(args.data), args.seq_len,
+                                                 variants=variants)))
+    return 0
+
+
+def _format_fidelity_run(args: argparse.Namespace) -> int:
+    from fp4lightning.experiments.format_fidelity import checkpoint_format_report, format_fidelity_table
+
+    print(format_fidelity_table(*checkpoint_format_report(Path(args.checkpoint), Path(args.data), args.seq_len,
+                                                          gradients=True)))
+    return 0
+
+
 # ----------------------------------------------------------------------------- the command table
 @dataclass(frozen=True)
 class Command:
@@ -278,6 +351,10 @@ COMMANDS: list[Command] = [
             "them", _compare_arguments, _compare_run),
     Command("compare-join", "join the summary.json files of `compare` runs of one recipe (seeds run apart) into one, "
             "with paired gaps", _compare_join_arguments, _compare_join_run),
+    Command("occ-fidelity", "OCC fidelity (the paper's Table 1) on a checkpoint's real activations",
+            _occ_fidelity_arguments, _occ_fidelity_run),
+    Command("format-fidelity", "SQNR of every FP4 format on a checkpoint's activations, weights and gradients",
+            _fidelity_arguments, _format_fidelity_run),
 ]
 
 

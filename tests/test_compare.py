@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from fp4lightning.experiments.occ_fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
-from fp4lightning.experiments.occ_fidelity import main as fidelity_main
 from fp4lightning.experiments.format_fidelity import ACT_FORMATS, GRAD_FORMATS
 from fp4lightning.cli import main as cli_main
 from fp4lightning.experiments.compare import parse_variant, variant_overrides
@@ -126,13 +125,17 @@ def test_compare_seeds_through_cli(tmp_path_factory, capsys):
     assert gap == pytest.approx([f / b - 1 for f, b in zip(fp4, bf16)])
     assert full["variants"]["bf16"]["runs"][1]["zero_shot"]
     assert len(full["occ_fidelity"]["rows"]) == len(VARIANTS)
-    # the same table from a checkpoint alone, with the E4M3-folded compensation rows
+    # the same tables from a checkpoint alone, the OCC one with the E4M3-folded compensation rows
     ckpt = full["variants"]["bf16"]["runs"][0]["checkpoint"]
-    assert fidelity_main([ckpt, "--data", str(corpus), "--seq-len", "64", "--e4m3-fold"]) == 0
+    capsys.readouterr()
+    assert cli_main(["occ-fidelity", ckpt, "--data", str(corpus), "--seq-len", "64", "--e4m3-fold"]) == 0
     table = capsys.readouterr().out
     assert "| clamp + comp, alpha=0.99 |" in table and "| clamp + comp folded in E4M3, alpha=0.99 |" in table
-    assert fidelity_main([ckpt + ".missing", "--data", str(corpus)]) == 2
+    assert cli_main(["occ-fidelity", ckpt + ".missing", "--data", str(corpus)]) == 2
     assert "not found" in capsys.readouterr().err
+    assert cli_main(["format-fidelity", ckpt, "--data", str(corpus), "--seq-len", "64"]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| gradients (dY) |") == len(GRAD_FORMATS) and "| weights | NVFP4, 16 x 16 tiles |" in table
     first = {(v, s): read_probe(out / v / f"seed{s}" / "dge_probe.jsonl")[0] for v in ("bf16", "fp4@lr=3e-3")
              for s in (7, 8)}
     assert all(r["step"] == 0 for r in first.values())

@@ -307,20 +307,20 @@ def test_simple_evaluate_runs_offline_tasks(bf16_ckpt, tasks_dir):
 
 @pytest.mark.slow
 def test_eval_command_and_compare(bf16_ckpt, fp4_ckpt, tasks_dir, data_dir, tmp_path, capsys):
-    from fp4lightning.eval.run import main
+    from fp4lightning.cli import main
 
     out_a, out_b, out_c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     # FP4 GeMMs on CPU are slow (reference kernels): one batch of two passages
-    assert main([str(fp4_ckpt), "--tasks", "fp4l_lastword", "--limit", "2", "--batch-size", "8",
+    assert main(["eval", str(fp4_ckpt), "--tasks", "fp4l_lastword", "--limit", "2", "--batch-size", "8",
                  "--out", str(out_a)]) == 0
     # no --data-dir: the run's recipe names its data directory
-    assert main([str(bf16_ckpt), "--tasks", "fp4l_lastword,fp4l_cloze", "--limit", "2", "--batch-size", "8",
+    assert main(["eval", str(bf16_ckpt), "--tasks", "fp4l_lastword,fp4l_cloze", "--limit", "2", "--batch-size", "8",
                  "--out", str(out_b)]) == 0
     res_a = json.loads((out_a / "results.json").read_text())
     assert res_a["fp4lightning"]["linear"] == "fp4" and res_a["fp4lightning"]["data_dir"] == str(data_dir.resolve())
     assert "| fp4l_cloze | acc_norm |" in (out_b / "results.md").read_text()
     capsys.readouterr()
-    assert main(["--compare", str(out_a / "results.json"), str(out_b / "results.json"), "--out", str(out_c)]) == 0
+    assert main(["eval", "--compare", str(out_a / "results.json"), str(out_b / "results.json"), "--out", str(out_c)]) == 0
     printed = capsys.readouterr().out
     table = (out_c / "compare.md").read_text()
     assert "| Task | Metric | FP4 | BF16 | FP4 - BF16 |" in table and "**Average** | acc" in table
@@ -409,7 +409,8 @@ def test_missing_checkpoint_or_tokenizer_is_a_clear_error(bf16_ckpt, data_dir, t
 
 
 def test_hub_tasks_fail_fast_offline(bf16_ckpt, capsys):
-    from fp4lightning.eval.run import HubUnavailableError, evaluate_checkpoint, main, resolve_tasks
+    from fp4lightning.cli import main
+    from fp4lightning.eval.run import HubUnavailableError, evaluate_checkpoint, resolve_tasks
 
     assert resolve_tasks("paper-ppl") == ["lambada_openai", "lambada_standard", "wikitext", "pile_10k"]
     assert resolve_tasks("offline,paper")[:3] == list(OFFLINE_TASKS) and len(resolve_tasks("paper")) == 9
@@ -417,7 +418,7 @@ def test_hub_tasks_fail_fast_offline(bf16_ckpt, capsys):
     with pytest.raises(HubUnavailableError, match=r"(?s)hub is unreachable.*piqa.*--tasks offline"):
         evaluate_checkpoint(bf16_ckpt, "paper", verbose=False)
     assert time.perf_counter() - t0 < 30  # no network retries
-    assert main([str(bf16_ckpt), "--tasks", "wikitext"]) == 2
+    assert main(["eval", str(bf16_ckpt), "--tasks", "wikitext"]) == 2
     assert "--tasks offline" in capsys.readouterr().err
 
 

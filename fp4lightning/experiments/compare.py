@@ -32,6 +32,9 @@ other variant keeps the recipe's ``optimizer.states`` and ``trainer.grad_comm``)
 variant at peak learning rate X (``bf16@lr=1e-3,bf16@lr=4e-3``: one entry per rate). The reference for the
 gaps is ``--reference``, by default the BF16 variant with the lowest mean validation loss
 (the tuned baseline of a learning-rate sweep).
+
+The modules that train and measure (torch, Lightning) are imported inside the functions that use them,
+so ``compare-join`` and the variant parsing load in a fraction of a second.
 """
 from __future__ import annotations
 
@@ -42,9 +45,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from fp4lightning.config import PRESETS
 from fp4lightning.errors import UsageError
+from fp4lightning.eval.run import evaluate_checkpoint, headline_metrics, metric_kind
 from fp4lightning.lightning.precision_names import HIGH_PRECISION_VARIANTS
+from fp4lightning.train.recipe import flat_recipe_dict, load_recipe, recipe_to_dict
 
 __all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread", "paired_gap", "paired_diff",
            "EXPERIMENT_VARIANTS", "METHOD_VARIANTS"]
@@ -158,6 +165,12 @@ def _pm(s: dict, fmt: str = ".4f", scale: float = 1.0) -> str:
     return f"{scale * s['mean']:{fmt}} ± {scale * s['std']:{fmt.lstrip('+')}}"
 
 
+def _resolved(g: dict) -> str:
+    """Whether a paired gap is resolved: its |mean| is over 2 standard errors (std / sqrt(seeds))."""
+    if g["std"] is None:
+        return "n/a (1 seed)"
+    return "yes" if abs(g["mean"]) > 2 * g["std"] / math.sqrt(g["n"]) else "no"
+
 
 #: resolved-recipe keys that say where a run writes, what it is called or how many threads and loader
 #: workers it uses, not what it computes: a run folder copied under another ``--out``, run with other
@@ -174,8 +187,6 @@ _LONGER = {"schedule.max_steps", "schedule.max_tokens"}
 def recipe_identity(cfg, leave_out: tuple[str, ...] = NOT_THE_RUN) -> dict:
     """The resolved recipe as flat ``{dotted key: value}`` (JSON values), without the keys in ``leave_out``
     (a key or any key under it)."""
-    from fp4lightning.train.recipe import flat_recipe_dict, recipe_to_dict
-
     flat = json.loads(json.dumps(flat_recipe_dict(recipe_to_dict(cfg)), default=str))
     return {k: v for k, v in flat.items() if not any(k == x or k.startswith(x + ".") for x in leave_out)}
 
@@ -211,10 +222,7 @@ def reuse_decision(run_dir: Path, cfg, need_probe: bool = False) -> tuple[str, s
     apart from :data:`NOT_THE_RUN` and it finished (``compare_wall.json``); with the same recipe but cut
     off, or finished with a shorter schedule (only ``schedule.max_steps`` / ``max_tokens`` differ, the new
     one longer), it is resumed from its ``last.ckpt``; anything else starts over."""
-    import yaml
-
     from fp4lightning.train.resume import recorded_method_keys
-    from fp4lightning.train.recipe import load_recipe
 
     last = run_dir / "checkpoints" / "last.ckpt"
     if not last.exists():
@@ -312,9 +320,7 @@ def loss_table(rows: list[dict], reference: str) -> str:
         if g is None:
             diff = gap = resolved = "-"
         else:
-            diff, gap = _pm(r["val_diff"], "+.4f"), _pm(g, "+.2f", 100) + "%"
-            se = g["std"] / math.sqrt(g["n"]) if g["std"] is not None else None
-            resolved = "n/a (1 seed)" if se is None else ("yes" if abs(g["mean"]) > 2 * se else "no")
+            diff, gap, resolved = _pm(r["val_diff"], "+.4f"), _pm(g, "+.2f", 100) + "%", _resolved(g)
         lines.append(f"| {r['variant']} | {r['lr']:g} | {r['val_loss']['n']} | {_pm(r['train_loss'])} | "
                      f"{_pm(r['val_loss'])} | {diff} | {gap} | {resolved} | {math.exp(r['val_loss']['mean']):.2f} | "
                      f"{r['wall_s']['mean'] / 60:.1f} min |")
@@ -345,13 +351,11 @@ def val_curve_table(metrics: dict[str, list[dict]]) -> str:
 def zero_shot_table(evals: dict[str, list[dict]]) -> str:
     """Every task and metric, mean ± std over seeds, one column per variant; accuracies in percent (as
     ``fp4lightning eval``'s results.md), the other metrics as lm-eval reports them."""
-    from fp4lightning.eval.run import _kind  # the one rule for which metric is an accuracy
-
     variants = list(evals)
     keys = list(dict.fromkeys((t, m) for runs in evals.values() for e in runs for t, ms in e.items() for m in ms))
     lines = ["| task | metric | " + " | ".join(variants) + " |", "|---|---" + "|---:" * len(variants) + "|"]
     for task, metric in keys:
-        percent = _kind(task, metric) in ("acc", "acc_norm")  # as eval.run._fmt
+        percent = metric_kind(task, metric) in ("acc", "acc_norm")  # as `fp4lightning eval`'s tables
         cells = []
         for v in variants:
             vals = [e[task][metric] for e in evals[v] if metric in e.get(task, {})]
@@ -362,23 +366,6 @@ def zero_shot_table(evals: dict[str, list[dict]]) -> str:
         label = f"{metric} (%)" if percent else metric
         lines.append(f"| {task} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4, batch_size: int = 8,
-                variants=None) -> list[dict]:
-    import torch
-
-    from fp4lightning.experiments.occ_fidelity import VARIANTS, capture_linear_inputs, occ_fidelity_report
-    from fp4lightning.train.checkpoint import load_checkpoint
-    from fp4lightning.data import PreparedData, ValWindowDataset
-
-    model, _, _ = load_checkpoint(checkpoint)  # high-precision weights: capture what FP4 would see
-    data = PreparedData(data_dir)
-    ds = ValWindowDataset(data.shards("val"), seq_len, batches * batch_size, **data.id_check("val"))
-    windows = [ds[i][:-1] for i in range(len(ds))]
-    batch_list = [torch.stack(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
-    acts = capture_linear_inputs(model, batch_list)
-    return occ_fidelity_report(acts, variants or VARIANTS)
 
 
 #: DGE probe columns: (record key, label, format, scale)
@@ -447,20 +434,10 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             eval_tasks: str | None = "offline", eval_limit: int | None = None, occ_report: bool = True,
             reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
     """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
-    from fp4lightning.train.recipe import load_recipe
+    from fp4lightning.experiments.dge_probe import read_probe
 
-    parsed = [parse_variant(v) for v in variants]  # fail on a bad variant before hours of training
-    if len({v.name for v in parsed}) != len(parsed) or not parsed:
-        raise UsageError(f"variants must be distinct and at least one, got {variants}")
-    if seeds < 1:
-        raise UsageError(f"--seeds must be at least 1, got {seeds}")
-    if reference is not None and reference not in {v.name for v in parsed}:
-        raise UsageError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
+    parsed = _check_variants(variants, seeds, reference)  # before hours of training
     base = load_recipe(recipe, overrides)
-    # the training run's modules (torch, Lightning) only once the recipe is known to be valid
-    from fp4lightning.train.loss_log import read_losses
-    from fp4lightning.train.run import train
-
     seed_list = [base.seed + i for i in range(seeds)]
     out_dir = Path(out_dir or f"runs/compare-{base.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -475,43 +452,84 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             cfg = load_recipe(recipe, [*overrides, f"seed={seed}", f"name={base.name}-{v.name}-seed{seed}",
                                        f"out_dir={run_dir}", *v.overrides()])
             lrs[v.name] = cfg.optimizer.lr
-            last = run_dir / "checkpoints" / "last.ckpt"
-            probe_path = run_dir / "dge_probe.jsonl"
-            wall_file = run_dir / "compare_wall.json"  # written only when a run finished
-            t0 = time.perf_counter()
-            action, why = reuse_decision(run_dir, cfg, need_probe=bool(dge_probe)) if reuse else ("train", "")
-            if action == "reuse":
-                print(f"[compare] {v.name} seed {seed}: reusing {last} ({why})", flush=True)
-                wall = json.loads(wall_file.read_text())["wall_s"]
-            else:
-                # --reuse continues a run that was cut off or is to run longer (bit-exact resume from its
-                # last.ckpt) instead of counting it as finished or starting it over
-                resume = action == "resume"
-                before = json.loads(wall_file.read_text())["wall_s"] if resume and wall_file.exists() else float("nan")
-                print(f"[compare] {'resuming' if resume else 'training'} {v.name} seed {seed}"
-                      + (f": {why}" if why else f" ({' '.join(v.overrides())})"), flush=True)
-                callbacks = []
-                if dge_probe:
-                    from fp4lightning.experiments.dge_probe import DGEProbe
-
-                    callbacks.append(DGEProbe(probe_path, dge_probe))
-                # a run started over replaces what an earlier compare left in run_dir
-                wall_file.unlink(missing_ok=True)  # finished again only when this training returns
-                train(cfg, resume=resume, callbacks=callbacks, overwrite=not resume)
-                # a resumed run's wall time: the finished part's plus this one (unknown for a cut-off run)
-                wall = before + time.perf_counter() - t0 if resume else time.perf_counter() - t0
-                wall_file.write_text(json.dumps({"wall_s": wall}))
-            m = read_losses(run_dir)
-            if not m["val"]:
-                raise RuntimeError(f"variant {v.name} seed {seed}: no validation loss was logged in {run_dir}/logs; "
-                                   "set trainer.val_every_n_steps so validation runs at least once")
-            metrics[v.name].append({"seed": seed, "checkpoint": str(last), "train_loss": _final_train_loss(m["train"]),
-                                    "val_loss": m["val"][max(m["val"])], "wall_s": wall, **m})
+            metrics[v.name].append(_run_variant(v, seed, cfg, run_dir, reuse, dge_probe))
             if dge_probe:
-                from fp4lightning.experiments.dge_probe import read_probe
+                probes[v.name].append(read_probe(run_dir / "dge_probe.jsonl"))
+    rows = _aggregate(summary, parsed, metrics, lrs, seed_list, reference)
+    md, png = _loss_section(f"# Comparison: {recipe or 'tiny'} {' '.join(overrides)}", base, parsed, seed_list,
+                            summary["reference"], rows, metrics, out_dir)
+    if dge_probe:
+        md += _probe_section(summary, probes, out_dir)
+    if eval_tasks:
+        md += _zero_shot_section(summary, metrics, out_dir, eval_tasks, eval_limit)
+    if occ_report:
+        md += _fidelity_sections(summary, parsed, metrics, base, seed_list[0])
+    _write_outputs(out_dir, summary, _summary_core(recipe, base, parsed, lrs, seed_list, summary), md, png)
+    return summary
 
-                probes[v.name].append(read_probe(probe_path))
-    # --- aggregate over seeds, gaps paired by seed against the reference
+
+def _check_variants(variants: list[str], seeds: int, reference: str | None) -> list[Variant]:
+    """The parsed variants; a bad or repeated variant, seed count or reference fails naming it."""
+    parsed = [parse_variant(v) for v in variants]
+    if len({v.name for v in parsed}) != len(parsed) or not parsed:
+        raise UsageError(f"variants must be distinct and at least one, got {variants}")
+    if seeds < 1:
+        raise UsageError(f"--seeds must be at least 1, got {seeds}")
+    if reference is not None and reference not in {v.name for v in parsed}:
+        raise UsageError(f"--reference {reference!r} is not one of the variants {[v.name for v in parsed]}")
+    return parsed
+
+
+def _run_variant(v: Variant, seed: int, cfg, run_dir: Path, reuse: bool, dge_probe: int) -> dict:
+    """Train, resume or (``--reuse``) reuse one variant's run for one seed; its record: the checkpoint,
+    final train / validation loss, wall time and the loss curves (:func:`read_losses`)."""
+    from fp4lightning.train.loss_log import read_losses
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    action, why = reuse_decision(run_dir, cfg, need_probe=bool(dge_probe)) if reuse else ("train", "")
+    if action == "reuse":
+        print(f"[compare] {v.name} seed {seed}: reusing {last} ({why})", flush=True)
+        wall = json.loads((run_dir / "compare_wall.json").read_text())["wall_s"]
+    else:
+        wall = _train_run(v, seed, cfg, run_dir, resume=action == "resume", why=why, dge_probe=dge_probe)
+    m = read_losses(run_dir)
+    if not m["val"]:
+        raise RuntimeError(f"variant {v.name} seed {seed}: no validation loss was logged in {run_dir}/logs; "
+                           "set trainer.val_every_n_steps so validation runs at least once")
+    return {"seed": seed, "checkpoint": str(last), "train_loss": _final_train_loss(m["train"]),
+            "val_loss": m["val"][max(m["val"])], "wall_s": wall, **m}
+
+
+def _train_run(v: Variant, seed: int, cfg, run_dir: Path, resume: bool, why: str, dge_probe: int) -> float:
+    """Train ``cfg`` into ``run_dir`` (``resume``: on from its last.ckpt, bit-exact); the run's wall time,
+    a resumed run's being the finished part's plus this one (unknown, NaN, for a part that was cut off)."""
+    from fp4lightning.experiments.dge_probe import DGEProbe
+    from fp4lightning.train.run import train
+
+    t0 = time.perf_counter()
+    wall_file = run_dir / "compare_wall.json"  # written only when a run finished
+    before = json.loads(wall_file.read_text())["wall_s"] if resume and wall_file.exists() else float("nan")
+    print(f"[compare] {'resuming' if resume else 'training'} {v.name} seed {seed}"
+          + (f": {why}" if why else f" ({' '.join(v.overrides())})"), flush=True)
+    callbacks = [DGEProbe(run_dir / "dge_probe.jsonl", dge_probe)] if dge_probe else []
+    # a run started over replaces what an earlier compare left in run_dir
+    wall_file.unlink(missing_ok=True)  # finished again only when this training returns
+    train(cfg, resume=resume, callbacks=callbacks, overwrite=not resume)
+    wall = before + time.perf_counter() - t0 if resume else time.perf_counter() - t0
+    wall_file.write_text(json.dumps({"wall_s": wall}))
+    return wall
+
+
+def _default_reference(means: dict[str, float], bf16: list[str]) -> str:
+    """The BF16 variant with the lowest mean validation loss (the tuned baseline of a learning-rate
+    sweep), else the first variant."""
+    return min(bf16, key=means.__getitem__) if bf16 else next(iter(means))
+
+
+def _aggregate(summary: dict, parsed: list[Variant], metrics: dict[str, list[dict]], lrs: dict[str, float],
+               seed_list: list[int], reference: str | None) -> list[dict]:
+    """Fill ``summary``'s variants (spreads over seeds; gaps to the reference paired by seed) and its
+    ``reference``; returns the rows of the loss table."""
     for v in parsed:
         runs = metrics[v.name]
         summary["variants"][v.name] = {
@@ -520,8 +538,8 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             **{k: spread([r[k] for r in runs]) for k in ("train_loss", "val_loss", "wall_s")},
         }
     if reference is None:
-        hp = [v.name for v in parsed if v.base == "bf16"]
-        reference = min(hp, key=lambda n: summary["variants"][n]["val_loss"]["mean"]) if hp else parsed[0].name
+        reference = _default_reference({n: s["val_loss"]["mean"] for n, s in summary["variants"].items()},
+                                       [v.name for v in parsed if v.base == "bf16"])
     summary["reference"] = reference
     ref = summary["variants"][reference]
     rows = []
@@ -532,11 +550,17 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
                 s[f"{key}_gap"] = paired_gap(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
                 s[f"{key}_diff"] = paired_diff(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
         rows.append({"variant": v.name, **s})
+    return rows
+
+
+def _loss_section(title: str, base, parsed: list[Variant], seed_list: list[int], reference: str, rows: list[dict],
+                  metrics: dict[str, list[dict]], out_dir: Path) -> tuple[list[str], Path]:
+    """The report's Markdown lines on the losses (tables and curves), and the plot it shows."""
     seeds_note = (f"{len(seed_list)} seeds ({', '.join(map(str, seed_list))}); values are mean ± sample standard "
                   f"deviation over seeds" if len(seed_list) > 1 else f"one seed ({seed_list[0]})")
     png = plot_curves({v: [{"train": r["train"], "val": r["val"]} for r in runs] for v, runs in metrics.items()},
                       out_dir / "loss_curves.png", f"{base.name}: {', '.join(v.name for v in parsed)}")
-    md = [f"# Comparison: {recipe or 'tiny'} {' '.join(overrides)}", "",
+    md = [title, "",
           f"{base.schedule.max_steps} steps, {seeds_note}. Within a seed every variant starts from the same "
           f"weights and sees the same batches in the same order. Final train loss = mean over the last 10% of "
           f"logged steps. Gaps are relative to {reference}, computed per seed (paired) and then averaged; "
@@ -545,59 +569,76 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
           "Validation loss against step (mean over seeds):", "",
           val_curve_table({v: [{"val": r["val"]} for r in runs] for v, runs in metrics.items()}), "",
           f"![loss curves]({png.name})", ""]
-    if dge_probe:
-        probe_summary, table = _probe_summary(probes)
-        summary["dge_probe"] = {v: {str(k): s for k, s in by.items()} for v, by in probe_summary.items()}
-        probe_png = _plot_probe(probe_summary, out_dir / "dge_probe.png")
-        md += ["## Weights inside their E2M1 intervals (DGE probe)", "",
-               "Pooled over every FP4 layer (in BF16 runs: the layers FP4 would quantize, with the paper's "
-               "per-channel scales). Positions are (|W s| - left grid point) / delta; DGE's factor f' is 1/k at "
-               "grid points and peaks at mid-points.", "", table, "", f"![DGE probe]({probe_png.name})", ""]
-    if eval_tasks:
-        from fp4lightning.eval.run import evaluate_checkpoint, headline_metrics
+    return md, png
 
-        evals: dict[str, list[dict]] = {}
-        for v in parsed:
-            evals[v.name] = []
-            for r, run_s in zip(metrics[v.name], summary["variants"][v.name]["runs"]):
-                res = evaluate_checkpoint(r["checkpoint"], eval_tasks, limit=eval_limit,
-                                          out_dir=out_dir / v.name / f"seed{r['seed']}" / "eval", verbose=False)
-                run_s["zero_shot"] = headline_metrics(res)
-                evals[v.name].append(run_s["zero_shot"])
-        md += ["## Zero-shot (lm-eval)", "", zero_shot_table(evals), ""]
-    if occ_report:
-        from fp4lightning.experiments.occ_fidelity import format_occ_table
 
-        src = next((v for v in parsed if not v.high_precision), parsed[0]).name
-        occ = _occ_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir), base.data.seq_len)
-        summary["occ_fidelity"] = {"variant": src, "seed": seed_list[0], "rows": occ}
-        md += [f"## OCC fidelity on the trained {src} model's activations (seed {seed_list[0]}, paper Table 1 "
-               "analogue)", "",
-               "Inputs of every FP4 linear layer on held-out batches, quantized per token; pooled over layers.", "",
-               format_occ_table(occ), ""]
-        from fp4lightning.experiments.format_fidelity import checkpoint_report, format_block_table  # every format, same tensors
+def _probe_section(summary: dict, probes: dict[str, list[list[dict]]], out_dir: Path) -> list[str]:
+    """The DGE probe's table and plot (``--dge-probe``), recorded in ``summary``."""
+    probe_summary, table = _probe_summary(probes)
+    summary["dge_probe"] = {v: {str(k): s for k, s in by.items()} for v, by in probe_summary.items()}
+    probe_png = _plot_probe(probe_summary, out_dir / "dge_probe.png")
+    return ["## Weights inside their E2M1 intervals (DGE probe)", "",
+            "Pooled over every FP4 layer (in BF16 runs: the layers FP4 would quantize, with the paper's "
+            "per-channel scales). Positions are (|W s| - left grid point) / delta; DGE's factor f' is 1/k at "
+            "grid points and peaks at mid-points.", "", table, "", f"![DGE probe]({probe_png.name})", ""]
 
-        act_rows, w_rows, g_rows = checkpoint_report(Path(metrics[src][0]["checkpoint"]), Path(base.data.dir),
-                                                     base.data.seq_len, gradients=True)
-        summary["block_fidelity"] = {"variant": src, "seed": seed_list[0], "activations": act_rows, "weights": w_rows,
-                                     "gradients": g_rows}
-        md += [f"## Quantization fidelity of every FP4 format on the trained {src} model (SQNR)", "",
-               format_block_table(act_rows, w_rows, g_rows), ""]
+
+def _zero_shot_section(summary: dict, metrics: dict[str, list[dict]], out_dir: Path, eval_tasks: str,
+                       eval_limit: int | None) -> list[str]:
+    """Every run's checkpoint evaluated with lm-eval (recorded per run in ``summary``); the table."""
+    evals: dict[str, list[dict]] = {}
+    for name, runs in metrics.items():
+        evals[name] = []
+        for r, run_s in zip(runs, summary["variants"][name]["runs"]):
+            res = evaluate_checkpoint(r["checkpoint"], eval_tasks, limit=eval_limit,
+                                      out_dir=out_dir / name / f"seed{r['seed']}" / "eval", verbose=False)
+            run_s["zero_shot"] = headline_metrics(res)
+            evals[name].append(run_s["zero_shot"])
+    return ["## Zero-shot (lm-eval)", "", zero_shot_table(evals), ""]
+
+
+def _fidelity_sections(summary: dict, parsed: list[Variant], metrics: dict[str, list[dict]], base,
+                       seed: int) -> list[str]:
+    """OCC fidelity and every format's SQNR on the first FP4 variant's (else the first variant's) trained
+    model of ``seed``, the set's first seed; recorded in ``summary``."""
+    from fp4lightning.experiments.format_fidelity import checkpoint_format_report, format_fidelity_table
+    from fp4lightning.experiments.occ_fidelity import checkpoint_occ_report, format_occ_table
+
+    src = next((v for v in parsed if not v.high_precision), parsed[0]).name
+    checkpoint, data_dir = Path(metrics[src][0]["checkpoint"]), Path(base.data.dir)
+    occ = checkpoint_occ_report(checkpoint, data_dir, base.data.seq_len)
+    summary["occ_fidelity"] = {"variant": src, "seed": seed, "rows": occ}
+    md = [f"## OCC fidelity on the trained {src} model's activations (seed {seed}, paper Table 1 analogue)", "",
+          "Inputs of every FP4 linear layer on held-out batches, quantized per token; pooled over layers.", "",
+          format_occ_table(occ), ""]
+    act_rows, w_rows, g_rows = checkpoint_format_report(checkpoint, data_dir, base.data.seq_len, gradients=True)
+    summary["block_fidelity"] = {"variant": src, "seed": seed, "activations": act_rows, "weights": w_rows,
+                                 "gradients": g_rows}
+    return md + [f"## Quantization fidelity of every FP4 format on the trained {src} model (SQNR)", "",
+                 format_fidelity_table(act_rows, w_rows, g_rows), ""]
+
+
+def _summary_core(recipe: str | None, base, parsed: list[Variant], lrs: dict[str, float], seed_list: list[int],
+                  summary: dict) -> dict:
+    """summary.json: the machine-readable core of the comparison (the module docstring has its schema)."""
     tokens = base.schedule.max_steps * base.data.global_batch_size * base.data.seq_len
-    core = {"recipe": recipe or "tiny", "steps": base.schedule.max_steps, "tokens": tokens,
+    return {"recipe": recipe or "tiny", "steps": base.schedule.max_steps, "tokens": tokens,
             # what every run of the set shares: compare-join refuses a file whose record differs
             "run_set": _run_set(base),
             "variants": {v.name: {"preset": v.preset, "lr": lrs[v.name], "seeds": seed_list,
                                   "final_val_loss": summary["variants"][v.name]["val_loss"]["values"],
                                   "mean": summary["variants"][v.name]["val_loss"]["mean"],
                                   "std": summary["variants"][v.name]["val_loss"]["std"]} for v in parsed}}
+
+
+def _write_outputs(out_dir: Path, summary: dict, core: dict, md: list[str], png: Path) -> None:
+    """summary.json, comparison.md and comparison.json; the report on stdout."""
     (out_dir / "summary.json").write_text(json.dumps(core, indent=2))
     (out_dir / "comparison.md").write_text("\n".join(md))
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, default=str))
     print("\n".join(md), flush=True)
     print(f"\n[compare] wrote {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, "
           f"{out_dir / 'summary.json'}, {png}", flush=True)
-    return summary
 
 
 # ----------------------------------------------------------------------------- joining summaries
@@ -645,80 +686,103 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
         raise UsageError("give at least one summary.json")
     joined: dict = {}
     seeds_of: dict[str, dict[int, float]] = {}
-    run_set, run_set_from = None, None
-    for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise UsageError(f"{path} does not exist (a summary.json written by fp4lightning compare)")
-        try:
-            doc = json.loads(path.read_text())
-            head = {k: doc[k] for k in ("recipe", "steps", "tokens")}
-            variants = {name: {k: v[k] for k in ("preset", "lr", "seeds", "final_val_loss")}
-                        for name, v in doc["variants"].items()}
-            mine_set = doc.get("run_set")
-            if mine_set is not None and not isinstance(mine_set, dict):
-                raise TypeError(f"run_set is a {type(mine_set).__name__}, not a mapping")
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise UsageError(f"{path} is not a compare summary.json ({type(e).__name__}: {e})") from e
-        if mine_set is not None:
-            mine_set = _with_legacy_method_keys(mine_set, path)
-        if not joined:
-            joined = {**head, "variants": {}}
-        elif any(joined[k] != head[k] for k in ("steps", "tokens")):
-            raise UsageError(f"{path} is from another run set ({head}) than the first file "
-                             f"({ {k: joined[k] for k in head} }); join summaries of one recipe and schedule only")
-        if mine_set is None:
-            print(f"[compare-join] note: {path} has no run_set record (written before compare recorded one); "
-                  f"only its recipe path {head['recipe']!r}, steps and tokens are checked", flush=True)
-            if not _same_recipe(joined["recipe"], head["recipe"]):
-                raise UsageError(f"{path} is from another run set (recipe {head['recipe']!r}) than the first file "
-                                 f"(recipe {joined['recipe']!r}); join summaries of one recipe and schedule only")
-        elif run_set is None:
-            run_set, run_set_from = mine_set, path
-        else:
-            diff = _differences(run_set, mine_set)
-            if diff:
-                keys = "; ".join(f"{k}: {a!r} in {run_set_from}, {b!r} here" for k, (a, b) in diff.items())
-                raise UsageError(f"{path} is from another run set than {run_set_from}: {keys}; join summaries "
-                                 "of one recipe and schedule only")
-        for name, v in variants.items():
-            mine = joined["variants"].setdefault(name, {"preset": v["preset"], "lr": v["lr"]})
-            if (mine["preset"], mine["lr"]) != (v["preset"], v["lr"]):
-                raise UsageError(f"variant {name!r} is preset {v['preset']} at lr {v['lr']} in {path} "
-                                 f"but preset {mine['preset']} at lr {mine['lr']} before")
-            got = seeds_of.setdefault(name, {})
-            for seed, val in zip(v["seeds"], v["final_val_loss"]):
-                if seed in got and got[seed] != val:
-                    raise UsageError(f"seed {seed} of {name!r} is {val} in {path} but {got[seed]} in "
-                                     "an earlier file: two different runs of one seed cannot be joined")
-                got[seed] = val
-    if run_set is not None:
-        joined["run_set"] = run_set
+    first_set: tuple[dict, Path] | None = None  # the first file's run_set, and that file
+    for path in map(Path, paths):
+        head, variants, run_set = _read_summary(path)
+        joined = joined or {**head, "variants": {}}
+        first_set = _check_run_set(path, joined, head, run_set, first_set)
+        _add_seeds(path, joined, seeds_of, variants)
+    if first_set is not None:
+        joined["run_set"] = first_set[0]
     for name, got in seeds_of.items():
         seeds = sorted(got)
         s = spread([got[k] for k in seeds])
         joined["variants"][name].update(seeds=seeds, final_val_loss=s["values"], mean=s["mean"], std=s["std"])
     names = list(joined["variants"])
     if reference is None:
-        hp = [n for n in names if joined["variants"][n]["preset"] == "bf16"]
-        reference = min(hp, key=lambda n: joined["variants"][n]["mean"]) if hp else names[0]
+        reference = _default_reference({n: joined["variants"][n]["mean"] for n in names},
+                                       [n for n in names if joined["variants"][n]["preset"] == "bf16"])
     elif reference not in names:
         raise UsageError(f"--reference {reference!r} is not one of the variants {names}")
     joined["reference"] = reference
+    return joined, _joined_table(joined, seeds_of, reference)
+
+
+def _read_summary(path: Path) -> tuple[dict, dict, dict | None]:
+    """``(head, variants, run_set)`` of one summary.json: recipe, steps and tokens; each variant's preset,
+    lr, seeds and final validation losses; the run set (None in a file written before it was recorded,
+    completed by :func:`_with_legacy_method_keys` in one written before the method keys)."""
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist (a summary.json written by fp4lightning compare)")
+    try:
+        doc = json.loads(path.read_text())
+        head = {k: doc[k] for k in ("recipe", "steps", "tokens")}
+        variants = {name: {k: v[k] for k in ("preset", "lr", "seeds", "final_val_loss")}
+                    for name, v in doc["variants"].items()}
+        run_set = doc.get("run_set")
+        if run_set is not None and not isinstance(run_set, dict):
+            raise TypeError(f"run_set is a {type(run_set).__name__}, not a mapping")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"{path} is not a compare summary.json ({type(e).__name__}: {e})") from e
+    return head, variants, None if run_set is None else _with_legacy_method_keys(run_set, path)
+
+
+def _check_run_set(path: Path, joined: dict, head: dict, run_set: dict | None,
+                   first_set: tuple[dict, Path] | None) -> tuple[dict, Path] | None:
+    """Refuse ``path`` unless it is of the run set joined so far (steps, tokens, and its ``run_set``, or
+    its recipe path where it has none); returns the first run set seen (``first_set``, else this one)."""
+    if any(joined[k] != head[k] for k in ("steps", "tokens")):
+        raise UsageError(f"{path} is from another run set ({head}) than the first file "
+                         f"({ {k: joined[k] for k in head} }); join summaries of one recipe and schedule only")
+    if run_set is None:
+        print(f"[compare-join] note: {path} has no run_set record (written before compare recorded one); "
+              f"only its recipe path {head['recipe']!r}, steps and tokens are checked", flush=True)
+        if not _same_recipe(joined["recipe"], head["recipe"]):
+            raise UsageError(f"{path} is from another run set (recipe {head['recipe']!r}) than the first file "
+                             f"(recipe {joined['recipe']!r}); join summaries of one recipe and schedule only")
+        return first_set
+    if first_set is None:
+        return run_set, path
+    diff = _differences(first_set[0], run_set)
+    if diff:
+        keys = "; ".join(f"{k}: {a!r} in {first_set[1]}, {b!r} here" for k, (a, b) in diff.items())
+        raise UsageError(f"{path} is from another run set than {first_set[1]}: {keys}; join summaries "
+                         "of one recipe and schedule only")
+    return first_set
+
+
+def _add_seeds(path: Path, joined: dict, seeds_of: dict[str, dict[int, float]], variants: dict) -> None:
+    """Add one file's variants and per-seed final validation losses; refuse a variant at another preset
+    or lr, or a seed reported twice with different values."""
+    for name, v in variants.items():
+        mine = joined["variants"].setdefault(name, {"preset": v["preset"], "lr": v["lr"]})
+        if (mine["preset"], mine["lr"]) != (v["preset"], v["lr"]):
+            raise UsageError(f"variant {name!r} is preset {v['preset']} at lr {v['lr']} in {path} "
+                             f"but preset {mine['preset']} at lr {mine['lr']} before")
+        got = seeds_of.setdefault(name, {})
+        for seed, val in zip(v["seeds"], v["final_val_loss"]):
+            if seed in got and got[seed] != val:
+                raise UsageError(f"seed {seed} of {name!r} is {val} in {path} but {got[seed]} in "
+                                 "an earlier file: two different runs of one seed cannot be joined")
+            got[seed] = val
+
+
+def _joined_table(joined: dict, seeds_of: dict[str, dict[int, float]], reference: str) -> str:
+    """Markdown: every variant's final validation loss over its seeds, the gap to ``reference`` paired over
+    the seeds both have (recorded in ``joined`` as ``val_gap_vs_reference``)."""
     ref = seeds_of[reference]
     lines = [f"| variant | lr | seeds | final val loss | val vs {reference} (paired) | per seed vs {reference} "
              "| resolved (>2 SE) |", "|---|---|---|---|---|---|---|"]
-    for name in names:
-        v, got = joined["variants"][name], seeds_of[name]
+    for name, v in joined["variants"].items():
+        got = seeds_of[name]
         shared = [k for k in v["seeds"] if k in ref]
         gap_cell = per_seed = resolved = "-"
         if name != reference and shared:
             g = paired_gap([got[k] for k in shared], [ref[k] for k in shared])
             gap_cell = _pm(g, "+.2f", 100) + f"% ({len(shared)} seed{'s' if len(shared) > 1 else ''})"
             per_seed = ", ".join(f"{100 * x:+.2f}%" for x in g["values"])
-            se = g["std"] / math.sqrt(g["n"]) if g["std"] is not None else None
-            resolved = "n/a (1 seed)" if se is None else ("yes" if abs(g["mean"]) > 2 * se else "no")
+            resolved = _resolved(g)
             v["val_gap_vs_reference"] = {"seeds": shared, "mean": g["mean"], "std": g["std"], "values": g["values"]}
         lines.append(f"| {name} | {v['lr']:g} | {', '.join(map(str, v['seeds']))} | "
                      f"{_pm({'mean': v['mean'], 'std': v['std']})} | {gap_cell} | {per_seed} | {resolved} |")
-    return joined, "\n".join(lines)
+    return "\n".join(lines)

@@ -18,24 +18,26 @@ layers):
   (wgrad), with the random Hadamard transform and stochastic rounding of the block recipes.
   Stochastic rounding is unbiased but adds noise, so its SQNR is lower than round-to-nearest.
 
-``python -m fp4lightning.experiments.format_fidelity CHECKPOINT DATA_DIR [--seq-len N]`` prints the
-Markdown table; ``fp4lightning compare`` appends it to its report.
+``fp4lightning format-fidelity CHECKPOINT --data DIR [--seq-len N]`` prints the Markdown table
+(:func:`checkpoint_format_report`); ``fp4lightning compare`` appends it to its report.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
+from fp4lightning.config import FP4Config
+from fp4lightning.experiments.occ_fidelity import LayerRows, capture_linear_inputs, heldout_batches, quantized_layers
 from fp4lightning.numerics.block_formats import fake_quantize_block
 from fp4lightning.numerics.hadamard import apply_rht, rht_matrix
 from fp4lightning.ops.gemm import quantize_fp8_reference
 from fp4lightning.numerics.occ import occ_bounds, occ_clamp
 from fp4lightning.numerics.absmax import fake_quantize
+from fp4lightning.train.checkpoint import load_checkpoint
 
-__all__ = ["ACT_FORMATS", "WEIGHT_FORMATS", "GRAD_FORMATS", "block_fidelity_report", "format_block_table",
-           "capture_output_grads", "checkpoint_report"]
+__all__ = ["ACT_FORMATS", "WEIGHT_FORMATS", "GRAD_FORMATS", "format_fidelity_report", "format_fidelity_table",
+           "capture_output_grads", "checkpoint_format_report"]
 
 
 def _fq(x: torch.Tensor, fmt: str, block_2d: bool = False) -> torch.Tensor:
@@ -113,10 +115,7 @@ def capture_output_grads(model: torch.nn.Module, inputs: list[torch.Tensor], tar
     ``model(inputs[i])`` gives logits scored against ``targets[i]`` (mean cross-entropy);
     at most ``max_rows`` rows are kept per layer. The model's parameters get gradients.
     """
-    from fp4lightning.config import FP4Config
-    from fp4lightning.experiments.occ_fidelity import LayerRows, _quantized_layers
-
-    layers = _quantized_layers(model, FP4Config())
+    layers = quantized_layers(model, FP4Config())
     if not layers:
         raise ValueError("capture_output_grads: the model has no linear layers that FP4 would quantize")
     rows = LayerRows([n for n, _ in layers], max_rows)
@@ -136,10 +135,10 @@ def capture_output_grads(model: torch.nn.Module, inputs: list[torch.Tensor], tar
 
 
 @torch.no_grad()
-def block_fidelity_report(tensors: dict[str, torch.Tensor], formats=ACT_FORMATS) -> list[dict]:
+def format_fidelity_report(tensors: dict[str, torch.Tensor], formats=ACT_FORMATS) -> list[dict]:
     """Pooled SQNR (dB) of each format over ``tensors`` (name -> 2-D fp32)."""
     if not tensors:
-        raise ValueError("block_fidelity_report: no tensors to score")
+        raise ValueError("format_fidelity_report: no tensors to score")
     rows = []
     for label, fn in formats:
         sig = err = 0.0
@@ -152,8 +151,9 @@ def block_fidelity_report(tensors: dict[str, torch.Tensor], formats=ACT_FORMATS)
     return rows
 
 
-def format_block_table(act_rows: list[dict], weight_rows: list[dict] | None = None,
-                       grad_rows: list[dict] | None = None) -> str:
+def format_fidelity_table(act_rows: list[dict], weight_rows: list[dict] | None = None,
+                          grad_rows: list[dict] | None = None) -> str:
+    """The Markdown table of :func:`format_fidelity_report`'s rows for activations, weights and gradients."""
     lines = ["| tensor | format | SQNR (dB) |", "|---|---|---|"]
     lines += [f"| activations | {r['format']} | {r['sqnr_db']:.2f} |" for r in act_rows]
     lines += [f"| weights | {r['format']} | {r['sqnr_db']:.2f} |" for r in (weight_rows or [])]
@@ -161,37 +161,17 @@ def format_block_table(act_rows: list[dict], weight_rows: list[dict] | None = No
     return "\n".join(lines)
 
 
-def checkpoint_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4,
-                      batch_size: int = 8, gradients: bool = False) -> tuple[list[dict], ...]:
+def checkpoint_format_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4,
+                             batch_size: int = 8, gradients: bool = False) -> tuple[list[dict], ...]:
     """(activation rows, weight rows), plus gradient rows with ``gradients=True``, for a trained
     checkpoint on held-out windows of ``data_dir``."""
-    from fp4lightning.experiments.occ_fidelity import _quantized_layers, capture_linear_inputs
-    from fp4lightning.train.checkpoint import load_checkpoint
-    from fp4lightning.config import FP4Config
-    from fp4lightning.data import PreparedData, ValWindowDataset
-
     model, _, _ = load_checkpoint(checkpoint)
-    ds = ValWindowDataset(PreparedData(data_dir).shards("val"), seq_len, batches * batch_size)
-    windows = [ds[i] for i in range(len(ds))]
-    batches = [torch.stack(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
-    acts = capture_linear_inputs(model, [b[:, :-1] for b in batches])
-    weights = {n: m.weight.detach().float() for n, m in _quantized_layers(model, FP4Config())}
-    rows = (block_fidelity_report(acts, ACT_FORMATS), block_fidelity_report(weights, WEIGHT_FORMATS))
+    tokens = heldout_batches(data_dir, seq_len, batches, batch_size)
+    inputs, targets = [t[:, :-1] for t in tokens], [t[:, 1:] for t in tokens]
+    acts = capture_linear_inputs(model, inputs)
+    weights = {n: m.weight.detach().float() for n, m in quantized_layers(model, FP4Config())}
+    rows = (format_fidelity_report(acts, ACT_FORMATS), format_fidelity_report(weights, WEIGHT_FORMATS))
     if not gradients:
         return rows
-    grads = capture_output_grads(model, [b[:, :-1] for b in batches], [b[:, 1:] for b in batches])
-    return (*rows, block_fidelity_report(grads, GRAD_FORMATS))
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="SQNR of every FP4 format on a checkpoint's activations, weights and gradients")
-    p.add_argument("checkpoint", type=Path)
-    p.add_argument("data_dir", type=Path)
-    p.add_argument("--seq-len", type=int, default=256)
-    a = p.parse_args(argv)
-    print(format_block_table(*checkpoint_report(a.checkpoint, a.data_dir, a.seq_len, gradients=True)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    grads = capture_output_grads(model, inputs, targets)
+    return (*rows, format_fidelity_report(grads, GRAD_FORMATS))

@@ -6,23 +6,30 @@ compensation at alpha = 0.999 / 0.99 / 0.97. ``occ_fidelity_report`` captures th
 every linear layer that FP4 would quantize (``FP4Linear`` layers, or every ``nn.Linear``
 outside ``FP4Config.skip_modules`` in a high-precision model) during a no-grad forward pass,
 then scores each variant with cosine similarity, MSE and SNR, pooled over all activations.
+``checkpoint_occ_report`` does it for a trained checkpoint on held-out windows
+(``fp4lightning occ-fidelity CKPT --data DIR``; ``fp4lightning compare`` adds it to its report).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from fp4lightning.config import FP4Config
+from fp4lightning.data import PreparedData, ValWindowDataset
 from fp4lightning.nn.convert import matches_skip
 from fp4lightning.numerics.cpu_bf16 import is_plain_linear
 from fp4lightning.nn.linear import FP4Linear
 from fp4lightning.ops.gemm import quantize_fp4_folded
 from fp4lightning.numerics.occ import occ_bounds, occ_clamp
 from fp4lightning.numerics.absmax import fake_quantize
+from fp4lightning.train.checkpoint import load_checkpoint
 
-__all__ = ["capture_linear_inputs", "occ_fidelity", "occ_fidelity_report", "format_occ_table", "saved_tensor_bytes"]
+__all__ = ["VARIANTS", "E4M3_FOLD_VARIANTS", "quantized_layers", "capture_linear_inputs", "LayerRows",
+           "heldout_batches", "occ_fidelity", "occ_fidelity_report", "checkpoint_occ_report", "format_occ_table",
+           "saved_tensor_bytes"]
 
 #: (label, alpha or None, compensate) rows of the report, in the paper's order
 VARIANTS = (
@@ -40,7 +47,10 @@ E4M3_FOLD_VARIANTS = (
 )
 
 
-def _quantized_layers(model: nn.Module, config: FP4Config) -> list[tuple[str, nn.Linear]]:
+def quantized_layers(model: nn.Module, config: FP4Config) -> list[tuple[str, nn.Linear]]:
+    """``(name, layer)`` of every linear layer FP4 quantizes in ``model``: its ``FP4Linear`` layers, and
+    the plain ``nn.Linear`` layers that ``config.skip_modules`` does not keep in high precision (in a
+    high-precision model: the layers a conversion with ``config`` would make FP4)."""
     out = []
     for name, m in model.named_modules():
         if isinstance(m, FP4Linear):
@@ -58,7 +68,7 @@ def capture_linear_inputs(model: nn.Module, batches: Iterable, config: FP4Config
     At most ``max_rows`` rows are kept per layer (the first ones), to bound memory.
     """
     config = config or FP4Config()
-    layers = _quantized_layers(model, config)
+    layers = quantized_layers(model, config)
     if not layers:
         raise ValueError("capture_linear_inputs: the model has no linear layers that FP4 would quantize")
     rows = LayerRows([n for n, _ in layers], max_rows)
@@ -132,7 +142,25 @@ def occ_fidelity_report(activations: dict[str, torch.Tensor], variants=VARIANTS)
     return rows
 
 
+def heldout_batches(data_dir: Path, seq_len: int, batches: int = 4, batch_size: int = 8) -> list[torch.Tensor]:
+    """The first ``batches * batch_size`` validation windows of a prepared corpus, as ``batches`` token
+    tensors of shape (batch_size, seq_len + 1): inputs ``[:, :-1]``, next-token targets ``[:, 1:]``."""
+    data = PreparedData(data_dir)
+    ds = ValWindowDataset(data.shards("val"), seq_len, batches * batch_size, **data.id_check("val"))
+    windows = [ds[i] for i in range(len(ds))]
+    return [torch.stack(windows[i:i + batch_size]) for i in range(0, len(windows), batch_size)]
+
+
+def checkpoint_occ_report(checkpoint: Path, data_dir: Path, seq_len: int, batches: int = 4, batch_size: int = 8,
+                          variants=VARIANTS) -> list[dict]:
+    """:func:`occ_fidelity_report` of a trained checkpoint on held-out windows of ``data_dir``."""
+    model, _, _ = load_checkpoint(checkpoint)  # high-precision weights: capture what FP4 would see
+    acts = capture_linear_inputs(model, [b[:, :-1] for b in heldout_batches(data_dir, seq_len, batches, batch_size)])
+    return occ_fidelity_report(acts, variants)
+
+
 def format_occ_table(rows: list[dict]) -> str:
+    """The Markdown table of :func:`occ_fidelity_report`'s rows (cosine in percent)."""
     lines = ["| activations | cosine sim. | MSE | SNR (dB) |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {100 * r['cosine']:.2f}% | {r['mse']:.4g} | {r['snr_db']:.2f} |")
@@ -159,37 +187,3 @@ def saved_tensor_bytes(module: nn.Module, run) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     return total
-
-
-def main(argv=None) -> int:
-    """``python -m fp4lightning.experiments.occ_fidelity CHECKPOINT --data DIR``: the OCC table on a checkpoint's
-    real activations (the validation windows of a prepared corpus), as ``compare`` reports it."""
-    import argparse
-    import sys
-    from pathlib import Path
-
-    from fp4lightning.experiments.compare import _occ_report
-
-    p = argparse.ArgumentParser(prog="python -m fp4lightning.experiments.occ_fidelity",
-                                description="OCC fidelity (the paper's Table 1) on a checkpoint's real activations")
-    p.add_argument("checkpoint", help="a training checkpoint (.ckpt)")
-    p.add_argument("--data", required=True, help="prepared data folder (fp4lightning data prepare --out)")
-    p.add_argument("--seq-len", type=int, default=256, help="window length (the recipe's data.seq_len)")
-    p.add_argument("--e4m3-fold", action="store_true",
-                   help="compare exact compensation with the residual folded into an E4M3 operand")
-    args = p.parse_args(argv)
-    from fp4lightning.train.checkpoint import CheckpointError
-    from fp4lightning.data.manifest import DataNotPreparedError
-
-    try:
-        rows = _occ_report(Path(args.checkpoint), Path(args.data), args.seq_len,
-                           variants=VARIANTS + E4M3_FOLD_VARIANTS if args.e4m3_fold else VARIANTS)
-    except (CheckpointError, DataNotPreparedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_occ_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
