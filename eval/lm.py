@@ -48,9 +48,14 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from torch import nn
 from tqdm import tqdm
 
+from fp4lightning.config import FP4Config
+from fp4lightning.data.tokenizer import Tokenizer
 from fp4lightning.errors import InputNotFoundError, UsageError
 from fp4lightning.models.llama import Llama
-from fp4lightning.data.tokenizer import Tokenizer
+from fp4lightning.nn.convert import convert_to_fp4
+from fp4lightning.nn.linear import FP4Linear
+from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
+from fp4lightning.train.checkpoint import load_checkpoint
 
 __all__ = ["FP4LightningLM", "LINEAR_MODES", "to_high_precision", "load_model_and_tokenizer"]
 
@@ -69,8 +74,6 @@ def to_high_precision(model: nn.Module) -> nn.Module:
     ``FP4Linear`` keeps its high-precision master weight as ``weight``, so the swap
     gives exactly the model a BF16 run of the same weights would evaluate.
     """
-    from fp4lightning.nn.linear import FP4Linear
-
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, FP4Linear):
@@ -92,9 +95,6 @@ def load_model_and_tokenizer(
     (a ``tokenizer.json`` path, a data directory holding one, or a :class:`Tokenizer`).
     Missing files raise ``FileNotFoundError`` saying what to pass.
     """
-    from fp4lightning.train.checkpoint import load_checkpoint
-    from fp4lightning.nn.linear import FP4Linear
-
     path = Path(checkpoint)
     if not path.exists():
         raise InputNotFoundError(
@@ -136,12 +136,43 @@ def _load_tokenizer(tokenizer: str | Path | Tokenizer) -> Tokenizer:
 
 
 def _fp4_config_of(model: nn.Module):
-    from fp4lightning.nn.linear import FP4Linear
-
     for m in model.modules():
         if isinstance(m, FP4Linear):
             return m.config
     return None
+
+
+def _check_model_args(pretrained, linear: str, dtype: str, unknown: dict) -> None:
+    if pretrained is None:
+        raise UsageError("the fp4lightning model needs pretrained=<checkpoint path> (model_args)")
+    if linear not in LINEAR_MODES:
+        raise UsageError(f"linear={linear!r} is not one of {LINEAR_MODES}")
+    if str(dtype) not in _DTYPES:
+        raise UsageError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+    if unknown:
+        log.warning("fp4lightning model: ignoring unknown model_args %s", sorted(unknown))
+
+
+def _load_pretrained(pretrained: str | Path | nn.Module, tokenizer) -> tuple[nn.Module, Tokenizer, dict]:
+    """``(model, tokenizer, info)`` as :func:`load_model_and_tokenizer`, or of a model object (with ``tokenizer``)."""
+    if not isinstance(pretrained, nn.Module):
+        return load_model_and_tokenizer(pretrained, tokenizer)
+    if tokenizer is None:
+        raise UsageError("pass tokenizer=... (a Tokenizer or tokenizer.json path) with a model object")
+    info = {"trained_fp4": _fp4_config_of(pretrained) is not None, "recipe": None, "checkpoint": None}
+    return pretrained, _load_tokenizer(tokenizer), info
+
+
+def _set_linear_mode(model: nn.Module, linear: str, fp4_preset: str | None) -> None:
+    """``linear=high``: plain ``nn.Linear`` layers; ``fp4``: FP4 layers (a high-precision model converted
+    with ``fp4_preset``, default ``paper``); ``auto``: as trained. In place."""
+    if linear == "high":
+        to_high_precision(model)
+    elif linear == "fp4" and _fp4_config_of(model) is None:
+        convert_to_fp4(model, FP4Config.from_preset(fp4_preset or "paper"))  # warns only on shape skips
+    elif fp4_preset is not None:
+        log.warning("fp4_preset=%s ignored: it only applies to linear=fp4 on a model trained in high precision",
+                    fp4_preset)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -186,14 +217,7 @@ class FP4LightningLM(TemplateLM):
         **kwargs,
     ):
         super().__init__()
-        if pretrained is None:
-            raise UsageError("the fp4lightning model needs pretrained=<checkpoint path> (model_args)")
-        if linear not in LINEAR_MODES:
-            raise UsageError(f"linear={linear!r} is not one of {LINEAR_MODES}")
-        if str(dtype) not in _DTYPES:
-            raise UsageError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
-        if kwargs:
-            log.warning("fp4lightning model: ignoring unknown model_args %s", sorted(kwargs))
+        _check_model_args(pretrained, linear, dtype, kwargs)
         self._batch_size = _parse_batch_size(batch_size)  # None: "auto", settled once the model is loaded
         self._max_batch_size = _parse_batch_size(max_batch_size) if max_batch_size else 64
         self._device = _pick_device(device)
@@ -202,27 +226,10 @@ class FP4LightningLM(TemplateLM):
         self.logits_cache = _as_bool(logits_cache)
         self._max_gen_toks = int(max_gen_toks)
 
-        if isinstance(pretrained, nn.Module):
-            if tokenizer is None:
-                raise UsageError("pass tokenizer=... (a Tokenizer or tokenizer.json path) with a model object")
-            model, tok = pretrained, _load_tokenizer(tokenizer)
-            info = {"trained_fp4": _fp4_config_of(model) is not None, "recipe": None, "checkpoint": None}
-        else:
-            model, tok, info = load_model_and_tokenizer(pretrained, tokenizer)
+        model, tok, info = _load_pretrained(pretrained, tokenizer)
         self.checkpoint, self.recipe, self.trained_fp4 = info["checkpoint"], info["recipe"], info["trained_fp4"]
-        if linear == "high":
-            to_high_precision(model)
-        elif linear == "fp4" and _fp4_config_of(model) is None:
-            from fp4lightning.config import FP4Config
-            from fp4lightning.nn.convert import convert_to_fp4
-
-            convert_to_fp4(model, FP4Config.from_preset(fp4_preset or "paper"))  # warns only on shape skips
-        elif fp4_preset is not None:
-            log.warning("fp4_preset=%s ignored: it only applies to linear=fp4 on a model trained in high precision",
-                        fp4_preset)
+        _set_linear_mode(model, linear, fp4_preset)
         if self._autocast_dtype == torch.bfloat16 and self._device.type == "cpu":
-            from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
-
             emulate_bf16_linears(model)  # CPUs without native bf16 GeMMs (docs/lightning.md)
         fp4_cfg = _fp4_config_of(model)
         self.linear = "fp4" if fp4_cfg is not None else "high"
@@ -360,47 +367,51 @@ class FP4LightningLM(TemplateLM):
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Running loglikelihood requests")
         warned = False
         for chunk in re_ord.get_batched(n=override_bs or self.batch_size):
-            inps, inplens, cont_toks_list = [], [], []
-            for req_str, context_enc, continuation_enc in chunk:
-                if not context_enc or not continuation_enc:
-                    raise UsageError(
-                        f"request {req_str!r} tokenized to an empty context or continuation "
-                        f"({len(context_enc)} / {len(continuation_enc)} tokens)"
-                    )
-                if len(continuation_enc) > self.max_length:
-                    raise UsageError(f"a continuation of {len(continuation_enc)} tokens exceeds max_length={self.max_length}")
-                if len(context_enc) + len(continuation_enc) > self.max_length + 1 and not warned:
-                    log.warning("context + continuation longer than max_length=%d: truncating contexts from the left",
-                                self.max_length)
-                    warned = True
-                # the last token is only ever a target, never an input
-                inp = (context_enc + continuation_enc)[-(self.max_length + 1):][:-1]
-                inps.append(inp)
-                inplens.append(len(inp))
-                cont_toks_list.append(continuation_enc)
-            batch = torch.zeros(len(inps), max(inplens), dtype=torch.long)
-            for i, inp in enumerate(inps):
-                batch[i, : len(inp)] = torch.tensor(inp, dtype=torch.long)  # right padding
-            logprobs = F.log_softmax(self._model_call(batch.to(self._device)), dim=-1)  # (B, T, V)
-
-            for (req_str, ctx_toks, _), lp, inplen, cont_toks in zip(chunk, logprobs, inplens, cont_toks_list):
-                contlen = len(cont_toks)
-                lp = lp[inplen - contlen : inplen].unsqueeze(0)  # (1, contlen, V): drop context and padding
-                greedy = lp.argmax(dim=-1)
-                for req_str, cont_toks, lp in re_ord.get_cache(req_str=req_str, cxt_toks=ctx_toks,
-                                                              cont_toks=cont_toks, logits=lp):
-                    n = len(cont_toks)
-                    ct = torch.tensor(cont_toks, dtype=torch.long, device=lp.device).unsqueeze(0)  # (1, n)
-                    # a shared forward may carry a longer continuation: score the last n positions
-                    lp_n = lp[:, -n:]
-                    answer = (float(torch.gather(lp_n, 2, ct.unsqueeze(-1)).sum()),
-                              bool((greedy[:, -n:] == ct).all()))
+            inps, warned = self._request_inputs(chunk, warned)
+            logprobs = F.log_softmax(self._model_call(_right_padded(inps).to(self._device)), dim=-1)  # (B, T, V)
+            for (req_str, ctx_toks, cont_toks), lp, inp in zip(chunk, logprobs, inps):
+                lp = lp[len(inp) - len(cont_toks) : len(inp)]  # (contlen, V): drop context and padding
+                for name, answer in self._scores(re_ord, req_str, ctx_toks, cont_toks, lp):
                     res.append(answer)
-                    if req_str is not None:
-                        self.cache_hook.add_partial("loglikelihood", req_str, answer)
+                    if name is not None:
+                        self.cache_hook.add_partial("loglikelihood", name, answer)
                     pbar.update(1)
         pbar.close()
         return re_ord.get_original(res)
+
+    def _request_inputs(self, chunk: list, warned: bool) -> tuple[list[list[int]], bool]:
+        """The model input of each ``(request, context, continuation)`` of ``chunk``: context + continuation
+        without its last token, cut from the left to ``max_length``; warns about a cut once (``warned``)."""
+        inps = []
+        for req_str, context_enc, continuation_enc in chunk:
+            if not context_enc or not continuation_enc:
+                raise UsageError(
+                    f"request {req_str!r} tokenized to an empty context or continuation "
+                    f"({len(context_enc)} / {len(continuation_enc)} tokens)"
+                )
+            if len(continuation_enc) > self.max_length:
+                raise UsageError(f"a continuation of {len(continuation_enc)} tokens exceeds max_length={self.max_length}")
+            if len(context_enc) + len(continuation_enc) > self.max_length + 1 and not warned:
+                log.warning("context + continuation longer than max_length=%d: truncating contexts from the left",
+                            self.max_length)
+                warned = True
+            # the last token is only ever a target, never an input
+            inps.append((context_enc + continuation_enc)[-(self.max_length + 1):][:-1])
+        return inps, warned
+
+    @staticmethod
+    def _scores(re_ord: Collator, req_str, ctx_toks: list[int], cont_toks: list[int], lp: torch.Tensor):
+        """``(request, (log-likelihood, greedy))`` of one request and of every request sharing its forward
+        pass (lm-eval's logits cache); ``lp``: the log-probabilities at the continuation, (contlen, V)."""
+        lp = lp.unsqueeze(0)  # (1, contlen, V)
+        greedy = lp.argmax(dim=-1)
+        for req_str, cont_toks, lp in re_ord.get_cache(req_str=req_str, cxt_toks=ctx_toks, cont_toks=cont_toks,
+                                                      logits=lp):
+            n = len(cont_toks)
+            ct = torch.tensor(cont_toks, dtype=torch.long, device=lp.device).unsqueeze(0)  # (1, n)
+            # a shared forward may carry a longer continuation: score the last n positions
+            lp_n = lp[:, -n:]
+            yield req_str, (float(torch.gather(lp_n, 2, ct.unsqueeze(-1)).sum()), bool((greedy[:, -n:] == ct).all()))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts (conditioned on BOS) through disjoint rolling windows."""
@@ -441,10 +452,7 @@ class FP4LightningLM(TemplateLM):
             # no KV cache: each step re-reads the (sliding) window, right-padded
             rows = [(contexts[i] + gen[i])[-self.max_length:] for i in active]
             lens = torch.tensor([len(r) for r in rows])
-            batch = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)
-            for j, r in enumerate(rows):
-                batch[j, : len(r)] = torch.tensor(r, dtype=torch.long)
-            logits = self._model_call(batch.to(self._device)).cpu()  # (b, T, V)
+            logits = self._model_call(_right_padded(rows).to(self._device)).cpu()  # (b, T, V)
             last = logits[torch.arange(len(rows)), lens - 1, : self.vocab_size]  # ids past the tokenizer never decode
             nxt = last.argmax(dim=-1).tolist()
             still = []
@@ -485,6 +493,15 @@ class FP4LightningLM(TemplateLM):
                 pbar.update(1)
         pbar.close()
         return re_ords.get_original(res)
+
+
+def _right_padded(rows: list[list[int]]) -> torch.Tensor:
+    """Token rows as one (len(rows), longest) batch, padded on the right with 0 (causal attention keeps
+    the padding from touching the real positions)."""
+    batch = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    for i, r in enumerate(rows):
+        batch[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return batch
 
 
 def _pick_device(device: str | None) -> torch.device:

@@ -87,33 +87,44 @@ def heldout_documents(data_dir: str | Path, max_chars: int = MAX_HELDOUT_CHARS) 
     however large the split is (a DCLM-sized split has shards of 2^28 tokens). A
     document can straddle two shards (the writer cuts shards by token count).
     """
+    # imported here: fp4lightning.data loads huggingface_hub, which must come after fp4lightning.eval.run
+    # (which imports this module) has set the Hugging Face offline switches
     from fp4lightning.data import PreparedData
 
     data = PreparedData(data_dir)
     tok = data.tokenizer
-    bos, eos = tok.bos_id, tok.eos_id
-    carry: list[np.ndarray] = []  # pieces of the current, unfinished document
     seen = 0
-    for shard in data.shards("val"):
-        for lo in range(0, len(shard), _SCAN_TOKENS):
-            chunk = np.asarray(shard[lo : lo + _SCAN_TOKENS])
-            cuts = [0, *np.flatnonzero(chunk == bos).tolist(), len(chunk)]
-            for a, b in zip(cuts[:-1], cuts[1:]):
-                if a == b:
-                    continue
-                if chunk[a] == bos and carry:  # a new document starts: emit the previous one
-                    text = _decode_doc(tok, np.concatenate(carry), bos, eos)
-                    carry = []
-                    if text:
-                        yield text
-                        seen += len(text)
-                        if seen >= max_chars:
-                            return
-                carry.append(chunk[a:b])
-    if carry:
-        text = _decode_doc(tok, np.concatenate(carry), bos, eos)
+    for ids in _document_ids(data.shards("val"), tok.bos_id):
+        text = _decode_doc(tok, ids, tok.bos_id, tok.eos_id)
         if text:
             yield text
+            seen += len(text)
+            if seen >= max_chars:
+                return
+
+
+def _document_ids(shards: list[np.ndarray], bos: int) -> Iterator[np.ndarray]:
+    """The token ids of each document (``BOS ... EOS``) of ``shards``, in order; a document can straddle
+    two shards (the writer cuts shards by token count)."""
+    carry: list[np.ndarray] = []  # pieces of the current, unfinished document
+    for chunk in _chunks(shards):
+        cuts = [0, *np.flatnonzero(chunk == bos).tolist(), len(chunk)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if a == b:
+                continue
+            if chunk[a] == bos and carry:  # a new document starts: emit the previous one
+                yield np.concatenate(carry)
+                carry = []
+            carry.append(chunk[a:b])
+    if carry:
+        yield np.concatenate(carry)
+
+
+def _chunks(shards: list[np.ndarray]) -> Iterator[np.ndarray]:
+    """The memory-mapped shards read in pieces of ``_SCAN_TOKENS`` tokens."""
+    for shard in shards:
+        for lo in range(0, len(shard), _SCAN_TOKENS):
+            yield np.asarray(shard[lo : lo + _SCAN_TOKENS])
 
 
 def _decode_doc(tok, ids: np.ndarray, bos: int, eos: int) -> str:
