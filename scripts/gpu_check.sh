@@ -10,19 +10,26 @@
 #    carried in .whl/ (the GPU machine has no network: `pip download --no-deps torchao==0.18.0
 #    -d .whl/` on a machine with one);
 # 2. correctness first: every kernel against its reference (python benchmarks/bench_kernels.py
-#    --checks-only, the scaled_mm GeMMs included), the GPU tests of tests/test_kernels.py and all
-#    of tests/test_scaled_mm.py, compiled;
+#    --checks-only, the scaled_mm GeMMs included) and all of tests/test_scaled_mm.py, compiled;
 # 3. one table measured in one run: per layer (8192 tokens; 4096->4096, 4096->11008, 11008->4096)
 #    the forward+backward of bf16 nn.Linear, torchao's row-wise float8 training, FP4Linear
 #    w4a4-direct and paper on the scaled_mm and the Triton GeMM paths, each row printed as it is
 #    measured (benchmarks/bench_linear.py --layer-table), written to docs/perf/h200.json (and to
 #    $OUT/h200.json when $OUT is set);
-# 4. only with GPU_CHECK_FULL=1: the kernel benchmark's timing rows (python -m
-#    benchmarks/bench_kernels.py) and the rest of the kernel tests compiled.
+# 4. the whole training step of the llama2-1.3b recipe's model: bf16-mixed, torchao float8
+#    row-wise (compiled), fp4 (paper) and w4a4-direct side by side (benchmarks/bench_train.py
+#    --recipe recipes/llama2-1.3b.yaml), added to docs/perf/h200.json as "step_1.3b";
+# 5. the user's own path: `fp4lightning train recipes/llama2-1.3b.yaml` for a few steps on the
+#    built-in corpus with a 32000-token vocabulary, prepared on a machine with network and carried
+#    in (`fp4lightning data prepare --source builtin --vocab-size 32000 --out data/builtin-32k`;
+#    carry data/builtin-32k); it prints tokens/s and MFU as a user sees them;
+# 6. only with GPU_CHECK_FULL=1: the GPU kernel tests at realistic sizes (pytest -m gpu
+#    tests/test_kernels.py), the kernel benchmark's timing rows (benchmarks/bench_kernels.py)
+#    and the rest of the kernel tests compiled.
 # Everything goes to stdout and to $OUT/gpu_check.log (when $OUT is set) or
 # /tmp/fp4lightning_gpu_check.log. Exit status: 0 if every test and check passed, 1 on any
 # wrong result or crash, 2 if a step ran out of its time limit without a wrong result.
-# Sized for about 8 minutes on one H100/H200 (steps 1-3); each step has its own time limit, so a
+# Sized for about 8 minutes on one H100/H200 (steps 1-5); each step has its own time limit, so a
 # hang in one still leaves the others' output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -103,12 +110,6 @@ FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" benchmarks/bench_kernels.py --ch
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("kernel checks (ran out of their 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("kernel checks (rc=$rc)"); fi
 
-step "GPU tests at realistic sizes (pytest -m gpu tests/test_kernels.py; default configs)"
-FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 150 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -rfE --durations=5 \
-  -m "gpu" tests/test_kernels.py
-rc=$?
-if [ $rc -eq 124 ]; then INCOMPLETE+=("gpu tests (ran out of their 150 s)"); elif [ $rc -ne 0 ]; then FAIL+=("gpu tests (rc=$rc)"); fi
-
 step "the scaled_mm backend, compiled (pytest tests/test_scaled_mm.py)"
 FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfE --durations=5 \
   tests/test_scaled_mm.py
@@ -118,13 +119,49 @@ if [ $rc -eq 124 ]; then INCOMPLETE+=("scaled_mm tests (ran out of their 120 s)"
 # The Triton GeMMs run their default configs here (no autotuning: its compiles would take the
 # step's time); the table records it.
 step "the layer table (benchmarks/bench_linear.py --layer-table), written to docs/perf/h200.json"
-FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 240 "$PY" benchmarks/bench_linear.py --layer-table --iters 30 \
+FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 200 "$PY" benchmarks/bench_linear.py --layer-table --iters 30 \
   --json docs/perf/h200.json
 rc=$?
 if [ -n "${OUT:-}" ] && [ -f docs/perf/h200.json ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
-if [ $rc -eq 124 ]; then INCOMPLETE+=("layer table (ran out of its 240 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("layer table (rc=$rc)"); fi
+if [ $rc -eq 124 ]; then INCOMPLETE+=("layer table (ran out of its 200 s; the rows above were measured)"); elif [ $rc -ne 0 ]; then FAIL+=("layer table (rc=$rc)"); fi
+
+step "the llama2-1.3b training step (benchmarks/bench_train.py --recipe recipes/llama2-1.3b.yaml)"
+STEP_JSON=${OUT:-/tmp}/step_1.3b.json
+FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 150 "$PY" benchmarks/bench_train.py --recipe recipes/llama2-1.3b.yaml \
+  --steps 5 --start-micro-batch 16 --compile-torchao --json "$STEP_JSON"
+rc=$?
+if [ $rc -eq 124 ]; then INCOMPLETE+=("1.3B step (ran out of its 150 s)"); elif [ $rc -ne 0 ]; then FAIL+=("1.3B step (rc=$rc)"); fi
+if [ -f "$STEP_JSON" ] && [ -f docs/perf/h200.json ]; then
+  "$PY" - "$STEP_JSON" <<'EOF'
+import json, sys
+rec = json.load(open("docs/perf/h200.json"))
+rec["step_1.3b"] = json.load(open(sys.argv[1]))
+json.dump(rec, open("docs/perf/h200.json", "w"), indent=1)
+print("step_1.3b added to docs/perf/h200.json")
+EOF
+  if [ -n "${OUT:-}" ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
+fi
+
+step "the user's path: fp4lightning train recipes/llama2-1.3b.yaml (built-in corpus, 32000-token BPE)"
+if [ -f data/builtin-32k/meta.json ]; then
+  FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 120 "$PY" -m fp4lightning.cli train recipes/llama2-1.3b.yaml \
+    data.source=builtin data.dir=data/builtin-32k trainer.devices=1 trainer.strategy=auto \
+    data.global_batch_size=8 schedule.max_steps=12 trainer.log_every_n_steps=2 \
+    out_dir="${OUT:-/tmp}/run-1.3b" --overwrite
+  rc=$?
+  if [ $rc -eq 124 ]; then INCOMPLETE+=("1.3B train (ran out of its 120 s)"); elif [ $rc -ne 0 ]; then FAIL+=("1.3B train (rc=$rc)"); fi
+else
+  echo "(no data/builtin-32k: prepare it on a machine with network and carry it in; step skipped)"
+  INCOMPLETE+=("1.3B train (no data/builtin-32k carried in)")
+fi
 
 if [ "${GPU_CHECK_FULL:-0}" = "1" ]; then
+  step "GPU tests at realistic sizes (pytest -m gpu tests/test_kernels.py; default configs)"
+  FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 150 "$PY" -m pytest -v -p no:cacheprovider -o addopts="" -rfE --durations=5 \
+    -m "gpu" tests/test_kernels.py
+  rc=$?
+  if [ $rc -eq 124 ]; then INCOMPLETE+=("gpu tests (ran out of their 150 s)"); elif [ $rc -ne 0 ]; then FAIL+=("gpu tests (rc=$rc)"); fi
+
   step "kernel benchmark timings (python benchmarks/bench_kernels.py --skip-checks; autotuning on)"
   timeout -k 10 270 "$PY" benchmarks/bench_kernels.py --skip-checks
   rc=$?
