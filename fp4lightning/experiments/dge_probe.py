@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from fp4lightning.config import FP4Config
+from fp4lightning.experiments.occ_fidelity import quantized_layers
 from fp4lightning.numerics.dge import dge_derivative
 from fp4lightning.numerics.constants import E2M1_MAX
 from fp4lightning.nn.linear import FP4Linear
@@ -46,7 +47,6 @@ __all__ = ["interval_position", "weight_quant_stats", "model_weight_stats", "DGE
 
 #: histogram bins of the position inside an E2M1 interval, over [0, 1]
 POSITION_BINS = 10
-#: attribute of a weight Parameter holding its frozen DGE factor
 
 
 def interval_position(x_scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,13 +97,8 @@ def weight_quant_stats(weight: torch.Tensor, cfg: FP4Config | None = None, bins:
 
 def _probed_layers(model: nn.Module, cfg: FP4Config) -> list[tuple[str, nn.Linear]]:
     """FP4 layers, or in a high-precision model the Linear layers FP4 would convert."""
-    out = [(n, m) for n, m in model.named_modules() if isinstance(m, FP4Linear)]
-    if out:
-        return out
-    from fp4lightning.nn.convert import matches_skip  # lazily: convert -> linear -> dge_probe
-    from fp4lightning.numerics.cpu_bf16 import is_plain_linear
-
-    return [(n, m) for n, m in model.named_modules() if is_plain_linear(m) and not matches_skip(n, cfg)]
+    fp4 = [(n, m) for n, m in model.named_modules() if isinstance(m, FP4Linear)]
+    return fp4 or quantized_layers(model, cfg)
 
 
 def model_weight_stats(model: nn.Module, cfg: FP4Config | None = None, bins: int = POSITION_BINS) -> dict:
