@@ -583,21 +583,21 @@ def test_default_multi_device_paths_train_a_model_of_odd_size(tmp_path):
 
 
 def test_fp8_decode_is_exact_for_every_code():
-    from fp4lightning.distributed.comm import FP8_FORMATS, _decode_sum_into
+    from fp4lightning.distributed.fp8_codec import FP8_FORMATS, decode_sum_into
 
     codes = torch.arange(256, dtype=torch.uint8)
     for fmt, (dtype, _) in FP8_FORMATS.items():
         want = codes.view(dtype).double()
-        got = _decode_sum_into(codes.view(1, 256), torch.ones(1), torch.empty(256), dtype, 1)
+        got = decode_sum_into(codes.view(1, 256), torch.ones(1), torch.empty(256), dtype, 1)
         finite = torch.isfinite(want)  # NaN/inf codes never reach the decoder (the input was finite, saturated)
         assert torch.equal(got.double()[finite], want[finite]), fmt
 
 
 def test_fp8_comm_passes_compiled_match_eager_bitwise():
-    """The hooks' per-element passes run compiled on CPU (fp4lightning.numerics.cpu_fused); they must give the bits of
+    """The hooks' per-element passes (fp4lightning.distributed.fp8_codec) run compiled on CPU; they must give the bits of
     the same math run eagerly (torch's own float8 casts): every FP8 code's value, each midpoint between
     neighbouring codes (ties to even), values beyond the range (saturation), fp32 and bf16 buckets."""
-    from fp4lightning.distributed.comm import FP8_FORMATS, _decode_sum_into, _encode_fp8_into, _mean_requantize_into
+    from fp4lightning.distributed.fp8_codec import FP8_FORMATS, decode_sum_into, encode_fp8_into, mean_requantize_into
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     for fmt, (dtype8, fmax) in FP8_FORMATS.items():
@@ -610,19 +610,19 @@ def test_fp8_comm_passes_compiled_match_eager_bitwise():
             xs = x.to(dtype)
             for scale in (1.0, 2.0**-3, 2.0**5):
                 s = torch.tensor(scale)
-                got = _encode_fp8_into(xs, s, torch.empty(xs.numel(), dtype=torch.uint8), fmax, dtype8)
-                want = _encode_fp8_into.eager(xs, s, torch.empty(xs.numel(), dtype=torch.uint8), fmax, dtype8)
+                got = encode_fp8_into(xs, s, torch.empty(xs.numel(), dtype=torch.uint8), fmax, dtype8)
+                want = encode_fp8_into.eager(xs, s, torch.empty(xs.numel(), dtype=torch.uint8), fmax, dtype8)
                 ref = (xs.float() * scale).clamp(-fmax, fmax).to(dtype8).view(torch.uint8)
                 assert torch.equal(got, want) and torch.equal(got, ref), (fmt, dtype, scale)
         codes = torch.randint(0, 256, (3, 5000), dtype=torch.uint8, generator=gen)
         codes[~codes.view(dtype8).float().isfinite()] = 0  # inf/NaN codes never travel (finite, saturated)
         mult = torch.tensor([2.0**-4, 1.0, 2.0**3])
         for out_dtype in (torch.float32, torch.bfloat16):
-            got = _decode_sum_into(codes, mult, torch.empty(5000, dtype=out_dtype), dtype8, 3)
-            want = _decode_sum_into.eager(codes, mult, torch.empty(5000, dtype=out_dtype), dtype8, 3)
+            got = decode_sum_into(codes, mult, torch.empty(5000, dtype=out_dtype), dtype8, 3)
+            want = decode_sum_into.eager(codes, mult, torch.empty(5000, dtype=out_dtype), dtype8, 3)
             assert torch.equal(got, want), (fmt, out_dtype)
-        got = _mean_requantize_into(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
-        want = _mean_requantize_into.eager(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
+        got = mean_requantize_into(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
+        want = mean_requantize_into.eager(codes[:2], torch.empty(5000, dtype=torch.uint8), fmax, dtype8)
         assert torch.equal(got, want), fmt
 
 
@@ -633,11 +633,11 @@ ODD_BUCKETS = ([1], [3], [5], [26122], [8192, 128, 16384, 128, 1280, 10], [1, 3,
 
 def _own_scale_fp8(x: torch.Tensor, sizes, dtype8, fmax) -> torch.Tensor:
     """What one sender's payload decodes to: per-tensor power-of-two scale of its own amax, torch's cast."""
-    from fp4lightning.distributed.comm import _pow2_scales
+    from fp4lightning.distributed.fp8_codec import pow2_scales
 
     out = []
     for seg in x.split(sizes):
-        s = _pow2_scales(seg.abs().amax().float().view(1), fmax)[0]
+        s = pow2_scales(seg.abs().amax().float().view(1), fmax)[0]
         out.append((seg.float() * s).clamp(-fmax, fmax).to(dtype8).float() / s)
     return torch.cat(out)
 
@@ -647,7 +647,8 @@ def test_async_gather_payload_at_odd_sizes():
     decodes at any element count: a bucket of 1, 3, 5 or 26,122 elements, several tensors, W = 1 and
     W = 2 (where rank 1's row starts at an odd byte). The decoded mean equals each sender's own-scale FP8
     value, summed in rank order and halved, bit for bit; a NaN on one sender turns the bucket NaN."""
-    from fp4lightning.distributed.comm import FP8_FORMATS, _own_scale_payload, _sum_own_scale_payloads
+    from fp4lightning.distributed.comm import _own_scale_payload, _sum_own_scale_payloads
+    from fp4lightning.distributed.fp8_codec import FP8_FORMATS
 
     gen = torch.Generator().manual_seed(5)
     for sizes in ODD_BUCKETS:
@@ -719,11 +720,11 @@ def test_fp8_hooks_on_odd_sized_buckets_in_real_ddp(world_of_one):
 
 
 def test_pow2_scales_use_the_fp8_range():
-    from fp4lightning.distributed.comm import FP8_FORMATS, _pow2_scales
+    from fp4lightning.distributed.fp8_codec import FP8_FORMATS, pow2_scales
 
     amax = torch.cat([torch.rand(1000) * 10.0 ** torch.randint(-30, 30, (1000,)), torch.tensor([0.0, 448.0, 1.0])])
     for fmt, (_, fmax) in FP8_FORMATS.items():
-        s = _pow2_scales(amax, fmax).double()
+        s = pow2_scales(amax, fmax).double()
         assert torch.equal(torch.exp2(torch.log2(s).round()), s), "scales must be powers of two"
         scaled = amax.double() * s
         nz = amax > 0

@@ -28,9 +28,8 @@ differently on different ranks. :func:`fp8_async_gather_hook` needs one collecti
 issues it asynchronously and overlaps it with the rest of backward; at W = 2 its bytes equal the
 reduce-scatter's and it is the default there (``scheme="auto"``, :func:`resolve_scheme`).
 
-The per-element passes (FP8 encode, decode-and-sum, mean-and-requantise) are one loop each, compiled on
-CPU through :mod:`fp4lightning.numerics.cpu_fused` (torch's eager CPU float8 casts are scalar code); the compiled and
-the eager evaluation give the same bits (``tests/test_ddp.py``).
+The FP8 encoding itself (scales, codes, decode-and-sum) is :mod:`fp4lightning.distributed.fp8_codec`,
+shared with FSDP's FP8 reduce-scatter and the one-device simulation.
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook checks that the
@@ -45,13 +44,17 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from fp4lightning.numerics.constants import F8E4M3_MAX, F8E5M2_MAX
+from fp4lightning.distributed.fp8_codec import (
+    FP8_FORMATS,
+    decode_sum_into,
+    encode_fp8_into,
+    mean_requantize_into,
+    pow2_scales,
+    tensor_amax,
+)
 from fp4lightning.errors import UserError
-from fp4lightning.numerics.formats import pow2_floor
-from fp4lightning.numerics.cpu_fused import _fused
 
 __all__ = [
-    "FP8_FORMATS",
     "WIRE_FORMATS",
     "CommState",
     "fp8_compress_hook",
@@ -68,18 +71,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# name -> (torch dtype, largest finite magnitude)
-FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
-    "e4m3": (torch.float8_e4m3fn, F8E4M3_MAX),  # 448
-    "e5m2": (torch.float8_e5m2, F8E5M2_MAX),  # 57344
-}
 #: wire formats of the gradient all-reduce (FP4DDPStrategy(grad_format=...)); not the dY formats of
 #: the backward GeMMs (fp4lightning.numerics.constants.DY_FORMATS)
 WIRE_FORMATS = ("e4m3", "e5m2", "bf16", "fp32")
 SCHEMES = ("auto", "reduce_scatter", "all_gather", "async_all_gather")
-
-# 2^126 keeps the scale finite in fp32 even for an amax of a few subnormals.
-_MAX_SCALE_EXP = 126
 
 # recent torch deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -153,64 +148,7 @@ def ring_all_reduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8 quantisation with per-tensor power-of-two scales
-
-
-def _pow2_scales(amax: Tensor, fp8_max: float) -> Tensor:
-    """Largest power of two ``s`` with ``amax * s <= fp8_max`` (1 where amax == 0), fp32."""
-    a = amax.double()
-    s = pow2_floor(fp8_max / a.clamp_min(torch.finfo(torch.float64).tiny))
-    s = s.clamp(2.0**-_MAX_SCALE_EXP, 2.0**_MAX_SCALE_EXP)
-    # the division can round up onto a power of two just above the true quotient
-    s = torch.where(a * s > fp8_max, s * 0.5, s)
-    return torch.where(a > 0, s, torch.ones_like(s)).float()
-
-
-def _abs_max(seg: Tensor) -> Tensor:
-    if seg.numel() == 0:
-        return seg.new_zeros((), dtype=torch.float32)
-    # aminmax reads the data once without allocating |x|; NaN propagates, unlike in a MAX collective
-    lo, hi = torch.aminmax(seg)
-    return torch.maximum(hi, lo.neg()).float()
-
-
-# ---------------------------------------------------------------------------------------------
-# the per-element passes, each one loop over memory: compiled on CPU (fp4lightning.numerics.cpu_fused, where
-# torch's eager float8 casts are scalar code), the same math eagerly elsewhere
-
-
-@_fused
-def _encode_fp8_into(x: Tensor, scale: Tensor, out: Tensor, fmax: float, dtype8: torch.dtype) -> Tensor:
-    """``out`` (uint8) <- the FP8 codes of ``x * scale`` in fp32, saturated to +-``fmax``, round to nearest
-    even (``saturating_cast_``'s result). ``scale`` is a power of two, so the product is exact."""
-    out.copy_((x.float() * scale).clamp(-fmax, fmax).to(dtype8).view(torch.uint8))
-    return out
-
-
-def _decoded_sum(rows: Tensor, mult: Tensor, dtype8: torch.dtype) -> Tensor:
-    acc = rows[0].view(dtype8).float() * mult[0]
-    for r in range(1, rows.shape[0]):  # rank order, the same on every rank
-        acc = acc + rows[r].view(dtype8).float() * mult[r]
-    return acc
-
-
-@_fused
-def _decode_sum_into(rows: Tensor, mult: Tensor, out: Tensor, dtype8: torch.dtype, divisor: int) -> Tensor:
-    """``out`` <- ``(sum_r decode(rows[r]) * mult[r]) / divisor`` in fp32, summed in row (rank) order;
-    ``rows`` is (R, n) uint8 FP8 codes, ``mult`` (R,) fp32 powers of two (so every product is exact).
-    ``out`` may be any float dtype (one rounding into it)."""
-    out.copy_(_decoded_sum(rows, mult, dtype8) / divisor)
-    return out
-
-
-@_fused
-def _mean_requantize_into(rows: Tensor, out: Tensor, fmax: float, dtype8: torch.dtype) -> Tensor:
-    """``out`` (uint8) <- FP8 codes of the mean over rows of the decoded (R, n) codes ``rows``: fp32 sum
-    in row order, divided by R, saturating cast (|mean| <= max |row|, so nothing saturates)."""
-    ones = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
-    mean = _decoded_sum(rows, ones, dtype8) / rows.shape[0]
-    out.copy_(mean.clamp(-fmax, fmax).to(dtype8).view(torch.uint8))
-    return out
+# the synchronous FP8 all-reduce: amax all-reduce, then reduce-scatter + all-gather of the codes
 
 
 def fp8_all_reduce_mean_(
@@ -240,29 +178,51 @@ def fp8_all_reduce_mean_(
     segs = flat.split(sizes)
 
     # ---- 1. agree on per-tensor amax and on finiteness
-    amax = torch.stack([_abs_max(seg) for seg in segs])  # (T,)
-    nonfinite = ~torch.isfinite(amax).all()
-    stats = torch.cat([torch.nan_to_num(amax, nan=0.0, posinf=0.0), nonfinite.float().view(1)])
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-    state.add_bytes(ring_all_reduce_bytes(stats.numel(), stats.element_size(), world))
-    if stats[-1].item() > 0:
+    amax = _global_amax(segs, group, world, state)
+    if amax is None:
         state.step_nonfinite = True
         return flat.fill_(float("nan"))
 
     # ---- 2. common power-of-two scale per tensor (identical on every rank), quantise
-    scales = _pow2_scales(stats[:-1], fmax)
+    scales = pow2_scales(amax, fmax)
     use_rs = state.scheme in ("reduce_scatter", "auto") and world > 1  # this function is synchronous
     chunk = math.ceil(n / world)
     codes = torch.empty(chunk * world if use_rs else n, dtype=torch.uint8, device=flat.device)
     codes[n:].zero_()  # byte 0 is +0.0 in both FP8 formats: padding adds nothing
     for seg, s, c in zip(segs, scales, codes[:n].split(sizes)):
-        _encode_fp8_into(seg, s, c, fmax, dtype8)
+        encode_fp8_into(seg, s, c, fmax, dtype8)
 
     # ---- 3. exchange: the mean's FP8 codes (reduce-scatter) or every rank's codes (all-gather)
-    rows = None
+    rows = _exchange_codes(codes, n, use_rs, fmt, world, group, state)
+
+    # ---- 4. decode (and, after an all-gather, sum in rank order), undo the scale, into the bucket
+    divisor = 1 if rows.shape[0] == 1 else world
+    inv = (1.0 / scales.double()).float()  # powers of two: exact
+    for out, r, m in zip(segs, rows.split(sizes, dim=1), inv):
+        decode_sum_into(r, m.expand(rows.shape[0]), out, dtype8, divisor)
+    return flat
+
+
+def _global_amax(segs: Sequence[Tensor], group: dist.ProcessGroup, world: int, state: CommState) -> Optional[Tensor]:
+    """Each segment's amax, the maximum over all ranks (one ``all_reduce(MAX)``, bytes counted in ``state``);
+    None when some rank holds an inf/NaN (a flag of its own: NaN does not reliably survive a MAX)."""
+    amax = torch.stack([tensor_amax(seg) for seg in segs])  # (T,)
+    nonfinite = ~torch.isfinite(amax).all()
+    stats = torch.cat([torch.nan_to_num(amax, nan=0.0, posinf=0.0), nonfinite.float().view(1)])
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    state.add_bytes(ring_all_reduce_bytes(stats.numel(), stats.element_size(), world))
+    if stats[-1].item() > 0:
+        return None
+    return stats[:-1]
+
+
+def _exchange_codes(codes: Tensor, n: int, use_rs: bool, fmt: str, world: int, group: dist.ProcessGroup,
+                    state: CommState) -> Tensor:
+    """The FP8 codes to decode, as (R, n) rows: the mean's codes (R = 1) from the reduce-scatter, or every
+    rank's codes (R = world) from an all-gather, the fallback where the backend lacks all_to_all."""
     if use_rs:
         try:
-            rows = _reduce_scatter_all_gather(codes, fmt, world, group, state)[:n].view(1, n)
+            return _reduce_scatter_all_gather(codes, fmt, world, group, state)[:n].view(1, n)
         except _MissingCollective as err:
             if not state._fallback_logged:
                 log.warning(
@@ -274,15 +234,7 @@ def fp8_all_reduce_mean_(
                 state._fallback_logged = True
             state.scheme = "all_gather"
             codes = codes[:n]
-    if rows is None:
-        rows = _all_gather_rows(codes, world, group, state)
-
-    # ---- 4. decode (and, after an all-gather, sum in rank order), undo the scale, into the bucket
-    divisor = 1 if rows.shape[0] == 1 else world
-    inv = (1.0 / scales.double()).float()  # powers of two: exact
-    for out, r, m in zip(segs, rows.split(sizes, dim=1), inv):
-        _decode_sum_into(r, m.expand(rows.shape[0]), out, dtype8, divisor)
-    return flat
+    return _all_gather_rows(codes, world, group, state)
 
 
 class _MissingCollective(RuntimeError):
@@ -305,7 +257,7 @@ def _reduce_scatter_all_gather(
         # only this first collective may be missing; later failures are real errors
         raise _MissingCollective(str(err)) from err
     state.add_bytes((world - 1) * chunk)
-    reduced = _mean_requantize_into(received.view(world, chunk), torch.empty(chunk, dtype=torch.uint8,
+    reduced = mean_requantize_into(received.view(world, chunk), torch.empty(chunk, dtype=torch.uint8,
                                     device=codes.device), fmax, dtype8)
     gathered = torch.empty_like(codes)
     _all_gather_single(gathered, reduced, group=group)
@@ -357,16 +309,16 @@ def _own_scale_payload(buf: Tensor, sizes: Sequence[int], fmt: str) -> Tensor:
     dtype8, fmax = FP8_FORMATS[fmt]
     segs = buf.split(list(sizes))
     t = len(segs)
-    amax = torch.stack([_abs_max(seg) for seg in segs])
+    amax = torch.stack([tensor_amax(seg) for seg in segs])
     finite = torch.isfinite(amax)
-    scales = torch.where(finite, _pow2_scales(torch.nan_to_num(amax, nan=0.0, posinf=0.0), fmax),
+    scales = torch.where(finite, pow2_scales(torch.nan_to_num(amax, nan=0.0, posinf=0.0), fmax),
                          torch.full_like(amax, float("nan")))
     payload = torch.empty(4 * t + buf.numel(), dtype=torch.uint8, device=buf.device)
     payload[:4 * t].view(torch.float32).copy_(scales)
     codes = payload[4 * t:]
     if bool(finite.all()):
         for seg, sc, c in zip(segs, scales, codes.split(list(sizes))):
-            _encode_fp8_into(seg, sc, c, fmax, dtype8)
+            encode_fp8_into(seg, sc, c, fmax, dtype8)
     else:
         codes.zero_()
     return payload
@@ -386,7 +338,7 @@ def _sum_own_scale_payloads(gathered: Tensor, out: Tensor, sizes: Sequence[int],
         return False
     inv = (1.0 / all_scales.double()).float().t()  # (T, W), powers of two: exact
     for o, rows, m in zip(out.split(list(sizes)), gathered[:, 4 * t:].split(list(sizes), dim=1), inv):
-        _decode_sum_into(rows, m, o, dtype8, world)  # rank order, then / W
+        decode_sum_into(rows, m, o, dtype8, world)  # rank order, then / W
     return True
 
 

@@ -33,9 +33,12 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
-from fp4lightning.nn.linear import FP4Linear
+from fp4lightning.distributed.comm import ring_all_reduce_bytes
+from fp4lightning.distributed.fp8_codec import FP8_FORMATS, decode_sum_into, encode_fp8_into, pow2_scales
+from fp4lightning.nn.linear import FP4Linear, quantize_weight
+from fp4lightning.numerics.dge import dge_derivative
 
 __all__ = [
     "FP4ShardedWeight",
@@ -148,11 +151,9 @@ class FP4ShardedWeight(torch.Tensor):
 
     # --- FSDP2 extension points
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        from fp4lightning.nn.linear import _quantize_weight
-
         dtype = mp_policy.param_dtype or self._tensor.dtype
         # exactly what FP4Linear does to the gathered weight, on this rank's rows
-        codes, scale, _ = _quantize_weight(self._tensor.to(dtype), module.config)
+        codes, scale, _ = quantize_weight(self._tensor.to(dtype), module.config)
         n, k = outer_size
         self._stats.fp4_bytes += fp4_all_gather_bytes(n, k, self._world)
         self._stats.bf16_equivalent_bytes += bf16_all_gather_bytes(n, k, self._world)
@@ -214,8 +215,6 @@ class FP4GatheredWeight(torch.Tensor):
 
 
 def _flat(args, kwargs) -> Iterable[Any]:
-    from torch.utils._pytree import tree_leaves
-
     return tree_leaves((args, kwargs))
 
 
@@ -268,9 +267,6 @@ def _param_group(unit: nn.Module):
 @torch.no_grad()
 def _dge_hook(fsdp_module: nn.Module, stats: AllGatherStats):
     """Post-reduce-scatter hook: multiply each FP4-gathered weight's gradient shard by f'(W_shard s_w)."""
-    from fp4lightning.numerics.dge import dge_derivative
-    from fp4lightning.nn.linear import _quantize_weight
-
     group = _param_group(fsdp_module)
     if group is None or not any(getattr(fp._module_info.module, "_sharded_dge", None) for fp in group.fsdp_params):
         return None
@@ -287,7 +283,7 @@ def _dge_hook(fsdp_module: nn.Module, stats: AllGatherStats):
                 w = local._tensor if isinstance(local, FP4ShardedWeight) else local
                 dtype = fp.param_dtype or w.dtype
                 wq = w.to(dtype)
-                _, scale, _ = _quantize_weight(wq, dataclasses.replace(m.config, dge=True))
+                _, scale, _ = quantize_weight(wq, dataclasses.replace(m.config, dge=True))
                 factor = dge_derivative(wq.float() * scale[:, None], dge[0], dge[1])
                 seg = reduce_output[offset:offset + numel].view_as(factor)
                 seg.copy_((seg.float() * factor).to(seg.dtype))
@@ -314,8 +310,6 @@ class FP8ReduceScatter(_ReduceScatterBase):
     """
 
     def __init__(self, group_params, fmt: str, stats: AllGatherStats):
-        from fp4lightning.distributed.comm import FP8_FORMATS
-
         if fmt not in FP8_FORMATS:
             raise ValueError(f"grad_format={fmt!r}: FP8 reduce-scatter takes one of {tuple(FP8_FORMATS)}")
         self.fmt = fmt
@@ -327,8 +321,6 @@ class FP8ReduceScatter(_ReduceScatterBase):
 
     @torch.no_grad()
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        from fp4lightning.distributed.comm import FP8_FORMATS, _decode_sum_into, _encode_fp8_into, _pow2_scales, ring_all_reduce_bytes
-
         world = group.size()
         n = output_tensor.numel()
         if sum(self.sizes) != n:
@@ -349,16 +341,16 @@ class FP8ReduceScatter(_ReduceScatterBase):
             output_tensor.fill_(float("nan"))
             self._count(sent, n, world)
             return None
-        scales = _pow2_scales(red[:-1], fmax)
+        scales = pow2_scales(red[:-1], fmax)
         codes = torch.empty(world, n, dtype=torch.uint8, device=x.device)
         for seg, sc, c in zip(segs, scales, codes.split(self.sizes, dim=1)):
-            _encode_fp8_into(seg, sc, c, fmax, dtype8)  # one compiled loop per parameter on CPU
+            encode_fp8_into(seg, sc, c, fmax, dtype8)  # one compiled loop per parameter on CPU
         received = torch.empty(world, n, dtype=torch.uint8, device=x.device)
         dist.all_to_all_single(received, codes, group=group)
         divisor = world if op == dist.ReduceOp.AVG else 1
         inv = (1.0 / scales.double()).float()  # powers of two: exact
         for out, rows, m in zip(output_tensor.view(n).split(self.sizes), received.split(self.sizes, dim=1), inv):
-            _decode_sum_into(rows, m.expand(world), out, dtype8, divisor)  # rank order: the same everywhere
+            decode_sum_into(rows, m.expand(world), out, dtype8, divisor)  # rank order: the same everywhere
         self._count(sent + (world - 1) * n, n, world)
         return None
 
@@ -375,6 +367,14 @@ def _checkpointed(forward, *args, **kwargs):
 
 def _drop_weight_cache(module: nn.Module, args: Any) -> None:
     module.__dict__.pop("_wq_cache", None)
+
+
+def _uncache_gathered_weights(model: nn.Module) -> None:
+    """FSDP2 refills a high-precision gathered weight in place without bumping the version counter
+    FP4Linear's quantized-weight cache keys on: drop that cache before every forward."""
+    for m in model.modules():
+        if isinstance(m, FP4Linear) and not isinstance(m.weight.data, FP4ShardedWeight):
+            m.register_forward_pre_hook(_drop_weight_cache)
 
 
 def fully_shard_fp4(
@@ -406,20 +406,13 @@ def fully_shard_fp4(
         grad_format: gradient reduce-scatter format: ``"fp32"`` (FSDP2's own, in the reduce dtype of
             ``mp_policy``) or ``"e4m3"`` / ``"e5m2"`` (:class:`FP8ReduceScatter`).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():
         raise RuntimeError("fully_shard_fp4 needs torch.distributed initialised (torchrun, or Lightning's "
                            "ModelParallelStrategy) before it is called")
-    if not block_types:
-        block_types = tuple(getattr(model, "shard_units", ()))
-        if not block_types:
-            raise ValueError(f"fully_shard_fp4: pass block_types (the modules to shard as units); "
-                             f"{type(model).__name__} declares no shard_units")
-    if mesh is None:
-        dev = next(model.parameters()).device
-        mesh = init_device_mesh(dev.type if dev.type != "meta" else "cpu", (dist.get_world_size(),))
+    block_types = block_types or _declared_shard_units(model)
+    mesh = mesh if mesh is not None else _default_mesh(model)
     world = mesh.size()
     stats = stats or AllGatherStats()
     if fp4_all_gather and world == 1:
@@ -431,16 +424,9 @@ def fully_shard_fp4(
         log.info("fully_shard_fp4: one rank, nothing to all-gather; FP4Linear layers quantize their own weights")
         fp4_all_gather = False
     wrapped = _wrap_weights(model, stats, world) if fp4_all_gather else []
-    for m in model.modules():
-        if isinstance(m, FP4Linear) and not isinstance(m.weight.data, FP4ShardedWeight):
-            # FSDP2 refills the gathered weight in place without bumping the version counter FP4Linear's
-            # quantized-weight cache keys on: drop the cache before every forward
-            m.register_forward_pre_hook(_drop_weight_cache)
+    _uncache_gathered_weights(model)
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy())
-    if block_types:
-        units = [m for m in model.modules() if isinstance(m, block_types)]
-    else:  # the elements of the model's ModuleLists: a transformer's stack of blocks (LLaMA's ``layers``)
-        units = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
+    units = [m for m in model.modules() if isinstance(m, block_types)]
     for unit in units:
         if activation_checkpointing:
             unit.forward = functools.partial(_checkpointed, unit.forward)
@@ -448,7 +434,32 @@ def fully_shard_fp4(
     fully_shard(model, **kw)
     # DGE on the reduce-scattered shard: only where a weight is gathered as FP4 codes with DGE on
     sharded_dge = any(hasattr(m, "_sharded_dge") for m in wrapped)
-    for unit in [*units, model]:
+    _install_grad_hooks([*units, model], stats, sharded_dge, grad_format)
+    model.fp4_gather_stats = stats
+    return model
+
+
+def _declared_shard_units(model: nn.Module) -> tuple[type, ...]:
+    """The module classes ``model`` declares as its FSDP units (``shard_units``, LLaMA's ``Block``)."""
+    block_types = tuple(getattr(model, "shard_units", ()))
+    if not block_types:
+        raise ValueError(f"fully_shard_fp4: pass block_types (the modules to shard as units); "
+                         f"{type(model).__name__} declares no shard_units")
+    return block_types
+
+
+def _default_mesh(model: nn.Module):
+    """A 1-D mesh of all ranks on the device type of ``model``'s parameters (CPU for a meta-device model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = next(model.parameters()).device
+    return init_device_mesh(dev.type if dev.type != "meta" else "cpu", (dist.get_world_size(),))
+
+
+def _install_grad_hooks(units: list[nn.Module], stats: AllGatherStats, sharded_dge: bool, grad_format: str) -> None:
+    """On each ``fully_shard``-ed unit: the DGE hook on the reduce-scattered shard (``sharded_dge``) and the
+    FP8 reduce-scatter (``grad_format`` other than fp32)."""
+    for unit in units:
         hook = _dge_hook(unit, stats) if sharded_dge else None
         if hook is not None:
             unit.set_all_reduce_hook(hook)
@@ -456,5 +467,3 @@ def fully_shard_fp4(
             group = _param_group(unit)
             if group is not None:
                 unit.set_custom_reduce_scatter(FP8ReduceScatter(group.fsdp_params, grad_format, stats))
-    model.fp4_gather_stats = stats
-    return model

@@ -10,8 +10,8 @@ the same recipe never sees.
 :class:`GradCommSimulation` applies that round trip to every gradient before the optimizer step:
 with one scale per gradient tensor, the granularity of the DDP hooks (one scale per tensor of a
 bucket, so buckets need not be formed) and of FSDP's ``FP8ReduceScatter`` (one per parameter). The
-encoder and decoder are comm.py's own (``_encode_fp8_into``, ``_decode_sum_into``, ``_pow2_scales``,
-``_abs_max``), so the codes are the exchange's bit for bit. At one rank every FP8 scheme of comm.py
+encoder and decoder are the exchange's own (:mod:`fp4lightning.distributed.fp8_codec`), so the codes
+are the exchange's bit for bit. At one rank every FP8 scheme of comm.py
 reduces to this one rounding: the asynchronous all-gather rounds once with the rank's own scale, and
 the reduce-scatter's second rounding re-encodes a value already on the grid of the same scale (exact).
 
@@ -33,7 +33,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from fp4lightning.distributed.comm import FP8_FORMATS, WIRE_FORMATS, _abs_max, _decode_sum_into, _encode_fp8_into, _pow2_scales
+from fp4lightning.distributed.comm import WIRE_FORMATS
+from fp4lightning.distributed.fp8_codec import FP8_FORMATS, decode_sum_into, encode_fp8_into, pow2_scales, tensor_amax
 
 __all__ = ["GradCommSimulation", "round_trip_"]
 
@@ -49,16 +50,16 @@ def round_trip_(grad: Tensor, fmt: str) -> Tensor:
         return grad
     if fmt == "bf16":  # bf16_compress_hook: the bucket cast to bf16 and back
         return grad.copy_(grad.to(torch.bfloat16))
-    amax = _abs_max(grad.reshape(-1))
+    amax = tensor_amax(grad.reshape(-1))
     if not bool(torch.isfinite(amax)):
         return grad
     dtype8, fmax = FP8_FORMATS[fmt]
     flat = grad.reshape(-1)  # a view of a contiguous gradient, else a copy written back below
-    scale = _pow2_scales(amax.view(1), fmax)
+    scale = pow2_scales(amax.view(1), fmax)
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=grad.device)
-    _encode_fp8_into(flat, scale[0], codes, fmax, dtype8)
+    encode_fp8_into(flat, scale[0], codes, fmax, dtype8)
     inv = (1.0 / scale.double()).float()  # a power of two: exact
-    _decode_sum_into(codes.view(1, -1), inv, flat, dtype8, 1)  # one rank's row, divided by W = 1
+    decode_sum_into(codes.view(1, -1), inv, flat, dtype8, 1)  # one rank's row, divided by W = 1
     if flat.data_ptr() != grad.data_ptr() or not grad.is_contiguous():
         grad.copy_(flat.view_as(grad))
     return grad
