@@ -36,19 +36,20 @@ import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDPStrategy
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from fp4lightning.distributed.comm import CommState, register_hook
-from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 from fp4lightning.config import FP4Config
-from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_modules
-from fp4lightning.lightning.loss_scaler import DynamicLossScaler
-from fp4lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
-from fp4lightning.lightning.precision import COMPUTE_DTYPES, StepPolicyState
+from fp4lightning.distributed.comm import CommState, register_hook
+from fp4lightning.lightning.loss_scaler import DynamicLossScaler, StepPolicyState
+from fp4lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE
+from fp4lightning.lightning.precision import COMPUTE_DTYPES
 from fp4lightning.lightning.strategy import DDP_STRATEGY_NAMES
+from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_modules
+from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 
 __all__ = ["FP4FabricPrecision", "FP4FabricDDPStrategy"]
 
@@ -81,20 +82,14 @@ class FP4FabricPrecision(StepPolicyState, FabricPrecision):
                             f"got {type(config).__name__}")
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"FP4FabricPrecision: compute_dtype={compute_dtype!r} is not one of {list(COMPUTE_DTYPES)}")
-        if scaler is not None and compute_dtype != "fp16":
-            raise ValueError("FP4FabricPrecision: a loss scaler is only used with compute_dtype='fp16'")
         self.config = config or FP4Config()
         self.module_filter_fn = module_filter_fn
         self.compute_dtype = COMPUTE_DTYPES[compute_dtype]
         self.precision = f"fp4-{compute_dtype}"  # type: ignore[assignment]
         self.weights_dtype = weights_dtype
-        # the default scaler must not give up before the non-finite policy does (max_consecutive_skips)
-        self.scaler = (scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
-                       ) if compute_dtype == "fp16" else None
-        #: skipped-step counter of the non-finite policy (fp4lightning.lightning.nonfinite)
-        self.nonfinite = SkipCounter(max_consecutive_skips, fix="lower the learning rate, check the data, or raise "
-                                     "FP4FabricPrecision(max_consecutive_skips=...)",
-                                     name="FP4FabricPrecision: max_consecutive_skips")
+        self._init_step_policy("FP4FabricPrecision", compute_dtype, scaler, max_consecutive_skips,
+                               fix="lower the learning rate, check the data, or raise "
+                                   "FP4FabricPrecision(max_consecutive_skips=...)")
         self._steps = 0  # optimizer steps taken or skipped (Fabric has no global step)
         self._device: str | None = None
         self._found_inf: dict[int, bool] = {}  # optimizer id -> checked this step, with inf/NaN?
@@ -130,20 +125,16 @@ class FP4FabricPrecision(StepPolicyState, FabricPrecision):
 
     def convert_output(self, data: Any) -> Any:
         # the loss leaves autocast in its compute dtype; hand fp32 to the user's code (as Fabric's AMP)
-        from lightning.fabric.utilities.apply_func import apply_to_collection
-
         return apply_to_collection(data, Tensor, lambda t: t.float() if t.is_floating_point() else t)
 
     # ------------------------------------------------------------------ backward / step
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        tensor.backward(*args, **kwargs)
+        self._scale_loss(tensor).backward(*args, **kwargs)
 
     def _check(self, optimizer: Optimizer) -> bool:
         """Unscale (fp16) and check the gradients once per step, on every rank."""
         if id(optimizer) not in self._found_inf:
-            self._found_inf[id(optimizer)] = detect_nonfinite(optimizer, self.scaler)
+            self._found_inf[id(optimizer)] = self._detect_nonfinite(optimizer)
         return self._found_inf[id(optimizer)]
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -163,8 +154,7 @@ class FP4FabricPrecision(StepPolicyState, FabricPrecision):
         found_inf = self._check(optimizer)
         del self._found_inf[id(optimizer)]
         self._steps += 1
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if settle_step(found_inf, self.nonfinite, self._steps, params, self.scaler, "FP4FabricPrecision"):
+        if self._settle_step(found_inf, self._steps, optimizer):
             return None
         return optimizer.step(**kwargs)
 

@@ -1,20 +1,27 @@
-"""Dynamic loss scaling for fp16 compute (arXiv 2501.17116 trains in bf16; fp16 needs this).
+"""Dynamic loss scaling for fp16 compute (arXiv 2501.17116 trains in bf16; fp16 needs this), and the
+step policy state of the two FP4 precision plugins.
 
 One implementation shared by the Trainer plugin (:class:`~fp4lightning.lightning.precision.FP4Precision`)
 and the Fabric plugin (:class:`~fp4lightning.lightning.fabric.FP4FabricPrecision`): the loss is multiplied
 by the scale before backward; the gradients are unscaled and checked for inf/NaN before the step,
 which is skipped and the scale halved on overflow, or the scale doubled after ``growth_interval``
-good steps (docs/lightning.md).
+good steps (docs/lightning.md). :class:`StepPolicyState` holds, for both plugins, the scaler and the
+non-finite skip counter (:mod:`fp4lightning.lightning.nonfinite`), applies them to each optimizer step
+and puts both into the plugin's checkpointed state.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["DynamicLossScaler"]
+from fp4lightning.config import FP4Config
+from fp4lightning.lightning.nonfinite import TRAINER_FIX, SkipCounter, detect_nonfinite, settle_step
+
+__all__ = ["DynamicLossScaler", "StepPolicyState"]
 
 
 class DynamicLossScaler:
@@ -110,3 +117,68 @@ class DynamicLossScaler:
     def __repr__(self) -> str:
         return (f"DynamicLossScaler(scale={self.scale_value:g}, good_steps={self.good_steps}, "
                 f"skipped_steps={self.skipped_steps})")
+
+
+class StepPolicyState:
+    """What both FP4 precision plugins (``FP4Precision`` and ``FP4FabricPrecision``) keep, apply and
+    checkpoint of their step policy: the fp16 loss scale and the non-finite skip counts.
+
+    A plugin calls :meth:`_init_step_policy` from its ``__init__``, :meth:`_scale_loss` before backward,
+    and :meth:`_detect_nonfinite` then :meth:`_settle_step` in its optimizer step.
+    """
+
+    precision: str
+    config: FP4Config
+    scaler: DynamicLossScaler | None
+    nonfinite: SkipCounter
+
+    def _init_step_policy(self, who: str, compute_dtype: str, scaler: DynamicLossScaler | None,
+                          max_consecutive_skips: int, fix: str = TRAINER_FIX) -> None:
+        """The fp16 loss scaler (``scaler`` or a fresh one; None with bf16) and the skip counter;
+        ``who`` names the plugin in messages, ``fix`` is the stop message's advice."""
+        if scaler is not None and compute_dtype != "fp16":
+            raise ValueError(f"{who}: a loss scaler is only used with compute_dtype='fp16'; bf16 has fp32's "
+                             "range and needs none")
+        self._policy_owner = who
+        # the default scaler must not give up before the non-finite policy does (max_consecutive_skips)
+        self.scaler = (scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
+                       ) if compute_dtype == "fp16" else None
+        #: skipped-step counter of the non-finite policy (fp4lightning.lightning.nonfinite); read by NonFiniteGuard
+        self.nonfinite = SkipCounter(max_consecutive_skips, fix=fix, name=f"{who}: max_consecutive_skips")
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale, or None with bf16."""
+        return self.scaler.scale_value if self.scaler is not None else None
+
+    def _scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss`` times the fp16 loss scale (unchanged with bf16)."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def _detect_nonfinite(self, optimizer: Optimizer) -> bool:
+        """Unscale (fp16) and check ``optimizer``'s gradients; True if any rank holds an inf/NaN.
+        Every rank must call it."""
+        return detect_nonfinite(optimizer, self.scaler)
+
+    def _settle_step(self, found_inf: bool, step: int, optimizer: Optimizer) -> bool:
+        """Count the step, move the fp16 loss scale, and return True when the step must be skipped;
+        raises ``NonFiniteError`` when the run must stop."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return settle_step(found_inf, self.nonfinite, step, params, self.scaler, self._policy_owner)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scaler, the skip counts and the recipe (Lightning saves it under ``checkpoint["FP4Precision"]``)."""
+        out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        out["nonfinite"] = self.nonfinite.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        self.nonfinite.load_state_dict(state_dict.get("nonfinite", {}))
+        saved = state_dict.get("precision")
+        if saved is not None and saved != self.precision:
+            rank_zero_info(f"{type(self).__name__}: checkpoint was written with precision={saved!r}, resuming with "
+                           f"{self.precision!r}")

@@ -13,7 +13,8 @@ in the gradients after backward. The policy:
 
 ``FP4Precision`` applies the policy inside its ``optimizer_step`` (bf16 and fp16, where the
 loss scaler also backs off), and so does ``FP4FabricPrecision`` for ``lightning.Fabric`` (both
-through :func:`detect_nonfinite` and :func:`settle_step`); :class:`NonFiniteGuard` applies it for any other precision
+through :func:`detect_nonfinite` and :func:`settle_step`, by way of
+:class:`~fp4lightning.lightning.loss_scaler.StepPolicyState`); :class:`NonFiniteGuard` applies it for any other precision
 plugin (``bf16-mixed``, ``32-true``) and logs the count for all of them. The checkpoint
 writer (:mod:`fp4lightning.train.checkpoint`) refuses to write a checkpoint with a non-finite
 weight.
@@ -28,6 +29,8 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from fp4lightning.lightning.log import host_scalar
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "grads_nonfinite", "params_nonfinite", "detect_nonfinite", "settle_step",
            "DEFAULT_MAX_CONSECUTIVE"]
@@ -198,8 +201,7 @@ class NonFiniteGuard(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         counter = self._plugin_counter(trainer) or self.counter
-        from fp4lightning.lightning.log import host_scalar  # a host tensor: a float would be copied to the GPU (a sync)
-
+        # a host tensor: a float would be copied to the GPU (a sync)
         pl_module.log("train/nonfinite_skips", host_scalar(counter.total), on_step=True, on_epoch=False, batch_size=1)
 
     def state_dict(self) -> dict[str, Any]:

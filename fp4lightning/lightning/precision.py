@@ -35,18 +35,21 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Callable, Literal
 
 import torch
+from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import LBFGS, Optimizer
 
-from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 from fp4lightning.config import FP4Config
-from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_modules
-from fp4lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE, SkipCounter, detect_nonfinite, settle_step
-from fp4lightning.lightning.loss_scaler import DynamicLossScaler
+from fp4lightning.lightning.loss_scaler import DynamicLossScaler, StepPolicyState
+from fp4lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE
 from fp4lightning.lightning.optim import REDUCED_STATE_FORMATS, swap_to_low_precision_adamw
+from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_modules
+from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
+from fp4lightning.numerics.cpu_fused import compile_enabled
 
 __all__ = ["FP4Precision", "COMPUTE_DTYPES"]
 
@@ -58,38 +61,6 @@ COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.
 # 32 bits per parameter for ours; that is right (the weights are fp32 master copies) and cannot be
 # told to it otherwise, so the warning says nothing a user can act on
 warnings.filterwarnings("ignore", message=r"Precision fp4-(bf16|fp16) is not supported by the model summary")
-
-
-class StepPolicyState:
-    """What both FP4 precision plugins (this one and ``fp4lightning.lightning.fabric.FP4FabricPrecision``) expose and
-    checkpoint of their step policy: the fp16 loss scale and the non-finite skip counts."""
-
-    precision: str
-    config: FP4Config
-    scaler: DynamicLossScaler | None
-    nonfinite: SkipCounter
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The current fp16 loss scale, or None with bf16."""
-        return self.scaler.scale_value if self.scaler is not None else None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The loss scaler, the skip counts and the recipe (Lightning saves it under ``checkpoint["FP4Precision"]``)."""
-        out: dict[str, Any] = {"precision": self.precision, "config": self.config.to_dict()}
-        if self.scaler is not None:
-            out["scaler"] = self.scaler.state_dict()
-        out["nonfinite"] = self.nonfinite.state_dict()
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and "scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["scaler"])
-        self.nonfinite.load_state_dict(state_dict.get("nonfinite", {}))
-        saved = state_dict.get("precision")
-        if saved is not None and saved != self.precision:
-            rank_zero_info(f"{type(self).__name__}: checkpoint was written with precision={saved!r}, resuming with "
-                           f"{self.precision!r}")
 
 
 class FP4Precision(StepPolicyState, Precision):
@@ -156,18 +127,10 @@ class FP4Precision(StepPolicyState, Precision):
         self.weights_dtype = weights_dtype
         self.device = device
         self._resolved_device: str | None = None  # where connect() found the parameters
-        if scaler is not None and self.compute_dtype != torch.float16:
-            raise ValueError("FP4Precision: a loss scaler is only used with compute_dtype='fp16'; bf16 has fp32's "
-                             "range and needs none")
-        # the default scaler must not give up before the non-finite policy does (max_consecutive_skips)
-        self.scaler: DynamicLossScaler | None = (
-            scaler or DynamicLossScaler(max_consecutive_skips=max(50, max_consecutive_skips + 1))
-        ) if compute_dtype == "fp16" else None
+        self._init_step_policy("FP4Precision", compute_dtype, scaler, max_consecutive_skips)
         self._checked_device: str | None = None
         self._said_layers = False  # the layer summary (describe_conversion) is printed
         self._said_compile = False
-        #: skipped-step counter of the non-finite policy (fp4lightning.lightning.nonfinite); read by NonFiniteGuard
-        self.nonfinite = SkipCounter(max_consecutive_skips, name="FP4Precision: max_consecutive_skips")
 
     # ------------------------------------------------------------------ model
 
@@ -236,8 +199,6 @@ class FP4Precision(StepPolicyState, Precision):
     def _say_compile(self, model: nn.Module) -> None:
         """Say once, before the first step, that it compiles the CPU path (fp4lightning.numerics.cpu_fused): a minute or
         more in which the progress bar stays at 0."""
-        from fp4lightning.numerics.cpu_fused import compile_enabled
-
         if self._said_compile or self._device_type() != "cpu" or not compile_enabled(torch.device("cpu")):
             return
         if fp4_modules(model):
@@ -279,9 +240,7 @@ class FP4Precision(StepPolicyState, Precision):
     # ------------------------------------------------------------------ loss scaling
 
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        return super().pre_backward(tensor, module)
+        return super().pre_backward(self._scale_loss(tensor), module)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
                        **kwargs: Any) -> Any:
@@ -296,12 +255,11 @@ class FP4Precision(StepPolicyState, Precision):
         if closure_result is None and getattr(model, "automatic_optimization", True):
             return closure_result
         # unscale before the hooks and clipping: both must see true gradient magnitudes
-        found_inf = detect_nonfinite(optimizer, self.scaler)
+        found_inf = self._detect_nonfinite(optimizer)
         self._after_closure(model, optimizer)
         step = int(model.trainer.global_step) + 1 if getattr(model, "_trainer", None) is not None else 0
-        params = [p for g in optimizer.param_groups for p in g["params"]]
         # raises NonFiniteError when the run must stop
-        if settle_step(found_inf, self.nonfinite, step, params, self.scaler, "FP4Precision"):
+        if self._settle_step(found_inf, step, optimizer):
             return closure_result
         return optimizer.step(**kwargs)
 
@@ -309,8 +267,6 @@ class FP4Precision(StepPolicyState, Precision):
 
 def _say_grad_format(model: nn.Module) -> None:
     """Say once, on rank 0, in which format a data-parallel strategy communicates gradients."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if not isinstance(model, DistributedDataParallel):
         return
     trainer = getattr(model.module, "_trainer", None)
@@ -329,8 +285,6 @@ def _say_grad_format(model: nn.Module) -> None:
 
 def _refuse_fabric(caller) -> None:
     """Fabric drives a plugin through other methods than the Trainer: point it at the Fabric plugin."""
-    from lightning.fabric import Fabric
-
     if isinstance(caller.f_locals.get("self"), Fabric):
         raise TypeError("FP4Precision is the Lightning Trainer's plugin and cannot drive lightning.Fabric "
                         "(fabric.backward would fail); use Fabric(plugins=[fp4lightning.lightning.fabric.FP4FabricPrecision()])")

@@ -20,6 +20,13 @@ import inspect
 from typing import Any, Optional, Union, get_args
 
 import lightning.pytorch as pl
+from lightning.pytorch.accelerators import (
+    Accelerator,
+    AcceleratorRegistry,
+    CPUAccelerator,
+    CUDAAccelerator,
+    MPSAccelerator,
+)
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 
@@ -57,28 +64,10 @@ def _world_size(accelerator: Any, devices: Any, num_nodes: Any) -> Optional[int]
     Uses the accelerators' public ``parse_devices`` / ``auto_device_count``; anything unusual is
     left to Lightning, which reports bad values with its own messages.
     """
-    from lightning.pytorch.accelerators import (
-        Accelerator,
-        AcceleratorRegistry,
-        CPUAccelerator,
-        CUDAAccelerator,
-        MPSAccelerator,
-    )
-
     try:
-        if isinstance(accelerator, Accelerator):
-            acc = type(accelerator)
-        elif accelerator in ("auto", "gpu"):
-            if CUDAAccelerator.is_available():
-                acc = CUDAAccelerator
-            elif MPSAccelerator.is_available():
-                acc = MPSAccelerator
-            elif accelerator == "auto":
-                acc = CPUAccelerator
-            else:
-                return None
-        else:
-            acc = type(AcceleratorRegistry.get(accelerator))
+        acc = _accelerator_class(accelerator)
+        if acc is None:
+            return None
         if devices == "auto":
             n = acc.auto_device_count()
         else:
@@ -86,6 +75,19 @@ def _world_size(accelerator: Any, devices: Any, num_nodes: Any) -> Optional[int]
         return n * int(num_nodes)
     except Exception:
         return None
+
+
+def _accelerator_class(accelerator: Any) -> Optional[type]:
+    """The accelerator class Lightning will pick for ``accelerator`` (None: ``"gpu"`` without a GPU)."""
+    if isinstance(accelerator, Accelerator):
+        return type(accelerator)
+    if accelerator not in ("auto", "gpu"):
+        return type(AcceleratorRegistry.get(accelerator))
+    if CUDAAccelerator.is_available():
+        return CUDAAccelerator
+    if MPSAccelerator.is_available():
+        return MPSAccelerator
+    return CPUAccelerator if accelerator == "auto" else None
 
 
 class Trainer(pl.Trainer):
