@@ -79,7 +79,7 @@ def minifloat_bits(a, MANT: tl.constexpr, EMIN: tl.constexpr):
     ``MANT`` mantissa bits, ``EMIN`` the smallest normal exponent (= 1 - bias). The
     caller clamps ``a`` to the format's maximum first (saturation) and keeps NaN out.
     Both branches are exact IEEE arithmetic, so the result is bit-identical to
-    round-to-nearest-even (and to ``fp4lightning.numerics.formats._magnitude_index`` for E2M1,
+    round-to-nearest-even (and to ``fp4lightning.numerics.formats.e2m1_index`` for E2M1,
     MANT=1, EMIN=0, which gives the code index 0..7):
 
     * ``a >= 2^EMIN`` (normal): round the fp32 bit pattern to MANT mantissa bits in
@@ -112,7 +112,11 @@ def sign_bit(y):
 
 
 @triton.jit
-def _e2m1_to_bits(c, MANT: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr):
+def e2m1_bits(c, MANT: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr):
+    """4-bit E2M1 codes -> the bit patterns (int32) of their exact values in a float type with
+    ``MANT`` mantissa bits, ``HALF`` the bits of 0.5 there and the sign at bit ``SIGN``
+    (E4M3: 3, 0x30, 7; E5M2: 2, 0x38, 7; fp16: 10, 0x3800, 15; bf16: 7, 0x3F00, 15;
+    fp32: 23, 0x3F000000, 31). Integer arithmetic only: no float conversion can round."""
     # Index i >= 2 is the normal 1.m x 2^(e-1) with e = i >> 1, m = i & 1, so in a
     # target type with MANT mantissa bits its bits are (i << (MANT - 1)) + bits(0.5);
     # i == 1 is E2M1's only subnormal, 0.5.
@@ -123,18 +127,19 @@ def _e2m1_to_bits(c, MANT: tl.constexpr, HALF: tl.constexpr, SIGN: tl.constexpr)
 
 
 @triton.jit
-def decode_e2m1(c, DOT: tl.constexpr):
-    """4-bit E2M1 codes (uint8 nibbles, 0..15) -> values in the dot operand type ``DOT``."""
+def decode_e2m1_dot(c, DOT: tl.constexpr):
+    """4-bit E2M1 codes (uint8 nibbles, 0..15) -> values in the dot operand type ``DOT`` (the
+    in-register twin of ``fp4lightning.numerics.formats.decode_e2m1``)."""
     if DOT == 0:  # DOT_FP8E4
-        out = _e2m1_to_bits(c, 3, 0x30, 7).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        out = e2m1_bits(c, 3, 0x30, 7).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     elif DOT == 1:  # DOT_FP8E5
-        out = _e2m1_to_bits(c, 2, 0x38, 7).to(tl.uint8).to(tl.float8e5, bitcast=True)
+        out = e2m1_bits(c, 2, 0x38, 7).to(tl.uint8).to(tl.float8e5, bitcast=True)
     elif DOT == 2:  # DOT_FP16
-        out = _e2m1_to_bits(c, 10, 0x3800, 15).to(tl.uint16).to(tl.float16, bitcast=True)
+        out = e2m1_bits(c, 10, 0x3800, 15).to(tl.uint16).to(tl.float16, bitcast=True)
     elif DOT == 3:  # DOT_BF16
-        out = _e2m1_to_bits(c, 7, 0x3F00, 15).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        out = e2m1_bits(c, 7, 0x3F00, 15).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:  # DOT_FP32: fp16 -> fp32 upcasts are exact
-        out = _e2m1_to_bits(c, 10, 0x3800, 15).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        out = e2m1_bits(c, 10, 0x3800, 15).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return out
 
 
@@ -147,7 +152,7 @@ def decode_e2m1(c, DOT: tl.constexpr):
 # 32-bit register of four packed bytes becomes four FP8 low-nibble values and four
 # high-nibble values with a handful of shift / and / or instructions (SWAR), and the
 # power of two is folded into the epilogue (exact). Measured from the SASS with
-# kernels/compile_check.py against the per-code decode (decode_e2m1 below), which
+# kernels/compile_check.py against the per-code decode (decode_e2m1_dot above), which
 # costs about ten instructions per code. The alternative, FP8 copies of the operands
 # (twice the bytes, transposed copies for the backward GeMMs since FP8 wgmma wants K-major
 # operands), is the ``expand`` path of kernels/fp8_gemm.py; which is faster is measured by
@@ -264,6 +269,75 @@ def tile_ids(pid, num_r, num_c, GROUP: tl.constexpr):
     first = (pid // width) * GROUP
     size = tl.minimum(num_r - first, GROUP)
     return first + ((pid % width) % size), (pid % width) // size
+
+
+# --------------------------------------------------------------------------- shared by the GeMMs
+# (the decode path, kernels/gemm.py, and the expand path, kernels/fp8_gemm.py)
+def m_bucket(m: int) -> int:
+    """The autotune key of a token count (``M_BUCKET``): the next power of two (at least 16), so a
+    new batch size does not re-tune."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def precise_accumulation(fast_accum: bool | None) -> bool:
+    """PRECISE_ACC of a launch: promote FP8 partial sums unless fast accumulation is asked for.
+
+    ``fast_accum=None`` follows FP4LIGHTNING_FP8_FAST_ACCUM (default off). Only FP8 dots
+    are affected (Hopper's FP8 MMA accumulates in reduced precision, see ``mma``).
+    """
+    return not (FP8_FAST_ACCUM if fast_accum is None else fast_accum)
+
+
+@triton.jit
+def dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
+    """DGE derivative f'(x) of fp32 scaled weights (arXiv 2501.17116, section 3.2): the device
+    function of every wgrad epilogue and of ``gemm.triton_dge_factor``.
+
+    The interval is taken from the magnitude after the quantizer's saturation,
+    ``a = min(|x|, 6)``: ``W * s_w`` rounded in fp32 lands just above 6 for each row's
+    largest weight (0.37 * (6 / 0.37) = 6.0000005), and that weight quantizes to 6, a
+    grid point, so its derivative is exactly 1/k - never 0. Same formula as
+    ``fp4lightning.numerics.dge.dge_derivative``; NaN and +/-inf get 0.
+    """
+    a = tl.minimum(tl.abs(x), E2M1_MAX_C)
+    # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
+    inv_delta = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    delta = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    left = tl.floor(a * inv_delta) * delta
+    t = tl.abs(2.0 * (a - left) * inv_delta - 1.0)
+    # t^POW with POW < 0; t == 0 (an interval mid-point) is +inf, which the clamp caps;
+    # t == 1 (a grid point) is exactly 1 (log2(1) = 0), so f' = 1/k exactly there
+    safe = tl.where(t > 0.0, t, 1.0)
+    d = INV_K * tl.where(t > 0.0, tl.exp2(POW * tl.log2(safe)), float("inf"))
+    d = tl.minimum(d, CLAMP)
+    return tl.where(tl.abs(x) <= 3.4028234663852886e38, d, 0.0)  # NaN and +/-inf: 0, as the reference
+
+
+@triton.jit
+def finish_rows_in_chunks(y_ptr, stride_y, c_ptr, stride_cr, stride_cc, w_ptr, stride_w, sw_ptr, row0, R, cols,
+                          col_ok, BLOCK_R: tl.constexpr, EPI: tl.constexpr, HAS_ADDEND: tl.constexpr,
+                          HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr,
+                          DGE_CLAMP: tl.constexpr):
+    """Second phase of a wgrad epilogue on an fp32 output tile already stored at rows
+    ``row0 ..`` (R rows in all) and columns ``cols``: re-read it in chunks of EPI rows, add
+    the addend C, multiply by the DGE factor f'(W s_w), store. Chunked because the DGE math
+    on a whole tile holds several tile-sized temporaries and spills (compile_check)."""
+    tl.debug_barrier()  # the block's own stores are visible to all its threads
+    for r0 in tl.static_range(0, BLOCK_R, EPI):
+        rows = row0 + r0 + tl.arange(0, EPI)
+        r_ok = rows < R
+        mask = r_ok[:, None] & col_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        ptrs = y_ptr + r64 * stride_y + cols[None, :]
+        v = tl.load(ptrs, mask=mask, other=0.0)
+        if HAS_ADDEND:
+            v += tl.load(c_ptr + r64 * stride_cr + cols.to(tl.int64)[None, :] * stride_cc, mask=mask,
+                         other=0.0).to(tl.float32)
+        if HAS_DGE:
+            sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
+            w = tl.load(w_ptr + r64 * stride_w + cols[None, :], mask=mask, other=0.0)
+            v = v * dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+        tl.store(ptrs, v, mask=mask)
 
 
 # --------------------------------------------------------------------------- input checks

@@ -19,12 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4lightning.numerics.block_formats import nvfp4_global_scale
+
 from ._common import (E2M1_MAX_C, E8M0_BIAS_C, F8E4M3_MAX_C, F8E4M3_MIN_NORMAL_C, F32_MIN_NORMAL_C, INTERPRET,
-                      decode_e2m1, minifloat_bits, sign_bit)
+                      decode_e2m1_dot, minifloat_bits, sign_bit)
 
 __all__ = ["triton_quantize_mxfp4", "triton_quantize_nvfp4", "triton_block_gemm"]
 
-_DOT_FP32 = 4  # decode_e2m1 target: fp32 values (exact)
+_DOT_FP32 = 4  # decode_e2m1_dot target: fp32 values (exact)
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -125,8 +127,6 @@ def triton_quantize_mxfp4(x: torch.Tensor, block_m: int = 16):
 
 def triton_quantize_nvfp4(x: torch.Tensor, block_m: int = 16):
     """(packed codes, E4M3 block scales (M, K/16) float8_e4m3fn, fp32 global scale), as the reference."""
-    from fp4lightning.numerics.block_formats import nvfp4_global_scale
-
     x = _check(x, 16, "quantize_nvfp4")
     m, k = x.shape
     if x.numel() == 0:
@@ -160,7 +160,7 @@ def _scaled_tile(q_ptr, s_ptr, rows, k0, M, K, stride_qm, stride_sm,
     bcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     byte = tl.load(q_ptr + rows[:, None] * stride_qm + bcols[None, :],
                    mask=(rows < M)[:, None] & (bcols < K // 2)[None, :], other=0)
-    v = tl.reshape(tl.join(decode_e2m1(byte & 0xF, 4), decode_e2m1(byte >> 4, 4)), (BLOCK, BLOCK_K))
+    v = tl.reshape(tl.join(decode_e2m1_dot(byte & 0xF, 4), decode_e2m1_dot(byte >> 4, 4)), (BLOCK, BLOCK_K))
     NB: tl.constexpr = BLOCK_K // B
     kb = k0 // B + tl.arange(0, NB)
     raw = tl.load(s_ptr + rows[:, None] * stride_sm + kb[None, :], mask=(rows < M)[:, None] & (kb < K // B)[None, :],

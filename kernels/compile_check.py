@@ -85,7 +85,7 @@ def _case(name, arch, kind, kernel, types, consts, row, names, is_default):
 def _cases(all_configs: bool = False):
     """Every compile case: the quantizers, and the GeMMs in their default configuration
     (the first row of the Hopper sweeps for sm_90, of the mma.sync sweeps for sm_80, as
-    ``gemm._prune`` picks them with autotuning off), or every row with ``all_configs``."""
+    ``gemm._prune_to_family`` picks them with autotuning off), or every row with ``all_configs``."""
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
                    e_ptr="*u8", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
     f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
@@ -112,7 +112,7 @@ def _cases(all_configs: bool = False):
          dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0), gemm._DGRAD_SWEEP, fwd),
         ("fp4_dgrad bf16 dY", 90, "dgrad", gemm._fp4_dgrad_kernel, dict(d_types, g_ptr="*bf16"),
          dict(DOT=DOT_BF16, PRECISE_ACC=True, UNSCALE=1.0), gemm._DGRAD_SWEEP, fwd),
-        # column-major dY (G_T) is what FP4Linear's Triton path hands over (gemm_dispatch.quantize_fp8)
+        # column-major dY (G_T) is what FP4Linear's Triton path hands over (ops.gemm.quantize_fp8)
         ("fp4_wgrad e5m2 dY + DGE + addend", 90, "wgrad", gemm._fp4_wgrad_kernel, w_types,
          dict(DOT=DOT_FP8E5, PRECISE_ACC=True, UNSCALE=16384.0, G_T=True, HAS_ADDEND=True, TWO_PHASE=True, EPI_N=16, **dge),
          gemm._WGRAD_SWEEP, ("BLOCK_N", "BLOCK_M")),

@@ -33,6 +33,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
     AUTOTUNE,
@@ -40,17 +41,20 @@ from ._common import (
     DOT_FP8E5,
     FLOAT_DTYPES,
     INTERPRET,
-    _e2m1_to_bits,
     check_out_dtype,
-    check_rows,
     check_packed,
+    check_rows,
     check_same_device,
     check_vector,
+    dge_factor,
+    e2m1_bits,
+    finish_rows_in_chunks,
     has_fp8_mma,
+    m_bucket,
     mma,
+    precise_accumulation,
     tile_ids,
 )
-from .gemm import _bucket, _dge_factor, _precise, finish_rows_in_chunks
 
 __all__ = ["triton_expand_fp4", "triton_fp8_gemm", "triton_transpose_fp8", "triton_folded_gemm", "triton_folded_wgrad",
            "EXPAND_DTYPES"]
@@ -80,8 +84,8 @@ def _expand_kernel(p_ptr, y_ptr, R, KH, KY, RY, stride_p, stride_y,
     b = tl.load(p_ptr + offs_r.to(tl.int64)[:, None] * stride_p + offs_kh[None, :],
                 mask=(offs_r < R)[:, None] & (offs_kh < KH)[None, :], other=0)  # zero bytes -> +0.0
     b = b.to(tl.int32)
-    lo = _e2m1_to_bits(b & 0xF, MANT, HALF, 7)
-    hi = _e2m1_to_bits(b >> 4, MANT, HALF, 7)
+    lo = e2m1_bits(b & 0xF, MANT, HALF, 7)
+    hi = e2m1_bits(b >> 4, MANT, HALF, 7)
     v = tl.join(lo, hi).reshape(BLOCK_R, 2 * BLOCK_KH).to(tl.uint8)  # element 2j: low nibble of byte j
     offs_k = pid_k * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
     if TRANSPOSE:
@@ -167,7 +171,8 @@ _SWEEP = [(256, 128, 128, 3, 8, "all"), (128, 128, 128, 4, 8, "all"), (128, 256,
 _WHERE: dict[int, str] = {}  # id(config) -> where
 
 
-def _configs():
+def _fp8_configs():
+    """The ``_SWEEP`` rows as ``triton.Config``s (``_prune_spilling`` drops those that spill on a launch)."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP": 4}, num_warps=4, num_stages=1)]
     out = []
@@ -178,7 +183,7 @@ def _configs():
     return out
 
 
-def _prune(configs, named_args, **kwargs):
+def _prune_spilling(configs, named_args, **kwargs):
     """The rows that compile spill-free for this launch (all of them, or the default with AUTOTUNE off)."""
     def ok(c):
         where = _WHERE.get(id(c), "all")
@@ -189,9 +194,9 @@ def _prune(configs, named_args, **kwargs):
 
 
 # ROW_SCALE / COL_SCALE: 0 none, 1 divide (IEEE), 2 multiply by the IEEE reciprocal
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "DOT", "PRECISE_ACC", "ROW_SCALE", "COL_SCALE",
+@triton.autotune(configs=_fp8_configs(), key=["M_BUCKET", "N", "K", "DOT", "PRECISE_ACC", "ROW_SCALE", "COL_SCALE",
                                           "HAS_BIAS", "HAS_ADDEND", "HAS_DGE"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune_spilling})
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, b_ptr, sr_ptr, sc_ptr, bias_ptr, c_ptr, w_ptr, sw_ptr, y_ptr,
@@ -258,7 +263,7 @@ def _epilogue(acc, pid_m, offs_m, offs_n, M, N, sr_ptr, sc_ptr, bias_ptr, c_ptr,
         if HAS_DGE:
             sw = tl.load(sw_ptr + offs_m, mask=m_ok, other=1.0)
             w = tl.load(w_ptr + offs_m.to(tl.int64)[:, None] * stride_wm + offs_n[None, :], mask=mask, other=0.0)
-            out = out * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+            out = out * dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -274,7 +279,7 @@ def _set_tma_blocks(nargs):
 
 def _tma_configs():
     out = []
-    for cfg in _configs():
+    for cfg in _fp8_configs():
         tma = triton.Config(dict(cfg.kwargs), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                             pre_hook=_set_tma_blocks)
         _WHERE[id(tma)] = _WHERE.get(id(cfg), "all")
@@ -284,7 +289,7 @@ def _tma_configs():
 
 @triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K", "DOT", "PRECISE_ACC", "ROW_SCALE", "COL_SCALE",
                                               "HAS_BIAS", "HAS_ADDEND", "HAS_DGE"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune_spilling})
 @triton.jit
 def _fp8_gemm_tma_kernel(
     a_desc, b_desc, sr_ptr, sc_ptr, bias_ptr, c_ptr, w_ptr, sw_ptr, y_ptr,
@@ -363,9 +368,21 @@ def triton_fp8_gemm(
     a, b = _check_fp8("a", a), _check_fp8("b", b)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a has K={a.shape[1]} but b has K={b.shape[1]}; both are (rows, K) with K the reduction")
-    m, k = a.shape
-    n = b.shape[0]
+    m, n = a.shape[0], b.shape[0]
     check_out_dtype(out_dtype)
+    row_scale, col_scale, bias, dge_weight, dge_weight_scale = _check_epilogue(
+        m, n, row_scale, col_scale, bias, addend, dge_weight, dge_weight_scale)
+    check_same_device(a=a, b=b, row_scale=row_scale, col_scale=col_scale, bias=bias, addend=addend,
+                      dge_weight=dge_weight, dge_weight_scale=dge_weight_scale)
+    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    _launch_fp8_gemm(a, b, y, row_scale, col_scale, row_reciprocal, bias, addend, dge_weight, dge_weight_scale,
+                     dge_k, dge_clamp, precise_acc, _use_tma(tma) and tma_ok(a, b))
+    return y
+
+
+def _check_epilogue(m: int, n: int, row_scale, col_scale, bias, addend, dge_weight, dge_weight_scale):
+    """``(row_scale, col_scale, bias, dge_weight, dge_weight_scale)`` of an (m, n) output, checked and
+    made contiguous where the kernel needs it."""
     if row_scale is not None:
         row_scale = check_vector("row_scale", row_scale, m, (torch.float32,), "one fp32 scale per row of the output")
     if col_scale is not None:
@@ -376,17 +393,23 @@ def triton_fp8_gemm(
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (m, n) or t.dtype not in FLOAT_DTYPES):
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a float tensor of shape ({m}, {n}), got {got}")
-    has_dge = dge_weight is not None
-    if has_dge:
+    if dge_weight is not None:
         if dge_weight.stride(1) != 1:
             dge_weight = dge_weight.contiguous()
         if dge_weight_scale is None:
             raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
         dge_weight_scale = check_vector("dge_weight_scale", dge_weight_scale, m, (torch.float32,),
                                         "W's per-row fp32 FP4 scale")
-    check_same_device(a=a, b=b, row_scale=row_scale, col_scale=col_scale, bias=bias, addend=addend,
-                      dge_weight=dge_weight, dge_weight_scale=dge_weight_scale)
-    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    return row_scale, col_scale, bias, dge_weight, dge_weight_scale
+
+
+def _launch_fp8_gemm(a, b, y, row_scale, col_scale, row_reciprocal: bool, bias, addend, dge_weight,
+                     dge_weight_scale, dge_k: float, dge_clamp: float, precise_acc: bool, tma: bool) -> None:
+    """Launch the FP8 GeMM (pointer or TMA loads) on checked operands, writing ``y``; absent optional
+    operands are passed as any vector (never read: their constexpr flag is off)."""
+    m, k = a.shape
+    n = b.shape[0]
+    has_dge = dge_weight is not None
     any_vec = next(t for t in (row_scale, col_scale, bias) if t is not None) if (
         row_scale is not None or col_scale is not None or bias is not None) else y
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
@@ -395,23 +418,21 @@ def triton_fp8_gemm(
             dge_weight if has_dge else any_vec, dge_weight_scale if has_dge else any_vec, y)
     strides = (addend.stride(0) if addend is not None else 0, addend.stride(1) if addend is not None else 0,
                dge_weight.stride(0) if has_dge else 0, y.stride(0))
-    if _use_tma(tma) and tma_ok(a, b):
-        from triton.tools.tensor_descriptor import TensorDescriptor
+    if tma:
         kernel = _fp8_gemm_tma_kernel
         # block shapes are set per autotune config by its pre-hook (_set_tma_blocks)
         head = (TensorDescriptor(a, [m, k], [a.stride(0), 1], [16, 16]),
-                TensorDescriptor(b, [n, k], [b.stride(0), 1], [16, 16])) + vecs + (m, _bucket(m), n, k) + strides
+                TensorDescriptor(b, [n, k], [b.stride(0), 1], [16, 16])) + vecs + (m, m_bucket(m), n, k) + strides
     else:
         kernel = _fp8_gemm_kernel
-        head = (a, b) + vecs + (m, _bucket(m), n, k, a.stride(0), b.stride(0)) + strides
+        head = (a, b) + vecs + (m, m_bucket(m), n, k, a.stride(0), b.stride(0)) + strides
     kernel[grid](
         *head,
         DOT=_DOT[a.dtype], PRECISE_ACC=precise_acc,
         ROW_SCALE=0 if row_scale is None else (2 if row_reciprocal else 1), COL_SCALE=0 if col_scale is None else 1,
-        HAS_BIAS=bias is not None, HAS_ADDEND=addend is not None, TWO_PHASE=out_dtype == torch.float32, EPI_M=16,
+        HAS_BIAS=bias is not None, HAS_ADDEND=addend is not None, TWO_PHASE=y.dtype == torch.float32, EPI_M=16,
         HAS_DGE=has_dge, DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )
-    return y
 
 
 # --------------------------------------------------------------------------- OCC folded in E4M3
@@ -436,7 +457,7 @@ def triton_folded_gemm(a_fold: torch.Tensor, a_scale: torch.Tensor, w_packed: to
     w_packed = check_packed("w_packed", w_packed, k)
     _need_fp8_mma(a_fold.device, "the folded-OCC forward GeMM")
     return triton_fp8_gemm(a_fold, triton_expand_fp4(w_packed, k), out_dtype, row_scale=a_scale, col_scale=w_scale,
-                           bias=bias, precise_acc=_precise(fast_accum))
+                           bias=bias, precise_acc=precise_accumulation(fast_accum))
 
 
 def triton_folded_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a_fold: torch.Tensor,
@@ -462,4 +483,4 @@ def triton_folded_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a_fold: torch.Te
     g2t = g.t() if g_t else g.t().contiguous()  # (N, M), tokens contiguous
     return triton_fp8_gemm(g2t, triton_transpose_fp8(a_fold), out_dtype, row_scale=g_scale, row_reciprocal=True,
                            addend=addend, dge_weight=dge_weight, dge_weight_scale=dge_weight_scale, dge_k=dge_k,
-                           dge_clamp=dge_clamp, precise_acc=_precise(fast_accum))
+                           dge_clamp=dge_clamp, precise_acc=precise_accumulation(fast_accum))

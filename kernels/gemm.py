@@ -13,7 +13,7 @@ E4M3 (or bf16), scaled per row (G1) or per column (G2). ``f'`` is the DGE deriva
 
 How the 4-bit operand reaches the tensor cores here (the ``decode`` path): codes are loaded
 as packed bytes and decoded in registers to the dot type by integer arithmetic
-(``_common.decode_e2m1``). The ``expand`` path (``kernels/fp8_gemm.py``; ``path=`` or
+(``_common.decode_e2m1_dot``). The ``expand`` path (``kernels/fp8_gemm.py``; ``path=`` or
 FP4LIGHTNING_GEMM_PATH, see ``_path``) expands them to FP8 bytes first and runs a plain
 FP8 GeMM; the three public functions below serve both.
 Every E2M1 value is exact in FP8, fp16 and bf16, so the products are exact and only
@@ -42,10 +42,8 @@ from ._common import (
     DOT_FP8E5,
     DOT_FP16,
     DOT_FP32,
-    E2M1_MAX_C,
     FLOAT_DTYPES,
     FP8_DECODE_SHIFT,
-    FP8_FAST_ACCUM,
     INTERPRET,
     as_dot_operand,
     check_out_dtype,
@@ -53,13 +51,18 @@ from ._common import (
     check_rows,
     check_same_device,
     check_vector,
-    decode_e2m1,
+    decode_e2m1_dot,
     decode_e2m1_pair_fp8,
+    dge_factor,
+    finish_rows_in_chunks,
     gemm_path,
     has_fp8_mma,
+    m_bucket,
     mma,
+    precise_accumulation,
     tile_ids,
 )
+from .fp8_gemm import triton_expand_fp4, triton_fp8_gemm
 
 __all__ = ["triton_fp4_gemm", "triton_fp4_dgrad", "triton_fp4_wgrad", "triton_dge_factor", "GRAD_DTYPES"]
 
@@ -100,8 +103,8 @@ _WGRAD_SWEEP_MMA = [(128, 64, 32, 4, 8), (64, 64, 32, 4, 4), (64, 64, 64, 4, 4),
 _FAMILY: dict[int, str] = {}  # id(config) -> "wgmma" | "mma"
 
 
-def _configs(sweep, sweep_mma, names: tuple[str, str, str]) -> list[triton.Config]:
-    """``triton.Config`` lists of both families; ``_prune`` keeps the device's family."""
+def _family_configs(sweep, sweep_mma, names: tuple[str, str, str]) -> list[triton.Config]:
+    """``triton.Config`` lists of both families; ``_prune_to_family`` keeps the device's family."""
     if INTERPRET:
         # The interpreter runs one program at a time in numpy: tuning is pointless and slow,
         # and 64x64 tiles with 32 bytes (64 codes) of K keep the mask paths exercised.
@@ -115,7 +118,7 @@ def _configs(sweep, sweep_mma, names: tuple[str, str, str]) -> list[triton.Confi
     return out
 
 
-def _prune(configs, named_args, **kwargs):
+def _prune_to_family(configs, named_args, **kwargs):
     """The configs of this GPU's family (all of them, or the default with AUTOTUNE off)."""
     dev = next(v.device for v in named_args.values() if isinstance(v, torch.Tensor))
     family = "wgmma" if torch.cuda.get_device_capability(dev) >= (9, 0) else "mma"
@@ -123,25 +126,11 @@ def _prune(configs, named_args, **kwargs):
     return keep if AUTOTUNE else keep[:1]
 
 
-_PRUNE = {"early_config_prune": _prune}
-
-
-def _bucket(m: int) -> int:
-    """The autotune key of a token count: the next power of two (at least 16)."""
-    return max(16, triton.next_power_of_2(m))
-
-
-def _precise(fast_accum: bool | None) -> bool:
-    """PRECISE_ACC of a launch: promote FP8 partial sums unless fast accumulation is asked for.
-
-    ``fast_accum=None`` follows FP4LIGHTNING_FP8_FAST_ACCUM (default off). Only FP8 dots
-    are affected (Hopper's FP8 MMA accumulates in reduced precision, see _common.mma).
-    """
-    return not (FP8_FAST_ACCUM if fast_accum is None else fast_accum)
+_PRUNE = {"early_config_prune": _prune_to_family}
 
 
 # --------------------------------------------------------------------------- forward
-@triton.autotune(configs=_configs(_FWD_SWEEP, _FWD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
+@triton.autotune(configs=_family_configs(_FWD_SWEEP, _FWD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
                  key=["M_BUCKET", "N", "KH", "DOT", "HAS_BIAS", "PRECISE_ACC"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_gemm_kernel(
@@ -180,8 +169,10 @@ def _fp4_gemm_kernel(
             acc = mma(a_lo, tl.trans(w_lo), acc, DOT, PRECISE_ACC)
             acc = mma(a_hi, tl.trans(w_hi), acc, DOT, PRECISE_ACC)
         else:
-            acc = mma(decode_e2m1(a & 0xF, DOT), tl.trans(decode_e2m1(w & 0xF, DOT)), acc, DOT, PRECISE_ACC)
-            acc = mma(decode_e2m1(a >> 4, DOT), tl.trans(decode_e2m1(w >> 4, DOT)), acc, DOT, PRECISE_ACC)
+            acc = mma(decode_e2m1_dot(a & 0xF, DOT), tl.trans(decode_e2m1_dot(w & 0xF, DOT)), acc, DOT,
+                      PRECISE_ACC)
+            acc = mma(decode_e2m1_dot(a >> 4, DOT), tl.trans(decode_e2m1_dot(w >> 4, DOT)), acc, DOT,
+                      PRECISE_ACC)
         a_ptrs += BLOCK_KH
         w_ptrs += BLOCK_KH
     if DOT <= 1:
@@ -274,15 +265,14 @@ def triton_fp4_gemm(
     check_same_device(a_packed=a_packed, a_scale=a_scale, w_packed=w_packed, w_scale=w_scale, bias=bias)
     dot = _decode_mode(decode, a_packed.device)
     if _path(path, a_packed.device, dot == DOT_FP8E4) == "expand":
-        from .fp8_gemm import triton_expand_fp4, triton_fp8_gemm
         return triton_fp8_gemm(triton_expand_fp4(a_packed, k), triton_expand_fp4(w_packed, k), out_dtype,
-                               row_scale=a_scale, col_scale=w_scale, bias=bias, precise_acc=_precise(fast_accum))
+                               row_scale=a_scale, col_scale=w_scale, bias=bias, precise_acc=precise_accumulation(fast_accum))
     y = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
     _fp4_gemm_kernel[grid](
         a_packed, w_packed, a_scale, w_scale, bias if bias is not None else a_scale, y,
-        m, _bucket(m), n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot, dot),
+        m, m_bucket(m), n, kh, a_packed.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=dot, HAS_BIAS=bias is not None, PRECISE_ACC=precise_accumulation(fast_accum), UNSCALE=_unscale(dot, dot),
     )
     return y
 
@@ -312,7 +302,7 @@ def _loadable_grad(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
-@triton.autotune(configs=_configs(_DGRAD_SWEEP, _DGRAD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
+@triton.autotune(configs=_family_configs(_DGRAD_SWEEP, _DGRAD_SWEEP_MMA, ("BLOCK_M", "BLOCK_N", "BLOCK_KH")),
                  key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_dgrad_kernel(
@@ -345,8 +335,8 @@ def _fp4_dgrad_kernel(
             acc_even = mma(g, w_lo, acc_even, DOT, PRECISE_ACC)
             acc_odd = mma(g, w_hi, acc_odd, DOT, PRECISE_ACC)
         else:
-            acc_even = mma(g, decode_e2m1(w & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
-            acc_odd = mma(g, decode_e2m1(w >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+            acc_even = mma(g, decode_e2m1_dot(w & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, decode_e2m1_dot(w >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
         g_ptrs += BLOCK_N
         w_ptrs += BLOCK_N * stride_wn
     if DOT <= 1:
@@ -382,69 +372,17 @@ def triton_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w_packed: torch.Ten
     check_same_device(g=g, g_scale=g_scale, w_packed=w_packed)
     m = g.shape[0]
     if _path(path, g.device, g.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)) == "expand":
-        from .fp8_gemm import triton_expand_fp4, triton_fp8_gemm
         w8t = triton_expand_fp4(w_packed, k, g.dtype, transpose=True)  # (k, N): N, the reduction, contiguous
-        return triton_fp8_gemm(g, w8t, out_dtype, row_scale=g_scale, precise_acc=_precise(fast_accum))
+        return triton_fp8_gemm(g, w8t, out_dtype, row_scale=g_scale, precise_acc=precise_accumulation(fast_accum))
     g = _loadable_grad(g)
     y = torch.empty(m, k, dtype=out_dtype, device=g.device)
     dot = _grad_dot_mode(g)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
     _fp4_dgrad_kernel[grid](
-        g, w_packed, g_scale, y, m, _bucket(m), n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
-        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot),
+        g, w_packed, g_scale, y, m, m_bucket(m), n, k, kh, g.stride(0), w_packed.stride(0), y.stride(0),
+        DOT=dot, PRECISE_ACC=precise_accumulation(fast_accum), UNSCALE=_unscale(dot),
     )
     return y
-
-
-@triton.jit
-def _dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
-    """DGE derivative f'(x) of fp32 scaled weights (arXiv 2501.17116, section 3.2).
-
-    The interval is taken from the magnitude after the quantizer's saturation,
-    ``a = min(|x|, 6)``: ``W * s_w`` rounded in fp32 lands just above 6 for each row's
-    largest weight (0.37 * (6 / 0.37) = 6.0000005), and that weight quantizes to 6, a
-    grid point, so its derivative is exactly 1/k - never 0. Same formula as
-    ``fp4lightning.numerics.dge.dge_derivative``; NaN and +/-inf get 0.
-    """
-    a = tl.minimum(tl.abs(x), E2M1_MAX_C)
-    # interval width delta on the E2M1 grid: 0.5 / 1 / 2; powers of two, so * 1/delta is exact
-    inv_delta = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
-    delta = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    left = tl.floor(a * inv_delta) * delta
-    t = tl.abs(2.0 * (a - left) * inv_delta - 1.0)
-    # t^POW with POW < 0; t == 0 (an interval mid-point) is +inf, which the clamp caps;
-    # t == 1 (a grid point) is exactly 1 (log2(1) = 0), so f' = 1/k exactly there
-    safe = tl.where(t > 0.0, t, 1.0)
-    d = INV_K * tl.where(t > 0.0, tl.exp2(POW * tl.log2(safe)), float("inf"))
-    d = tl.minimum(d, CLAMP)
-    return tl.where(tl.abs(x) <= 3.4028234663852886e38, d, 0.0)  # NaN and +/-inf: 0, as the reference
-
-
-@triton.jit
-def finish_rows_in_chunks(y_ptr, stride_y, c_ptr, stride_cr, stride_cc, w_ptr, stride_w, sw_ptr, row0, R, cols,
-                          col_ok, BLOCK_R: tl.constexpr, EPI: tl.constexpr, HAS_ADDEND: tl.constexpr,
-                          HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr,
-                          DGE_CLAMP: tl.constexpr):
-    """Second phase of a wgrad epilogue on an fp32 output tile already stored at rows
-    ``row0 ..`` (R rows in all) and columns ``cols``: re-read it in chunks of EPI rows, add
-    the addend C, multiply by the DGE factor f'(W s_w), store. Chunked because the DGE math
-    on a whole tile holds several tile-sized temporaries and spills (compile_check)."""
-    tl.debug_barrier()  # the block's own stores are visible to all its threads
-    for r0 in tl.static_range(0, BLOCK_R, EPI):
-        rows = row0 + r0 + tl.arange(0, EPI)
-        r_ok = rows < R
-        mask = r_ok[:, None] & col_ok[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        ptrs = y_ptr + r64 * stride_y + cols[None, :]
-        v = tl.load(ptrs, mask=mask, other=0.0)
-        if HAS_ADDEND:
-            v += tl.load(c_ptr + r64 * stride_cr + cols.to(tl.int64)[None, :] * stride_cc, mask=mask,
-                         other=0.0).to(tl.float32)
-        if HAS_DGE:
-            sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
-            w = tl.load(w_ptr + r64 * stride_w + cols[None, :], mask=mask, other=0.0)
-            v = v * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
-        tl.store(ptrs, v, mask=mask)
 
 
 @triton.jit
@@ -457,7 +395,7 @@ def _dge_factor_kernel(w_ptr, sw_ptr, y_ptr, N, K, stride_wn, stride_yn,
     rows = offs_n.to(tl.int64)[:, None]
     w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     sw = tl.load(sw_ptr + offs_n, mask=offs_n < N, other=1.0)
-    f = _dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+    f = dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
     tl.store(y_ptr + rows * stride_yn + offs_k[None, :], f, mask=mask)
 
 
@@ -479,7 +417,9 @@ def triton_dge_factor(w: torch.Tensor, w_scale: torch.Tensor, dge_k: float = 5.0
     return y
 
 
-@triton.autotune(configs=_configs(_WGRAD_SWEEP, _WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
+# one function: a kernel is one launch, its accumulators live in registers from the main loop to the
+# epilogue (the epilogue's halves are device functions below)
+@triton.autotune(configs=_family_configs(_WGRAD_SWEEP, _WGRAD_SWEEP_MMA, ("BLOCK_N", "BLOCK_M", "BLOCK_KH")),
                  key=["M_BUCKET", "N", "KH", "DOT", "PRECISE_ACC", "G_T", "HAS_DGE", "HAS_ADDEND"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fp4_wgrad_kernel(
@@ -523,8 +463,8 @@ def _fp4_wgrad_kernel(
             acc_even = mma(g, a_lo, acc_even, DOT, PRECISE_ACC)
             acc_odd = mma(g, a_hi, acc_odd, DOT, PRECISE_ACC)
         else:
-            acc_even = mma(g, decode_e2m1(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
-            acc_odd = mma(g, decode_e2m1(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
+            acc_even = mma(g, decode_e2m1_dot(a & 0xF, DOT), acc_even, DOT, PRECISE_ACC)
+            acc_odd = mma(g, decode_e2m1_dot(a >> 4, DOT), acc_odd, DOT, PRECISE_ACC)
         g_ptrs += BLOCK_M if G_T else BLOCK_M * stride_gm
         a_ptrs += BLOCK_M * stride_am
     if DOT <= 1:
@@ -578,7 +518,7 @@ def _wgrad_epilogue_half(acc, inv_sg, sw, offs_n, n_ok, col, K, c_ptr, stride_cn
                        other=0.0).to(tl.float32)
     if HAS_DGE:
         w = tl.load(w_ptr + rows * stride_wn + col[None, :], mask=mask, other=0.0)
-        out = out * _dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+        out = out * dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
     tl.store(y_ptr + rows * stride_yn + col[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -608,8 +548,27 @@ def triton_fp4_wgrad(
     ``path`` as in ``fp4_gemm``.
     """
     a_packed = check_packed("a_packed", a_packed, k)
-    m, kh = a_packed.shape
-    # a column-major dY (quantize_fp8(dim=0, column_major=True)) is used as it is
+    g, g_t, g_scale = _check_wgrad_grad(g, g_scale, a_packed.shape[0])
+    n = g.shape[1]
+    check_out_dtype(out_dtype)
+    if dge_weight is not None:
+        dge_weight, dge_weight_scale = _check_dge(dge_weight, dge_weight_scale, n, k, dge_k, dge_clamp)
+    _check_addend(addend, n, k)
+    check_same_device(g=g, g_scale=g_scale, a_packed=a_packed, dge_weight=dge_weight,
+                      dge_weight_scale=dge_weight_scale, addend=addend)
+    if _path(path, g.device, g.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)) == "expand":
+        a8t = triton_expand_fp4(a_packed, k, g.dtype, transpose=True)  # (k, M): tokens, the reduction, contiguous
+        g2t = g.t() if g_t else g.t().contiguous()  # (N, M), tokens contiguous
+        return triton_fp8_gemm(g2t, a8t, out_dtype, row_scale=g_scale, row_reciprocal=True, addend=addend,
+                               dge_weight=dge_weight, dge_weight_scale=dge_weight_scale, dge_k=dge_k,
+                               dge_clamp=dge_clamp, precise_acc=precise_accumulation(fast_accum))
+    return _launch_wgrad(g, g_t, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp,
+                         addend, precise_accumulation(fast_accum))
+
+
+def _check_wgrad_grad(g, g_scale, m: int) -> tuple[torch.Tensor, bool, torch.Tensor]:
+    """``(g, g_t, g_scale)`` checked: dY (M, N) and one fp32 scale per column; ``g_t``: dY is
+    column-major (what ``quantize_fp8(dim=0, column_major=True)`` writes), used as it is."""
     g_t = isinstance(g, torch.Tensor) and g.dim() == 2 and g.shape[0] > 1 and g.stride(0) == 1
     if g_t:
         g_scale = _check_grad(g.t(), g_scale, g.shape[1], "one fp32 scale per column of dY")[1]
@@ -617,47 +576,52 @@ def triton_fp4_wgrad(
         g, g_scale = _check_grad(g, g_scale, g.shape[1], "one fp32 scale per column of dY")
     if g.shape[0] != m:
         raise ValueError(f"g has {g.shape[0]} rows but a_packed has {m} (tokens); wgrad reduces over tokens")
-    n = g.shape[1]
-    check_out_dtype(out_dtype)
-    has_dge = dge_weight is not None
-    if has_dge:
-        dge_weight = check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
-        if tuple(dge_weight.shape) != (n, k):
-            raise ValueError(f"dge_weight must have shape ({n}, {k}) = (columns of g, k), "
-                             f"got {tuple(dge_weight.shape)}")
-        if dge_weight_scale is None:
-            raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
-        dge_weight_scale = check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,), "W's per-row fp32 FP4 scale")
-        if not dge_k > 1.0:
-            raise ValueError(f"dge_k must be > 1 (the paper uses 5), got {dge_k}")
-        if not dge_clamp > 0:
-            raise ValueError(f"dge_clamp must be positive (the paper uses 3), got {dge_clamp}")
+    return g, g_t, g_scale
+
+
+def _check_dge(dge_weight, dge_weight_scale, n: int, k: int, dge_k: float,
+               dge_clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DGE operands of a wgrad epilogue, checked: W (n, k) and its per-row fp32 FP4 scale."""
+    dge_weight = check_rows("dge_weight", dge_weight, FLOAT_DTYPES, "the high-precision weight W, N x K")
+    if tuple(dge_weight.shape) != (n, k):
+        raise ValueError(f"dge_weight must have shape ({n}, {k}) = (columns of g, k), "
+                         f"got {tuple(dge_weight.shape)}")
+    if dge_weight_scale is None:
+        raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
+    dge_weight_scale = check_vector("dge_weight_scale", dge_weight_scale, n, (torch.float32,),
+                                    "W's per-row fp32 FP4 scale")
+    if not dge_k > 1.0:
+        raise ValueError(f"dge_k must be > 1 (the paper uses 5), got {dge_k}")
+    if not dge_clamp > 0:
+        raise ValueError(f"dge_clamp must be positive (the paper uses 3), got {dge_clamp}")
+    return dge_weight, dge_weight_scale
+
+
+def _check_addend(addend, n: int, k: int) -> None:
     if addend is not None:
         if not isinstance(addend, torch.Tensor) or tuple(addend.shape) != (n, k) or addend.dtype not in FLOAT_DTYPES:
             raise ValueError(f"addend must be a float32/bf16/fp16 tensor of shape ({n}, {k}), got "
                              f"{tuple(addend.shape) if isinstance(addend, torch.Tensor) else type(addend).__name__}"
                              f"{' ' + str(addend.dtype) if isinstance(addend, torch.Tensor) else ''}")
-    check_same_device(g=g, g_scale=g_scale, a_packed=a_packed, dge_weight=dge_weight,
-                      dge_weight_scale=dge_weight_scale, addend=addend)
-    if _path(path, g.device, g.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)) == "expand":
-        from .fp8_gemm import triton_expand_fp4, triton_fp8_gemm
-        a8t = triton_expand_fp4(a_packed, k, g.dtype, transpose=True)  # (k, M): tokens, the reduction, contiguous
-        g2t = g.t() if g_t else g.t().contiguous()  # (N, M), tokens contiguous
-        return triton_fp8_gemm(g2t, a8t, out_dtype, row_scale=g_scale, row_reciprocal=True, addend=addend,
-                               dge_weight=dge_weight, dge_weight_scale=dge_weight_scale, dge_k=dge_k,
-                               dge_clamp=dge_clamp, precise_acc=_precise(fast_accum))
+
+
+def _launch_wgrad(g, g_t: bool, g_scale, a_packed, k: int, out_dtype: torch.dtype, dge_weight, dge_weight_scale,
+                  dge_k: float, dge_clamp: float, addend, precise_acc: bool) -> torch.Tensor:
+    """Allocate dW (N, k) and launch ``_fp4_wgrad_kernel`` on checked operands (the decode path)."""
+    m, kh = a_packed.shape
+    n = g.shape[1]
     y = torch.empty(n, k, dtype=out_dtype, device=g.device)
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * triton.cdiv(kh, META["BLOCK_KH"]),)  # noqa: E731
-    has_add = addend is not None
+    has_dge, has_add = dge_weight is not None, addend is not None
     g = _loadable_grad(g)
     dot = _grad_dot_mode(g)
     _fp4_wgrad_kernel[grid](
         g, a_packed, g_scale, dge_weight if has_dge else g_scale, dge_weight_scale if has_dge else g_scale,
         addend if has_add else g_scale, y,
-        m, _bucket(m), n, k, kh, g.stride(0), g.stride(1), a_packed.stride(0),
+        m, m_bucket(m), n, k, kh, g.stride(0), g.stride(1), a_packed.stride(0),
         dge_weight.stride(0) if has_dge else 0,
         addend.stride(0) if has_add else 0, addend.stride(1) if has_add else 0, y.stride(0),
-        DOT=dot, PRECISE_ACC=_precise(fast_accum), UNSCALE=_unscale(dot), G_T=g_t, HAS_ADDEND=has_add,
+        DOT=dot, PRECISE_ACC=precise_acc, UNSCALE=_unscale(dot), G_T=g_t, HAS_ADDEND=has_add,
         TWO_PHASE=out_dtype == torch.float32, EPI_N=16, HAS_DGE=has_dge,
         DGE_INV_K=1.0 / float(dge_k), DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp),
     )

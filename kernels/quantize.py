@@ -29,7 +29,6 @@ from fp4lightning.numerics.constants import (E4M3_FOLD_MAX_SHIFT, F8E4M3_EMIN, F
                                     F8E5M2_MANT_BITS, F8E5M2_MAX)
 
 from ._common import (
-    _e2m1_to_bits,
     AMAX_EPS_C,
     E2M1_MAX_C,
     F8E4M3_MAX_C,
@@ -41,6 +40,7 @@ from ._common import (
     check_rows,
     check_same_device,
     check_vector,
+    e2m1_bits,
     minifloat_bits,
     sign_bit,
 )
@@ -95,7 +95,7 @@ def _encode_fp4_store(x, scale, q_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_KH: t
     mag = minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0)
     code = mag | (sign_bit(y) << 3)
     if E4M3:
-        tl.store(e_ptrs, _e2m1_to_bits(code, 3, 0x30, 7).to(tl.uint8), mask=e_mask)
+        tl.store(e_ptrs, e2m1_bits(code, 3, 0x30, 7).to(tl.uint8), mask=e_mask)
     even, odd = tl.split(code.reshape(BLOCK_M, BLOCK_KH, 2))
     tl.store(q_ptrs, (even | (odd << 4)).to(tl.uint8), mask=mask)
 
@@ -351,8 +351,9 @@ def _folded_values(xc, r, s):
 
 
 @triton.jit
-def _pow2_neg(shift):
-    """2^-shift (fp32, exact) for an int32 shift in 0..126."""
+def _fold_factor(shift):
+    """2^-shift (fp32, exact, from the exponent bits) for an int32 shift in 0..126: the power of two
+    the folded operand is scaled by (``cpu_fused._pow2_neg`` on the CPU path)."""
     return ((127 - shift) << 23).to(tl.float32, bitcast=True)
 
 
@@ -361,13 +362,13 @@ def _fold_shift(famax):
     """fp4lightning.numerics.occ.fold_e4m3's per-row shift (int32 0..8) of a finite row absmax."""
     e = ((famax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # frexp's exponent (normal numbers)
     shift = tl.minimum(tl.maximum(e - 9, 0), E4M3_FOLD_MAX_SHIFT_C)
-    return tl.minimum(tl.where(famax * _pow2_neg(shift) > F8E4M3_MAX_C, shift + 1, shift), E4M3_FOLD_MAX_SHIFT_C)
+    return tl.minimum(tl.where(famax * _fold_factor(shift) > F8E4M3_MAX_C, shift + 1, shift), E4M3_FOLD_MAX_SHIFT_C)
 
 
 @triton.jit
 def _fold_encode_store(v, shift, bad, e_ptrs, mask, MANT: tl.constexpr, EMIN: tl.constexpr):
     """E4M3 bit patterns of ``v * 2^-shift`` (saturating, nearest-even); zeros in ``bad`` rows."""
-    y = tl.where(bad[:, None], 0.0, v * _pow2_neg(shift)[:, None])
+    y = tl.where(bad[:, None], 0.0, v * _fold_factor(shift)[:, None])
     if INTERPRET_C:
         mag = minifloat_bits(tl.minimum(tl.abs(y), F8E4M3_MAX_C), MANT, EMIN)
         bits = (mag | (sign_bit(y) << 7)).to(tl.uint8)
@@ -391,6 +392,7 @@ def _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M: t
              mask=row_ok[:, None] & (h0 + kb < (K + 1) // 2)[None, :])
 
 
+# one function: a kernel is one launch, and each row block's amax, shift and encode share registers
 @triton.jit
 def _quantize_fp4_fold_kernel(
     x_ptr, e_ptr, s_ptr, amax_ptr, bounds_ptr,
@@ -463,7 +465,7 @@ def _quantize_fp4_fold_kernel(
                                MANT, EMIN)
             if SAVE:
                 _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M, BLOCK_K)
-    tl.store(s_ptr + rows, tl.where(bad, float("nan"), scale * _pow2_neg(shift)), mask=row_ok)  # s_a 2^-shift
+    tl.store(s_ptr + rows, tl.where(bad, float("nan"), scale * _fold_factor(shift)), mask=row_ok)  # s_a 2^-shift
     if SAVE:
         tl.store(sa_ptr + rows, scale, mask=row_ok)
 
@@ -497,7 +499,7 @@ def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_m
     of two) is a testing override; longer rows take the two-pass path.
 
     ``save`` (the scaled_mm backend's ``paper``): the same pass also writes what backward rebuilds
-    the operand from (``gemm_dispatch.refold_operand``), ``(e4, scale, packed, s_a, residual)``: the
+    the operand from (``ops.gemm.refold_operand``), ``(e4, scale, packed, s_a, residual)``: the
     packed codes and scale of ``triton_quantize_rows_clamped`` and the residual ``x - clamp(x)`` in
     x's dtype, bit-identical to it.
     """

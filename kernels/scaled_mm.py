@@ -45,11 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4lightning.numerics import cpu_fused
 from fp4lightning.numerics.formats import decode_packed_fp4
 
-from ._common import F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, _e2m1_to_bits, minifloat_bits, sign_bit
+from ._common import F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, dge_factor, e2m1_bits, minifloat_bits, sign_bit
 from ._common import check_same_device as check_kernel_devices
-from .gemm import _dge_factor
+from .fp8_gemm import triton_expand_fp4, triton_transpose_fp8
 
 __all__ = ["ALIGN", "fits", "e4m3_rows", "e4m3_cols", "fp8_cols", "scaled_fp4_gemm", "scaled_fp4_dgrad",
            "scaled_fp4_wgrad", "triton_wgrad_finish", "triton_refold"]
@@ -94,7 +95,6 @@ def e4m3_rows(packed: torch.Tensor, k: int) -> torch.Tensor:
     """Packed FP4 codes (R, k/2) -> their exact E4M3 values (R, k), row-major (the forward's
     operands): the Triton expansion on CUDA, a decode on CPU."""
     if packed.is_cuda:
-        from .fp8_gemm import triton_expand_fp4
         return triton_expand_fp4(packed, k)
     return decode_packed_fp4(packed, k, torch.float32).to(E4M3)
 
@@ -103,7 +103,6 @@ def e4m3_cols(packed: torch.Tensor, k: int) -> torch.Tensor:
     """Packed FP4 codes (R, k/2) -> their E4M3 values transposed, (k, R16) row-major with R16 = R
     rounded up to 16 and zeros past R: the second operand of dgrad (from W) and wgrad (from A)."""
     if packed.is_cuda:
-        from .fp8_gemm import triton_expand_fp4
         t = triton_expand_fp4(packed, k, transpose=True)  # (k, r) view of a (k, R16) buffer, zeros past r
         return t.as_strided((k, t.stride(0)), (t.stride(0), 1))
     return _pad_cols(decode_packed_fp4(packed, k, torch.float32).to(E4M3).t().contiguous())
@@ -113,7 +112,6 @@ def fp8_cols(x: torch.Tensor) -> torch.Tensor:
     """An (R, C) FP8 tensor transposed, (C, R16) row-major with zeros past R (the folded-OCC E4M3
     operand as wgrad's second operand)."""
     if x.is_cuda:
-        from .fp8_gemm import triton_transpose_fp8
         t = triton_transpose_fp8(x)  # its pad is not written: padded here when R is not a multiple of 16
         return t if x.shape[0] % ALIGN == 0 else _pad_cols(t)
     return _pad_cols(x.t().contiguous())
@@ -185,7 +183,7 @@ def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, 
     """``dW = ((G^T A) / s_g[:, None] + addend) * f'(W s_w)``: ``g`` (M, N) FP8, one scale per column,
     row- or column-major; ``a8t`` (K, M16) E4M3 row-major, A's values transposed with zeros past M
     (``e4m3_cols`` / ``fp8_cols``). The GeMM's output is fp32; the addend and the DGE factor follow in
-    one elementwise pass (the Triton kernel below on CUDA, ``fused.wgrad_epilogue`` on CPU)."""
+    one elementwise pass (the Triton kernel below on CUDA, ``cpu_fused.wgrad_epilogue`` on CPU)."""
     check_same_device(g=g, g_scale=g_scale, a8t=a8t, addend=addend, dge_weight=dge_weight)
     gt = _tokens_contiguous(g)
     if gt.shape[1] != a8t.shape[1]:
@@ -196,22 +194,21 @@ def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, 
         return dw.to(out_dtype)
     if dw.is_cuda:
         return triton_wgrad_finish(dw, addend, dge_weight, dge_weight_scale, dge_k, dge_clamp).to(out_dtype)
-    from fp4lightning.numerics import cpu_fused as fused
     ones = torch.ones(dw.shape[0], dtype=torch.float32, device=dw.device)  # the scales are applied already
-    return fused.wgrad_epilogue(dw, ones, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
-                                dge_k, dge_clamp, out_dtype)
+    return cpu_fused.wgrad_epilogue(dw, ones, addend, dge_weight,
+                                    dge_weight_scale if dge_weight is not None else None, dge_k, dge_clamp, out_dtype)
 
 
 # --------------------------------------------------------------------------- `paper`'s folded operand, rebuilt
 # Backward rebuilds the forward's folded E4M3 operand, E4M3((A_q + s_a R) 2^-shift), from the packed
-# codes and the compact residual FP4Linear keeps (gemm_dispatch.refold_operand, whose PyTorch form is
+# codes and the compact residual FP4Linear keeps (ops.gemm.refold_operand, whose PyTorch form is
 # the reference): the codes times 2^-shift are exact in E4M3 (down to 0.5 x 2^-8 = 2^-9, its smallest
 # subnormal), so one bandwidth-bound pass writes them (0.5 B read, 1 B written per element), and a
 # second kernel over the compact residual's ~2% slots overwrites the outliers.
 @triton.jit
 def _e2m1_f32(c):
     """4-bit E2M1 codes (int32) -> their exact fp32 values (-0.0 for the negative zero code)."""
-    return _e2m1_to_bits(c, 23, 0x3F000000, 31).to(tl.float32, bitcast=True)
+    return e2m1_bits(c, 23, 0x3F000000, 31).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -265,7 +262,7 @@ def triton_refold(codes: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, idx
                   k: int) -> torch.Tensor:
     """The folded E4M3 operand (M, k) (row stride padded to 16 bytes) from the packed codes (M, k/2),
     the clamped activation's scale ``s_a``, the per-row ``2^-shift`` (NaN for rows folded to NaN) and
-    the compact residual's flat indices and values; ``gemm_dispatch.refold_operand`` bit for bit."""
+    the compact residual's flat indices and values; ``ops.gemm.refold_operand`` bit for bit."""
     m, kh = codes.shape
     check_kernel_devices(codes=codes, scale=scale, p=p, idx=idx, vals=vals)
     e = torch.empty(m, _round_up(k), dtype=torch.uint8, device=codes.device)
@@ -300,7 +297,7 @@ def _wgrad_finish_kernel(y_ptr, c_ptr, w_ptr, sw_ptr, N, K, stride_y, stride_cn,
     if HAS_DGE:
         sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
         w = tl.load(w_ptr + rows * stride_w + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = v * _dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+        v = v * dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
     tl.store(ptrs, v, mask=mask)
 
 
@@ -312,7 +309,7 @@ def triton_wgrad_finish(dw: torch.Tensor, addend: torch.Tensor | None = None, dg
                         dge_weight_scale: torch.Tensor | None = None, dge_k: float = 5.0,
                         dge_clamp: float = 3.0) -> torch.Tensor:
     """In place on the fp32 (N, K) ``dw``: ``(dw + addend) * f'(W s_w)``, with the DGE factor of the
-    Triton wgrad epilogue (``gemm._dge_factor``, so ``triton_dge_factor`` bit for bit)."""
+    Triton wgrad epilogue (``_common.dge_factor``, so ``triton_dge_factor`` bit for bit)."""
     if dw.dtype != torch.float32 or dw.dim() != 2 or dw.stride(1) != 1:
         raise ValueError(f"dw must be a row-major fp32 matrix, got {dw.dtype} with strides {dw.stride()}")
     n, k = dw.shape

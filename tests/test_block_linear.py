@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from fp4lightning import FP4Config, FP4Linear, convert_to_fp4
-from fp4lightning.nn.convert import fp4_modules
+from fp4lightning.nn.convert import fp4_modules, positional_keep
 from fp4lightning.numerics.block_formats import block_gemm_reference, quantize_block
-from fp4lightning.nn.block_linear import positional_keep
 from fp4lightning.numerics.dge import dge_derivative
 from fp4lightning.numerics.hadamard import apply_rht, rht_matrix
 from tests._numerics import above, below, heavy_tailed, sqnr

@@ -174,8 +174,8 @@ def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, com
     (cpu_bf16.gemm_plan): Y and dA must be, bit for bit, the bf16 GeMMs of the bf16 operands
     (``emulated_mm``) followed by the same epilogues; dW within fp32 rounding of that. Compiled
     too: Inductor drops a ``.to(bf16).float()`` round trip unless told to keep casts."""
-    from fp4lightning.numerics import cpu_fused as fused
-    from fp4lightning.ops import gemm as gd
+    from fp4lightning.numerics import cpu_fused
+    from fp4lightning.ops import gemm
     from fp4lightning.numerics.formats import decode_packed_fp4
     from fp4lightning.numerics.occ import occ_bounds
 
@@ -187,23 +187,23 @@ def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, com
     dy = torch.randn(m, n).bfloat16()
     layer = FP4Linear.from_linear(lin, FP4Config())
     y, dx, dw, _ = _linear_run(layer, x, dy)
-    assert not fused._FAILED, fused._FAILED  # compiled where asked (CI has a C++ compiler)
+    assert not cpu_fused._FAILED, cpu_fused._FAILED  # compiled where asked (CI has a C++ compiler)
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", "0")  # the reference below runs eagerly
     cfg = layer.config
     bf = torch.bfloat16
     # the forward as bf16 GeMMs: OCC-folded activation values and weight values in bf16
     bounds = occ_bounds(x, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-    a_codes, a_scale, a_vals, r = gd.quantize_fp4_clamped(x, bounds, cfg.scale_mode, False, fold=True, values_dtype=bf)
-    w_codes, w_scale, w_vals = gd.quantize_fp4(lin.weight.detach(), cfg.scale_mode, False, values_dtype=bf)
-    y_ref = fused.gemm_epilogue(cpu_bf16.emulated_mm(a_vals, w_vals.t()), a_scale, w_scale, lin.bias.detach(), bf)
+    a_codes, a_scale, a_vals, r = gemm.quantize_fp4_clamped(x, bounds, cfg.scale_mode, False, fold=True, values_dtype=bf)
+    w_codes, w_scale, w_vals = gemm.quantize_fp4(lin.weight.detach(), cfg.scale_mode, False, values_dtype=bf)
+    y_ref = cpu_fused.gemm_epilogue(cpu_bf16.emulated_mm(a_vals, w_vals.t()), a_scale, w_scale, lin.bias.detach(), bf)
     assert torch.equal(y, y_ref)
-    g1, s1 = gd.quantize_fp8_divided(dy, w_scale, dim=1, fmt=cfg.grad_format, carrier=bf)
-    dx_ref = fused.gemm_epilogue(cpu_bf16.emulated_mm(g1, decode_packed_fp4(w_codes, k, bf)), s1, None, None, bf)
+    g1, s1 = gemm.quantize_fp8_divided(dy, w_scale, dim=1, fmt=cfg.grad_format, carrier=bf)
+    dx_ref = cpu_fused.gemm_epilogue(cpu_bf16.emulated_mm(g1, decode_packed_fp4(w_codes, k, bf)), s1, None, None, bf)
     assert torch.equal(dx, dx_ref.float())
-    g2, s2 = gd.quantize_fp8_divided(dy, a_scale, dim=0, fmt=cfg.grad_format, carrier=bf)
+    g2, s2 = gemm.quantize_fp8_divided(dy, a_scale, dim=0, fmt=cfg.grad_format, carrier=bf)
     acc = cpu_bf16.emulated_mm(g2.t(), decode_packed_fp4(a_codes, k, bf))
     comp = (dy.double().t() @ r.double()).float()  # OCC's share dY^T R, in float64 then fp32
-    dw_ref = fused.wgrad_epilogue(acc, s2, comp, lin.weight.detach(), w_scale, cfg.dge_k, cfg.dge_clamp, torch.float32)
+    dw_ref = cpu_fused.wgrad_epilogue(acc, s2, comp, lin.weight.detach(), w_scale, cfg.dge_k, cfg.dge_clamp, torch.float32)
     torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-6 * dw_ref.abs().max().item())
 
 

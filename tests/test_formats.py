@@ -155,10 +155,10 @@ def test_round_bitwise_equal_to_exact_table_on_every_bf16_pattern():
 
 
 def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
-    """formats._round_e5m2 (the fused CPU path's FP8 rounding) against torch's E5M2 cast, on
+    """formats.round_to_e5m2 (the fused CPU path's FP8 rounding) against torch's E5M2 cast, on
     random fp32 bit patterns of every exponent, ties, subnormals and signed zeros."""
     from fp4lightning.numerics.constants import F8E5M2_MAX
-    from fp4lightning.numerics.formats import _round_e5m2
+    from fp4lightning.numerics.formats import round_to_e5m2
 
     bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), dtype=torch.int64).to(torch.int32)
     x = bits.view(torch.float32)
@@ -169,8 +169,8 @@ def test_arithmetic_e5m2_rounding_equals_torch_cast_bitwise():
     ties = (g[:-1] + g[1:]) / 2  # every mid-point between neighbouring E5M2 values
     x = torch.cat([x, grid, ties, torch.tensor([0.0, -0.0, 2.0**-17, -(2.0**-17), 2.0**-14])])
     want = x.to(torch.float8_e5m2).float().view(torch.int32)
-    assert torch.equal(_round_e5m2(x).view(torch.int32), want)
-    compiled = torch.compile(_round_e5m2, dynamic=True, fullgraph=True)  # as the fused FP8 cast runs it
+    assert torch.equal(round_to_e5m2(x).view(torch.int32), want)
+    compiled = torch.compile(round_to_e5m2, dynamic=True, fullgraph=True)  # as the fused FP8 cast runs it
     assert torch.equal(compiled(x).view(torch.int32), want)
 
 

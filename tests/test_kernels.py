@@ -22,7 +22,7 @@ import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp4lightning import FP4Config, FP4Linear
-from fp4lightning.ops import gemm as gemm_dispatch
+from fp4lightning.ops import gemm
 from fp4lightning.numerics.dge import dge_derivative
 from fp4lightning.numerics.constants import E2M1_MAX, E2M1_VALUES
 from fp4lightning.numerics.formats import decode_e2m1, unpack_fp4
@@ -324,7 +324,7 @@ def test_ops_quantize_fp4_clamped_dispatches_to_kernel(monkeypatch):
     out = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        out[backend] = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+        out[backend] = gemm.quantize_fp4_clamped(x, bounds)
     (c_r, s_r, v_r, r_r), (c_t, s_t, v_t, r_t) = out["reference"], out["triton"]
     assert v_t is None and v_r is not None  # the kernel returns no decoded values
     assert torch.equal(c_t, c_r) and torch.equal(s_t, s_r) and torch.equal(r_t, r_r)
@@ -346,7 +346,7 @@ def test_quantize_fp8_bitwise(fmt, dim, dtype, n):
     x[9, ::5] = -0.0
     x = x.to(dtype).to(DEV)
     q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt)
-    q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(x, dim, fmt)
+    q_ref, s_ref = gemm.quantize_fp8_reference(x, dim, fmt)
     assert q.dtype == q_ref.dtype and q.shape == (m, n)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     _assert_same_scale(s, s_ref)
@@ -365,7 +365,7 @@ def test_quantize_fp8_divide_by_folds_the_fp4_scale(dim, dtype):
     ref_in = x.float() * (inv[None, :] if dim == 1 else inv[:, None])
     for fmt in ("e4m3", "e5m2"):
         q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt, divide_by=d, column_major=dim == 0)
-        q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(ref_in, dim, fmt)
+        q_ref, s_ref = gemm.quantize_fp8_reference(ref_in, dim, fmt)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
         _assert_same_scale(s, s_ref)
     with pytest.raises(ValueError, match="divide_by must have shape"):
@@ -374,14 +374,14 @@ def test_quantize_fp8_divide_by_folds_the_fp4_scale(dim, dtype):
 
 @pytest.mark.parametrize("dim", [0, 1])
 def test_quantize_fp8_divided_dispatches_to_the_dividing_kernel(dim, monkeypatch):
-    # the Triton branch of gemm_dispatch.quantize_fp8_divided divides inside the kernel (one pass over
+    # the Triton branch of gemm.quantize_fp8_divided divides inside the kernel (one pass over
     # dY, issue 12): same FP8 values and scales as the reference branch
     x = torch.randn(40, 72, device=DEV).bfloat16()
     d = torch.exp(3.0 * torch.randn(72 if dim == 1 else 40, device=DEV))
     out = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        out[backend] = gemm_dispatch.quantize_fp8_divided(x, d, dim, "e5m2")
+        out[backend] = gemm.quantize_fp8_divided(x, d, dim, "e5m2")
     (q_r, s_r), (q_t, s_t) = out["reference"], out["triton"]
     # and the Triton branch really divides in the kernel: no division, no fp32 copy of dY outside it
     # (it once fell back to `x.float() / d` and a second quantize pass, unseen by the values above)
@@ -390,7 +390,7 @@ def test_quantize_fp8_divided_dispatches_to_the_dividing_kernel(dim, monkeypatch
     monkeypatch.setattr(kt, "triton_quantize_fp8", lambda *a, **k: calls.append(k.get("divide_by")) or real(*a, **k))
     rec = _AtenRecorder()
     with rec:
-        gemm_dispatch.quantize_fp8_divided(x, d, dim, "e5m2")
+        gemm.quantize_fp8_divided(x, d, dim, "e5m2")
     assert len(calls) == 1 and calls[0] is not None
     assert not [op for op in rec.ops if op in ("div", "_to_copy", "copy_")], rec.ops
     assert torch.equal(q_t.view(torch.uint8), q_r.view(torch.uint8))
@@ -436,8 +436,8 @@ def test_minifloat_bits_is_round_to_nearest_even(fmt):
     a_d, out_d = a.to(DEV), out.to(DEV)
     _minifloat_bits_kernel[(triton.cdiv(a.numel(), 1024),)](a_d, out_d, a.numel(), MANT=mant, EMIN=emin, BLOCK=1024)
     if fmt == "e2m1":
-        from fp4lightning.numerics.formats import _magnitude_index
-        want = _magnitude_index(a).to(torch.int32)
+        from fp4lightning.numerics.formats import e2m1_index
+        want = e2m1_index(a).to(torch.int32)
     else:
         want = a.to(dt).view(torch.uint8).to(torch.int32)
     bad = out_d.cpu() != want
@@ -473,7 +473,7 @@ def test_fp4_gemm(decode, out_dtype):
         # exact accumulation (E2M1 products sum exactly in fp32 at this K) and the same
         # IEEE epilogue as the reference: bit-identical under the interpreter
         absprod = _dequant(a_p, a_s, k).abs() @ _dequant(w_p, w_s, k).abs().t()
-        _assert_gemm_close(y, gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, out_dtype, bias), absprod)
+        _assert_gemm_close(y, gemm.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, out_dtype, bias), absprod)
     else:
         # one rounding to the output type: within 1 ulp (the interpreter truncates bf16)
         assert ((y.double() - ref).abs() <= _ulp(ref, out_dtype) + slack).all()
@@ -488,12 +488,12 @@ def test_fp4_dgrad(fmt):
     m, n, k = 77, 100, 131
     _, w_p, w_s = _fp4_operand(n, k)
     dy = torch.randn(m, n, device=DEV)
-    g, g_s = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+    g, g_s = gemm.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
     da = kt.triton_fp4_dgrad(g, g_s, w_p, k)
     ref = (g.double() / g_s.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
     assert da.shape == (m, k) and da.dtype == torch.float32
     above(sqnr(da, ref), GEMM_SQNR_DB, "da SQNR dB")
-    above(sqnr(da, gemm_dispatch.fp4_dgrad_reference(g, g_s, w_p, k)), GEMM_SQNR_DB, "da vs reference SQNR dB")
+    above(sqnr(da, gemm.fp4_dgrad_reference(g, g_s, w_p, k)), GEMM_SQNR_DB, "da vs reference SQNR dB")
 
 
 @pytest.mark.parametrize("fmt", DY_FORMATS)
@@ -503,7 +503,7 @@ def test_fp4_wgrad(fmt, dge):
     _, a_p, a_s = _fp4_operand(m, k)
     w, _, w_s = _fp4_operand(n, k)
     dy = torch.randn(m, n, device=DEV)
-    g, g_s = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+    g, g_s = gemm.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
     kw = dict(dge_weight=w, dge_weight_scale=w_s, dge_k=5.0, dge_clamp=3.0) if dge else {}
     dw = kt.triton_fp4_wgrad(g, g_s, a_p, k, **kw)
     ref = (g.double() / g_s.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64)
@@ -511,7 +511,7 @@ def test_fp4_wgrad(fmt, dge):
         ref = ref * _dge_reference(w.float() * w_s[:, None]).double()
     assert dw.shape == (n, k) and dw.dtype == torch.float32
     above(sqnr(dw, ref), GEMM_SQNR_DB, "dw SQNR dB")
-    above(sqnr(dw, gemm_dispatch.fp4_wgrad_reference(g, g_s, a_p, k, torch.float32, **kw)), GEMM_SQNR_DB,
+    above(sqnr(dw, gemm.fp4_wgrad_reference(g, g_s, a_p, k, torch.float32, **kw)), GEMM_SQNR_DB,
           "dw vs reference SQNR dB")
 
 
@@ -522,7 +522,7 @@ def test_fp4_wgrad_addend_before_dge(transposed, monkeypatch):
     m, n, k = 64, 48, 90
     _, a_p, a_s = _fp4_operand(m, k)
     w, _, w_s = _fp4_operand(n, k)
-    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
+    g, g_s = gemm.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
     comp = torch.randn(k, n, device=DEV).t() if transposed else torch.randn(n, k, device=DEV)
     kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=comp)
     ref = ((g.double() / g_s.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64) + comp.double())
@@ -530,7 +530,7 @@ def test_fp4_wgrad_addend_before_dge(transposed, monkeypatch):
     above(sqnr(kt.triton_fp4_wgrad(g, g_s, a_p, k, **kw), ref), GEMM_SQNR_DB, "triton dw SQNR dB")
     for backend in ("reference", "triton"):  # the dispatch passes the addend through
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        above(sqnr(gemm_dispatch.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw), ref), GEMM_SQNR_DB,
+        above(sqnr(gemm.fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw), ref), GEMM_SQNR_DB,
               "dispatched dw SQNR dB")
 
 
@@ -540,7 +540,7 @@ def test_fp4_wgrad_dge_bf16_output_matches_fp32():
     m, n, k = 64, 40, 70
     _, a_p, a_s = _fp4_operand(m, k)
     w, _, w_s = _fp4_operand(n, k)
-    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
+    g, g_s = gemm.quantize_fp8_reference(torch.randn(m, n, device=DEV) / a_s[:, None], 0, "e5m2")
     kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=torch.randn(n, k, device=DEV))
     ref = kt.triton_fp4_wgrad(g, g_s, a_p, k, torch.float32, **kw)
     out = kt.triton_fp4_wgrad(g, g_s, a_p, k, torch.bfloat16, **kw)
@@ -559,7 +559,7 @@ def test_wgrad_dge_midpoints_and_outside_grid():
     w_big = w.clone()
     w_big[0, 8:] = 7.0
     a_p, a_s = quantize_rows_reference(torch.ones(4, k, device=DEV))
-    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.ones(4, 1, device=DEV), 0, "e5m2")
+    g, g_s = gemm.quantize_fp8_reference(torch.ones(4, 1, device=DEV), 0, "e5m2")
     dw = kt.triton_fp4_wgrad(g, g_s, a_p, k, dge_weight=w_big, dge_weight_scale=w_s, dge_k=5.0, dge_clamp=3.0)
     base = kt.triton_fp4_wgrad(g, g_s, a_p, k)
     factor = (dw / base).cpu()[0]
@@ -581,7 +581,7 @@ def test_dge_factor_row_maximum_is_one_over_k():
     assert torch.equal(f[:, 0], torch.full((n,), 0.2, device=DEV))
     _assert_dge_close(f, _dge_reference(w * w_s[:, None]))
     a_p, _ = quantize_rows_reference(torch.ones(m, k, device=DEV))
-    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.ones(m, n, device=DEV), 0, "e5m2")
+    g, g_s = gemm.quantize_fp8_reference(torch.ones(m, n, device=DEV), 0, "e5m2")
     base = kt.triton_fp4_wgrad(g, g_s, a_p, k)
     dw = kt.triton_fp4_wgrad(g, g_s, a_p, k, dge_weight=w, dge_weight_scale=w_s)
     assert (dw[:, 0] != 0).all()
@@ -650,7 +650,7 @@ def test_expand_path_forward_is_bitwise_the_decode_path(out_dtype):
     assert torch.equal(y, kt.triton_fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype=out_dtype, bias=bias, path="decode"))
     if out_dtype == torch.float32:
         absprod = _dequant(a_p, a_s, k).abs() @ _dequant(w_p, w_s, k).abs().t()
-        _assert_gemm_close(y, gemm_dispatch.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, out_dtype, bias), absprod)
+        _assert_gemm_close(y, gemm.fp4_gemm_reference(a_p, a_s, w_p, w_s, k, out_dtype, bias), absprod)
 
 
 @pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
@@ -659,13 +659,13 @@ def test_expand_path_backward_gemms(fmt):
     _, a_p, a_s = _fp4_operand(m, k)
     w, w_p, w_s = _fp4_operand(n, k)
     dy = torch.randn(m, n, device=DEV)
-    g1, s1 = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+    g1, s1 = gemm.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
     da = kt.triton_fp4_dgrad(g1, s1, w_p, k, path="expand")
     ref = (g1.double() / s1.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
     assert da.shape == (m, k)
     above(sqnr(da, ref), GEMM_SQNR_DB, "da SQNR dB")
     above(sqnr(da, kt.triton_fp4_dgrad(g1, s1, w_p, k, path="decode")), GEMM_SQNR_DB, "da vs decode path")
-    g2, s2 = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+    g2, s2 = gemm.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
     comp = torch.randn(k, n, device=DEV).t()  # OCC's addend arrives as a transposed view
     kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=comp)
     ref = (g2.double() / s2.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64) + comp.double()
@@ -685,8 +685,8 @@ def test_expand_path_tma_loads_equal_pointer_loads(monkeypatch):
     _, a_p, a_s = _fp4_operand(m, k)
     w, w_p, w_s = _fp4_operand(n, k)
     dy = torch.randn(m, n, device=DEV)
-    g1, s1 = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, "e5m2")
-    g2, s2 = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, "e5m2")
+    g1, s1 = gemm.quantize_fp8_reference(dy / w_s[None, :], 1, "e5m2")
+    g2, s2 = gemm.quantize_fp8_reference(dy / a_s[:, None], 0, "e5m2")
     g2 = g2.t().contiguous().t()  # the GPU path's column-major wgrad operand
     kw = dict(dge_weight=w, dge_weight_scale=w_s, addend=torch.randn(n, k, device=DEV))
 
@@ -706,7 +706,7 @@ def test_expand_path_tma_loads_equal_pointer_loads(monkeypatch):
     for name, t, r in zip(("y", "da", "dw"), got, ref):
         assert torch.equal(t, r) if kt.INTERPRET else sqnr(t, r) >= GEMM_SQNR_DB, name
     # a row that is not a multiple of 16 bytes cannot be a TMA operand: pointer loads instead
-    g_odd, s_odd = gemm_dispatch.quantize_fp8_reference(dy[:, :100] / w_s[None, :100], 1, "e5m2")
+    g_odd, s_odd = gemm.quantize_fp8_reference(dy[:, :100] / w_s[None, :100], 1, "e5m2")
     _, w_p_odd, _ = _fp4_operand(100, k)
     kt.triton_fp4_dgrad(g_odd, s_odd, w_p_odd, k, path="expand")
     assert len(launches) == 3
@@ -715,8 +715,8 @@ def test_expand_path_tma_loads_equal_pointer_loads(monkeypatch):
 def test_fp8_gemm_epilogues_against_float64():
     from fp4lightning.kernels.fp8_gemm import triton_fp8_gemm
     m, n, k = 45, 70, 83  # none a multiple of the blocks, K tail included
-    a, sa = gemm_dispatch.quantize_fp8_reference(torch.randn(m, k, device=DEV), 1, "e4m3")
-    b, sb = gemm_dispatch.quantize_fp8_reference(torch.randn(n, k, device=DEV), 1, "e4m3")
+    a, sa = gemm.quantize_fp8_reference(torch.randn(m, k, device=DEV), 1, "e4m3")
+    b, sb = gemm.quantize_fp8_reference(torch.randn(n, k, device=DEV), 1, "e4m3")
     bias, add = torch.randn(n, device=DEV), torch.randn(m, n, device=DEV)
     prod = a.double() @ b.double().t()
     y = triton_fp8_gemm(a, b, row_scale=sa, col_scale=sb, bias=bias)
@@ -727,7 +727,7 @@ def test_fp8_gemm_epilogues_against_float64():
     assert y.dtype == torch.bfloat16
     above(sqnr(y, prod), LINEAR_BF16_SQNR_DB, "bf16 out")
     # mixed FP8 types (E5M2 x E4M3, the folded-OCC weight gradient's pair): one dot, exact products
-    g, sg = gemm_dispatch.quantize_fp8_reference(torch.randn(m, k, device=DEV), 1, "e5m2")
+    g, sg = gemm.quantize_fp8_reference(torch.randn(m, k, device=DEV), 1, "e5m2")
     y = triton_fp8_gemm(g, b, row_scale=sg)
     above(sqnr(y, (g.double() @ b.double().t()) / sg.double()[:, None]), GEMM_SQNR_DB, "e5m2 x e4m3")
     with pytest.raises(ValueError, match="K=83 but b has K=80"):
@@ -769,7 +769,7 @@ def test_fp4linear_triton_matches_reference(preset, path, dtype, monkeypatch):
     out = {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("FP4LIGHTNING_BACKEND", backend)
-        assert gemm_dispatch.backend_for(DEV) == backend
+        assert gemm.backend_for(DEV) == backend
         xx = x.clone().requires_grad_(True)
         lin.zero_grad()
         y = lin(xx)
@@ -822,7 +822,7 @@ def test_quantize_folded_bitwise(dtype, block_k):
         for alpha, scale_mode, per_tensor in ((0.97, "float", False), (0.99, "pow2", False), (0.97, "float", True)):
             b = occ_bounds(x, alpha, "exact")
             e, s = kt.triton_quantize_rows_folded(x, b, scale_mode, per_tensor, block_k=block_k)
-            e_ref, s_ref = _reference_backend(gemm_dispatch.quantize_fp4_folded, x, b, scale_mode, per_tensor)
+            e_ref, s_ref = _reference_backend(gemm.quantize_fp4_folded, x, b, scale_mode, per_tensor)
             assert e.dtype == torch.float8_e4m3fn and e.shape == (m, k) and e.stride(0) % 16 == 0
             assert torch.equal(e.contiguous().view(torch.uint8), e_ref.view(torch.uint8)), (seed, alpha, scale_mode)
             _assert_same_scale(s, s_ref)
@@ -844,7 +844,7 @@ def test_quantize_folded_bitwise(dtype, block_k):
     assert b[1] < 0
     for block_k in (None, 32):
         e, s = kt.triton_quantize_rows_folded(neg, b, block_k=block_k)
-        e_ref, s_ref = _reference_backend(gemm_dispatch.quantize_fp4_folded, neg, b)
+        e_ref, s_ref = _reference_backend(gemm.quantize_fp4_folded, neg, b)
         assert torch.equal(e.contiguous().view(torch.uint8), e_ref.view(torch.uint8))
         _assert_same_scale(s, s_ref)
         assert torch.isnan(s[2]) and torch.isfinite(s[torch.arange(9) != 2]).all()
@@ -1065,17 +1065,17 @@ def test_kernels_accept_any_strides():
         _assert_same_scale(scale, ref_scale)
         for dim in (0, 1):
             q, s = kt.triton_quantize_fp8(view, dim=dim, fmt="e5m2")
-            q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(view.contiguous(), dim, "e5m2")
+            q_ref, s_ref = gemm.quantize_fp8_reference(view.contiguous(), dim, "e5m2")
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     m, n, k = 40, 48, 64
     _, a_p, a_s = _fp4_operand(m, k)
     w, w_p, w_s = _fp4_operand(n, k)
-    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(m, n, device=DEV), 1, "e4m3")
+    g, g_s = gemm.quantize_fp8_reference(torch.randn(m, n, device=DEV), 1, "e4m3")
     g_t = g.t().contiguous().t()  # same values, column-major
     assert g_t.stride(1) != 1
     assert torch.equal(kt.triton_fp4_dgrad(g_t, g_s, w_p, k), kt.triton_fp4_dgrad(g, g_s, w_p, k))
     dy = torch.randn(m, n, device=DEV)
-    g0, g0_s = gemm_dispatch.quantize_fp8_reference(dy, 0, "e4m3")
+    g0, g0_s = gemm.quantize_fp8_reference(dy, 0, "e4m3")
     q_cm, s_cm = kt.triton_quantize_fp8(dy, dim=0, fmt="e4m3", column_major=True)  # wgrad's layout on the GPU path
     assert q_cm.stride() == (1, m) and torch.equal(q_cm.view(torch.uint8), g0.view(torch.uint8))
     assert torch.equal(s_cm, g0_s)
@@ -1147,12 +1147,12 @@ def test_bad_inputs_raise_clear_errors():
         kt.triton_fp4_gemm(a_p, a_s, a_p, a_s, 32, decode="fp9")
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
         kt.triton_fp4_gemm(a_p, a_s, a_p, a_s, 32, bias=torch.zeros(3, device=DEV))
-    g, g_s = gemm_dispatch.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 1, "e5m2")
+    g, g_s = gemm.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 1, "e5m2")
     with pytest.raises(ValueError, match="g has 6 columns but w_packed has 8 rows"):
         kt.triton_fp4_dgrad(g, g_s, a_p, 32)
     with pytest.raises(TypeError, match="g has dtype torch.float32"):
         kt.triton_fp4_dgrad(torch.randn(8, 8, device=DEV), a_s, a_p, 32)
-    g0, g0_s = gemm_dispatch.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 0, "e5m2")
+    g0, g0_s = gemm.quantize_fp8_reference(torch.randn(8, 6, device=DEV), 0, "e5m2")
     with pytest.raises(ValueError, match="dge_weight_scale"):
         kt.triton_fp4_wgrad(g0, g0_s, a_p, 32, dge_weight=torch.randn(6, 32, device=DEV))
     with pytest.raises(ValueError, match=r"dge_weight must have shape \(6, 32\)"):
@@ -1242,7 +1242,7 @@ def test_gpu_fold_quantizer_bitwise():
         x = heavy_tailed(m, k).cuda().bfloat16()
         b = occ_bounds(x, 0.99, "sample")
         e, s = kt.triton_quantize_rows_folded(x, b)
-        e_ref, s_ref = _reference_backend(gemm_dispatch.quantize_fp4_folded, x, b)
+        e_ref, s_ref = _reference_backend(gemm.quantize_fp4_folded, x, b)
         assert torch.equal(e.contiguous().view(torch.uint8), e_ref.view(torch.uint8)), (m, k)
         _assert_same_scale(s, s_ref)
 
@@ -1266,7 +1266,7 @@ def test_gpu_quantizers_bitwise_at_scale():
     for fmt in ("e4m3", "e5m2"):
         for dim in (0, 1):
             q, s = kt.triton_quantize_fp8(x, dim=dim, fmt=fmt)
-            q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(x, dim, fmt)
+            q_ref, s_ref = gemm.quantize_fp8_reference(x, dim, fmt)
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
             _assert_same_scale(s, s_ref)
     # FP4Linear's dY operands: the FP4 scale of the reduction dimension folded in (x * (1 / d))
@@ -1274,7 +1274,7 @@ def test_gpu_quantizers_bitwise_at_scale():
         d = torch.exp(3.0 * torch.randn(x.shape[1] if dim == 1 else x.shape[0], device="cuda"))
         inv = torch.reciprocal(d)
         q, s = kt.triton_quantize_fp8(x, dim=dim, fmt="e5m2", divide_by=d, column_major=dim == 0)
-        q_ref, s_ref = gemm_dispatch.quantize_fp8_reference(
+        q_ref, s_ref = gemm.quantize_fp8_reference(
             x.float() * (inv[None, :] if dim == 1 else inv[:, None]), dim, "e5m2")
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
         _assert_same_scale(s, s_ref)
@@ -1302,10 +1302,10 @@ def test_gpu_gemms_at_scale(mnk, tma, monkeypatch):
     dy = torch.randn(m, n, device="cuda")
     for fmt in DY_FORMATS:
         for path in paths if fmt != "bf16" else ["decode"]:
-            g1, s1 = gemm_dispatch.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
+            g1, s1 = gemm.quantize_fp8_reference(dy / w_s[None, :], 1, fmt)
             ref = (g1.double() / s1.double()[:, None]) @ decode_e2m1(unpack_fp4(w_p, k), torch.float64)
             above(sqnr(kt.triton_fp4_dgrad(g1, s1, w_p, k, path=path), ref), GPU_FP8_GEMM_SQNR_DB, (fmt, path))
-            g2, s2 = gemm_dispatch.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
+            g2, s2 = gemm.quantize_fp8_reference(dy / a_s[:, None], 0, fmt)
             ref = ((g2.double() / s2.double()[None, :]).t() @ decode_e2m1(unpack_fp4(a_p, k), torch.float64))
             ref = ref * _dge_reference(w * w_s[:, None]).double()
             dw = kt.triton_fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, path=path)

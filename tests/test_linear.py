@@ -40,7 +40,7 @@ def _reference_f64(x, w, b, dy, cfg):
     y = a_dq @ w_dq.t() + r @ w_dq.t() + (b.double() if b is not None else 0)
     dy2d = dy.reshape(-1, w.shape[0]).float()
     # the FP4 scale of each GeMM's reduction dimension folded into dY as dY * (1 / s), the layer's
-    # arithmetic (gemm_dispatch.quantize_fp8_divided); an fp32 division differs in the last bit,
+    # arithmetic (gemm.quantize_fp8_divided); an fp32 division differs in the last bit,
     # which moves an FP8 / bf16 rounding in a few runs out of ten (85 dB instead of 150)
     g1, s1 = quantize_fp8_reference(dy2d * torch.reciprocal(s_w)[None, :], 1, cfg.grad_format)
     da = (g1.double() / s1.double()[:, None]) @ w_q.double()
@@ -224,7 +224,7 @@ def _layer_grads(cfg, x, dy, autocast):
 
 def test_compiled_cpu_path_is_bitwise_equal_to_eager(monkeypatch):
     """torch.compile fuses the elementwise passes; it must not change a single bit of Y, dA, dW, db."""
-    from fp4lightning.numerics import cpu_fused as fused
+    from fp4lightning.numerics import cpu_fused
 
     cfg = FP4Config(occ_quantile="exact")
     x, dy = heavy_tailed(64, 96), torch.randn(64, 48)
@@ -233,7 +233,7 @@ def test_compiled_cpu_path_is_bitwise_equal_to_eager(monkeypatch):
         monkeypatch.setenv("FP4LIGHTNING_COMPILE", mode)
         torch.manual_seed(1)
         out[mode] = _layer_grads(cfg, x, dy, autocast=True)
-    assert not fused._FAILED, fused._FAILED  # CI has a C++ compiler: the compiled path must have run
+    assert not cpu_fused._FAILED, cpu_fused._FAILED  # CI has a C++ compiler: the compiled path must have run
     for a, b in zip(out["0"], out["1"]):
         assert torch.equal(a, b)
 
@@ -245,14 +245,14 @@ BF16_WGRAD_REL = 2.0**-8
 
 
 def test_bf16_wgrad_gemm_within_bf16_rounding_of_fp32_gemm():
-    from fp4lightning.ops import gemm as gemm_dispatch
+    from fp4lightning.ops import gemm
 
     g = torch.randn(256, 96).to(torch.float8_e5m2)
     s_g = torch.rand(96) + 0.5
     a_packed, _ = quantize_rows_reference(heavy_tailed(256, 128))
-    ref = gemm_dispatch.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.float32)
-    fast = gemm_dispatch.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.bfloat16)
-    noise = 1e-6 * (g.float().abs().t() @ gemm_dispatch._fp4_values(a_packed, 128, torch.float32).abs()) / s_g[:, None]
+    ref = gemm.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.float32)
+    fast = gemm.fp4_wgrad_reference(g, s_g, a_packed, 128, torch.float32, gemm_dtype=torch.bfloat16)
+    noise = 1e-6 * (g.float().abs().t() @ gemm._fp4_values(a_packed, 128, torch.float32).abs()) / s_g[:, None]
     below(((fast - ref).abs() / (BF16_WGRAD_REL * ref.abs() + noise)).max(), 1.0, "bf16 GeMM error / bound")
     assert not torch.equal(fast, ref)  # the bf16 rounding is really there
 
@@ -280,9 +280,9 @@ def test_layer_dw_under_autocast_as_close_as_nn_linear_bf16_is_to_fp32():
 
 def test_compile_failure_falls_back_to_eager_with_one_notice(monkeypatch):
     """Where torch.compile cannot build (no C++ compiler), one warning, then the same math eagerly."""
-    from fp4lightning.numerics import cpu_fused as fused
+    from fp4lightning.numerics import cpu_fused
 
-    monkeypatch.setattr(fused, "_FAILED", [])
+    monkeypatch.setattr(cpu_fused, "_FAILED", [])
 
     def no_compiler(fn, **kwargs):
         def run(*args, **kw):
@@ -291,34 +291,34 @@ def test_compile_failure_falls_back_to_eager_with_one_notice(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", no_compiler)
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
-    double = fused._fused(lambda x: x * 2)
+    double = cpu_fused.fused_pass(lambda x: x * 2)
     with pytest.warns(RuntimeWarning, match="torch.compile unavailable") as rec:
         a, b = double(torch.ones(3)), double(torch.ones(3))
     assert len([w for w in rec if "torch.compile unavailable" in str(w.message)]) == 1
     assert torch.equal(a, torch.full((3,), 2.0)) and torch.equal(b, a)
-    assert not fused.compile_enabled(torch.device("cpu"))
+    assert not cpu_fused.compile_enabled(torch.device("cpu"))
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", "yes")
     with pytest.raises(ValueError, match="FP4LIGHTNING_COMPILE"):
-        fused.compile_enabled(torch.device("cpu"))
+        cpu_fused.compile_enabled(torch.device("cpu"))
 
 
 def test_a_fused_function_with_too_many_variants_runs_eagerly_alone(monkeypatch):
     """Past the recompile limit one fused function falls back to eager (a warning) without
     turning off compilation for the rest of the CPU path (it once disabled every pass)."""
-    from fp4lightning.numerics import cpu_fused as fused
+    from fp4lightning.numerics import cpu_fused
 
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
-    monkeypatch.setattr(fused, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(cpu_fused, "RECOMPILE_LIMIT", 1)
 
     def scale(x, k):
         return x * k + 1
 
-    f = fused._fused(scale)
+    f = cpu_fused.fused_pass(scale)
     with pytest.warns(RuntimeWarning, match="input variants"):
         for dtype in (torch.float32, torch.bfloat16, torch.float64):  # a new graph per dtype
             x = torch.randn(8, dtype=dtype)
             assert torch.equal(f(x, 3), x * 3 + 1)
-    assert not fused._FAILED and fused.compile_enabled(torch.device("cpu"))
+    assert not cpu_fused._FAILED and cpu_fused.compile_enabled(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (64, 64), (257, 96), (1024, 384)])

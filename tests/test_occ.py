@@ -146,10 +146,10 @@ def test_fold_e4m3_keeps_the_fp4_grid_and_rounds_only_outliers():
 
 @pytest.mark.parametrize("compile_mode", ["auto", "0"])  # the fused pass compiled (CPU default) and eager
 def test_folded_quantizer_fused_pass_is_its_three_steps(compile_mode, monkeypatch):
-    # gemm_dispatch.quantize_fp4_folded (one fused pass, fused.fp4_rows_folded) against the three
+    # gemm.quantize_fp4_folded (one fused pass, cpu_fused.fp4_rows_folded) against the three
     # steps it replaces (clamped FP4 quantization with the residual folded in, occ.fold_e4m3, NaN
     # scales for non-finite rows): the same bits, odd K, three dtypes, float/pow2/per-tensor
-    from fp4lightning.ops import gemm as gemm_dispatch
+    from fp4lightning.ops import gemm
 
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", compile_mode)
@@ -160,8 +160,8 @@ def test_folded_quantizer_fused_pass_is_its_three_steps(compile_mode, monkeypatc
             xd = x.to(dtype)
             b = occ_bounds(xd, 0.99, "exact")
             for scale_mode, per_tensor in (("float", False), ("pow2", False), ("float", True)):
-                e, s = gemm_dispatch.quantize_fp4_folded(xd, b, scale_mode, per_tensor)
-                e_ref, s_ref = gemm_dispatch.quantize_fp4_folded_steps(xd, b, scale_mode, per_tensor)
+                e, s = gemm.quantize_fp4_folded(xd, b, scale_mode, per_tensor)
+                e_ref, s_ref = gemm.quantize_fp4_folded_steps(xd, b, scale_mode, per_tensor)
                 assert e.dtype == torch.float8_e4m3fn and torch.equal(e.view(torch.uint8), e_ref.view(torch.uint8))
                 assert torch.equal(s.isnan(), s_ref.isnan()) and torch.isnan(s[[3, 5, 6]]).all()
                 assert torch.equal(s.nan_to_num(0.0).view(torch.int32), s_ref.nan_to_num(0.0).view(torch.int32))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fp4lightning import FP4Config, FP4Linear
-from fp4lightning.numerics import cpu_fused as fused
-from fp4lightning.ops import gemm as gemm_dispatch
+from fp4lightning.numerics import cpu_fused
+from fp4lightning.ops import gemm
 from fp4lightning.numerics.dge import dge_derivative
 from fp4lightning.numerics.formats import decode_packed_fp4
 from fp4lightning.kernels import gemm as kgemm
@@ -71,47 +71,47 @@ def _operands(m, k, n, dtype=torch.float32):
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv("FP4LIGHTNING_BACKEND", raising=False)
     cpu = torch.device("cpu")
-    assert gemm_dispatch.backend_for(cpu) == "reference"  # the CPU default does not change
+    assert gemm.backend_for(cpu) == "reference"  # the CPU default does not change
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
-    assert gemm_dispatch.backend_for(cpu) == "scaled_mm"
-    assert not gemm_dispatch.triton_quantizers(cpu)  # on CPU the quantizers are the references
+    assert gemm.backend_for(cpu) == "scaled_mm"
+    assert not gemm.triton_quantizers(cpu)  # on CPU the quantizers are the references
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "cublas")
     with pytest.raises(ValueError, match="'cublas' is not one of .*scaled_mm"):
-        gemm_dispatch.backend_for(cpu)
+        gemm.backend_for(cpu)
 
 
 @gpu
 def test_auto_backend_on_cuda_is_scaled_mm_where_fp8_tensor_cores(monkeypatch):
     monkeypatch.delenv("FP4LIGHTNING_BACKEND", raising=False)
     fp8 = torch.cuda.get_device_capability(DEV) >= (8, 9)
-    assert gemm_dispatch.backend_for(DEV) == ("scaled_mm" if fp8 else "triton")
+    assert gemm.backend_for(DEV) == ("scaled_mm" if fp8 else "triton")
 
 
 # --------------------------------------------------------------------------- operands
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantizers_write_the_reference_codes_and_an_exact_e4m3_operand(dtype, scaled, monkeypatch):
     x, _ = _operands(40, 96, 16, dtype)
-    codes, scale, e4 = gemm_dispatch.quantize_fp4(x, values_dtype=torch.bfloat16)
+    codes, scale, e4 = gemm.quantize_fp4(x, values_dtype=torch.bfloat16)
     rc, rs, rv = quantize_rows_reference(x, packed=True, return_values=True)
     assert torch.equal(codes, rc) and torch.equal(scale, rs)
     assert e4.dtype == torch.float8_e4m3fn and e4.shape == x.shape
     assert torch.equal(e4.float(), rv) and torch.equal(e4.float(), decode_packed_fp4(codes, 96))
     bounds = torch.tensor([-1.5, 2.0], device=DEV)
-    c2, s2, e2, r2 = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    c2, s2, e2, r2 = gemm.quantize_fp4_clamped(x, bounds)
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
-    rc2, rs2, rv2, rr2 = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    rc2, rs2, rv2, rr2 = gemm.quantize_fp4_clamped(x, bounds)
     assert torch.equal(c2, rc2) and torch.equal(s2, rs2) and torch.equal(r2, rr2)
     assert torch.equal(e2.float(), rv2)
     # dY: the same FP8 bits, returned as FP8 (no carrier: _scaled_mm reads it)
     dy = torch.randn(40, 48, device=DEV).to(dtype)
     div = torch.rand(48, device=DEV) + 0.5
-    rq, rsc = gemm_dispatch.quantize_fp8_divided(dy, div, dim=1, fmt="e5m2")
+    rq, rsc = gemm.quantize_fp8_divided(dy, div, dim=1, fmt="e5m2")
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
-    q, qs = gemm_dispatch.quantize_fp8_divided(dy, div, dim=1, fmt="e5m2", carrier=torch.float32)
+    q, qs = gemm.quantize_fp8_divided(dy, div, dim=1, fmt="e5m2", carrier=torch.float32)
     assert q.dtype == torch.float8_e5m2 and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(qs, rsc)
     with pytest.raises(ValueError, match="folds OCC's compensation with quantize_fp4_folded"):
-        gemm_dispatch.quantize_fp4_clamped(x, bounds, fold=True)
+        gemm.quantize_fp4_clamped(x, bounds, fold=True)
 
 
 # --------------------------------------------------------------------------- the three GeMMs
@@ -120,48 +120,48 @@ def test_quantizers_write_the_reference_codes_and_an_exact_e4m3_operand(dtype, s
 def test_gemms_within_one_rounding_of_the_float64_product(out_dtype, m, scaled):
     k, n = 96, 48
     x, w = _operands(m, k, n)
-    a_p, a_s, a8 = gemm_dispatch.quantize_fp4(x)
-    w_p, w_s, w8 = gemm_dispatch.quantize_fp4(w)
+    a_p, a_s, a8 = gemm.quantize_fp4(x)
+    w_p, w_s, w8 = gemm.quantize_fp4(w)
     aq, wq = a8.double(), w8.double()
     # forward, with and without bias
     c = 1 / (a_s.double()[:, None] * w_s.double()[None, :])
     ref, mag = (aq @ wq.t()) * c, (aq.abs() @ wq.abs().t()) * c
-    _check(gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype), ref, mag, k, out_dtype, "forward")
-    _check(gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype, a_values=a8, w_values=w8), ref, mag, k,
+    _check(gemm.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype), ref, mag, k, out_dtype, "forward")
+    _check(gemm.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype, a_values=a8, w_values=w8), ref, mag, k,
            out_dtype, "forward, the quantizers' E4M3 operands")
     bias = torch.randn(n, device=DEV)
     # a fused bias is rounded to the output dtype first (as nn.Linear's under autocast)
-    _check(gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype, bias=bias), ref + bias.double(), mag, k, out_dtype,
+    _check(gemm.fp4_gemm(a_p, a_s, w_p, w_s, k, out_dtype, bias=bias), ref + bias.double(), mag, k, out_dtype,
            "forward + bias", extra=2 * U[out_dtype] * bias.double().abs())
     dy = torch.randn(m, n, device=DEV)
     for fmt in ("e5m2", "e4m3"):
-        g1, s1 = gemm_dispatch.quantize_fp8_divided(dy, w_s, dim=1, fmt=fmt)
+        g1, s1 = gemm.quantize_fp8_divided(dy, w_s, dim=1, fmt=fmt)
         g = g1.double() / s1.double()[:, None]
-        _check(gemm_dispatch.fp4_dgrad(g1, s1, w_p, k, out_dtype), g @ wq, g.abs() @ wq.abs(), n, out_dtype,
+        _check(gemm.fp4_dgrad(g1, s1, w_p, k, out_dtype), g @ wq, g.abs() @ wq.abs(), n, out_dtype,
                f"dgrad {fmt}")
-        g2, s2 = gemm_dispatch.quantize_fp8_divided(dy, a_s, dim=0, fmt=fmt)
+        g2, s2 = gemm.quantize_fp8_divided(dy, a_s, dim=0, fmt=fmt)
         g = g2.double() / s2.double()[None, :]
-        _check(gemm_dispatch.fp4_wgrad(g2, s2, a_p, k, out_dtype), g.t() @ aq, g.abs().t() @ aq.abs(), m, out_dtype,
+        _check(gemm.fp4_wgrad(g2, s2, a_p, k, out_dtype), g.t() @ aq, g.abs().t() @ aq.abs(), m, out_dtype,
                f"wgrad {fmt}")
         # column-major dY (the Triton quantizer's layout) is read without a copy: same result
-        assert torch.equal(gemm_dispatch.fp4_wgrad(g2.t().contiguous().t(), s2, a_p, k, out_dtype),
-                           gemm_dispatch.fp4_wgrad(g2, s2, a_p, k, out_dtype))
+        assert torch.equal(gemm.fp4_wgrad(g2.t().contiguous().t(), s2, a_p, k, out_dtype),
+                           gemm.fp4_wgrad(g2, s2, a_p, k, out_dtype))
 
 
 def test_wgrad_epilogue_adds_the_addend_then_multiplies_by_the_dge_factor(scaled):
     m, k, n = 40, 64, 32
     x, w = _operands(m, k, n)
-    a_p, a_s, _ = gemm_dispatch.quantize_fp4(x)
-    _, w_s, _ = gemm_dispatch.quantize_fp4(w)
-    g2, s2 = gemm_dispatch.quantize_fp8_divided(torch.randn(m, n, device=DEV), a_s, dim=0)
+    a_p, a_s, _ = gemm.quantize_fp4(x)
+    _, w_s, _ = gemm.quantize_fp4(w)
+    g2, s2 = gemm.quantize_fp8_divided(torch.randn(m, n, device=DEV), a_s, dim=0)
     addend = torch.randn(n, k, device=DEV)
-    plain = gemm_dispatch.fp4_wgrad(g2, s2, a_p, k)
-    full = gemm_dispatch.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, addend=addend)
+    plain = gemm.fp4_wgrad(g2, s2, a_p, k)
+    full = gemm.fp4_wgrad(g2, s2, a_p, k, dge_weight=w, dge_weight_scale=w_s, addend=addend)
     ones = torch.ones(n, device=DEV)
     if CUDA:  # the Triton epilogue kernel: the Triton wgrad's DGE factor
         assert torch.equal(full, (plain + addend) * kgemm.triton_dge_factor(w, w_s))
     else:
-        assert torch.equal(full, fused.wgrad_epilogue(plain, ones, addend, w, w_s, 5.0, 3.0, torch.float32))
+        assert torch.equal(full, cpu_fused.wgrad_epilogue(plain, ones, addend, w, w_s, 5.0, 3.0, torch.float32))
     dge = dge_derivative(w.double() * w_s.double()[:, None])
     above(sqnr(full, (plain.double() + addend.double()) * dge), 120.0, "wgrad + addend, * DGE")
 
@@ -196,13 +196,13 @@ def test_sizes_that_do_not_fit_fall_back(scaled, monkeypatch):
     # K = 40 is no multiple of 16 (FP4Linear refuses it; the GeMMs themselves fall back)
     m, k, n = 24, 40, 32
     x, w = _operands(m, k, n)
-    a_p, a_s, a8 = gemm_dispatch.quantize_fp4(x)
-    w_p, w_s, w8 = gemm_dispatch.quantize_fp4(w)
-    g1, s1 = gemm_dispatch.quantize_fp8_divided(torch.randn(m, n, device=DEV), w_s, dim=1)
-    got = (gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, torch.bfloat16, a_values=a8, w_values=w8),
-           gemm_dispatch.fp4_dgrad(g1, s1, w_p, k))
+    a_p, a_s, a8 = gemm.quantize_fp4(x)
+    w_p, w_s, w8 = gemm.quantize_fp4(w)
+    g1, s1 = gemm.quantize_fp8_divided(torch.randn(m, n, device=DEV), w_s, dim=1)
+    got = (gemm.fp4_gemm(a_p, a_s, w_p, w_s, k, torch.bfloat16, a_values=a8, w_values=w8),
+           gemm.fp4_dgrad(g1, s1, w_p, k))
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton" if CUDA else "reference")  # the Triton GeMMs on a GPU
-    want = (gemm_dispatch.fp4_gemm(a_p, a_s, w_p, w_s, k, torch.bfloat16), gemm_dispatch.fp4_dgrad(g1, s1, w_p, k))
+    want = (gemm.fp4_gemm(a_p, a_s, w_p, w_s, k, torch.bfloat16), gemm.fp4_dgrad(g1, s1, w_p, k))
     assert all(torch.equal(g, r) for g, r in zip(got, want))
 
 
@@ -279,11 +279,11 @@ def test_refold_rebuilds_the_folded_operand_bit_for_bit(dtype, scaled):
     x = _outliers(48, 96, dtype)
     x[5, 7], x[9, 1] = float("nan"), float("inf")  # rows folded to NaN: zeros and a NaN scale
     bounds = occ_bounds(x, 0.97, "exact")
-    e4, s_fold = gemm_dispatch.quantize_fp4_folded(x, bounds)
-    codes, s_a, _, r = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    e4, s_fold = gemm.quantize_fp4_folded(x, bounds)
+    codes, s_a, _, r = gemm.quantize_fp4_clamped(x, bounds)
     resid = _compact_residual(r, 0.97)
     assert not resid[2]
-    got = gemm_dispatch.refold_operand(codes, s_a, s_fold, resid, tuple(x.shape))
+    got = gemm.refold_operand(codes, s_a, s_fold, resid, tuple(x.shape))
     assert torch.equal(got.view(torch.uint8), e4.view(torch.uint8))
     assert torch.isnan(s_fold[[5, 9]]).all() and (got.float()[[5, 9]] == 0).all()
     assert len(set((s_fold / s_a)[torch.isfinite(s_fold)].tolist())) > 3  # several shifts exercised
@@ -369,8 +369,8 @@ def test_triton_fold_quantizer_also_writes_what_backward_refolds_from(dtype, blo
     bounds = occ_bounds(x, 0.97, "exact")
     e4, s_fold, codes, s_a, resid = kt.triton_quantize_rows_folded(x, bounds, block_k=block_k, save=True)
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
-    re4, rs_fold = gemm_dispatch.quantize_fp4_folded(x, bounds)
-    rcodes, rs_a, _, rresid = gemm_dispatch.quantize_fp4_clamped(x, bounds)
+    re4, rs_fold = gemm.quantize_fp4_folded(x, bounds)
+    rcodes, rs_a, _, rresid = gemm.quantize_fp4_clamped(x, bounds)
 
     def same(a, b):
         return torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a.nan_to_num(),
@@ -394,7 +394,7 @@ def test_fp4linear_scaled_mm_with_the_triton_quantizers(preset, monkeypatch):
     lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset, occ_quantile="exact")).to(DEV)
     x, dy = _outliers(40, 96, torch.bfloat16), torch.randn(40, 48, device=DEV)
     want = _run(lin, x, dy, "scaled_mm", monkeypatch, autocast=True)
-    monkeypatch.setattr(gemm_dispatch, "triton_quantizers", lambda device: True)
+    monkeypatch.setattr(gemm, "triton_quantizers", lambda device: True)
     got = _run(lin, x, dy, "scaled_mm", monkeypatch, autocast=True)
     for name, t, r in zip(("y", "dx", "dw", "db"), got, want):
         assert torch.equal(t, r), name
@@ -406,7 +406,7 @@ def test_scaled_mm_path_has_no_host_sync(preset, monkeypatch):
     # makes the host wait for the device; on CPU the same calls run, recorded by the same mode
     from .test_kernels import _HostSyncRecorder
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
-    monkeypatch.setattr(gemm_dispatch, "triton_quantizers", lambda device: True)
+    monkeypatch.setattr(gemm, "triton_quantizers", lambda device: True)
     lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset)).to(DEV)
     x = _outliers(37, 96, torch.bfloat16).requires_grad_(True)
     rec = _HostSyncRecorder()

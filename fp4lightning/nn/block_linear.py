@@ -23,7 +23,7 @@ wgrad); DGE multiplies the weight gradient by ``f'(W * s)`` with ``s`` each weig
 element's block encode scale.
 
 Two GeMM paths, picked per device like the paper recipe's quantizers
-(``gemm_dispatch.triton_quantizers``: CUDA tensors, or ``FP4LIGHTNING_BACKEND=triton``):
+(``fp4lightning.ops.gemm.triton_quantizers``: CUDA tensors, or ``FP4LIGHTNING_BACKEND=triton``):
 
 * reference (PyTorch): each operand is quantized and decoded in one pass to
   ``e2m1 * block_scale`` (exact in bf16 and fp32; nothing is packed), each GeMM is one dense
@@ -39,14 +39,17 @@ Two GeMM paths, picked per device like the paper recipe's quantizers
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from fp4lightning.numerics import cpu_bf16
 from fp4lightning.config import SR_OPERANDS  # the six GeMM operands SR can apply to (GeMM.operand)
-from fp4lightning.numerics.block_formats import BLOCK_SIZES, fake_quantize_block
+from fp4lightning.numerics import cpu_bf16
+from fp4lightning.numerics.block_formats import BLOCK_SIZES, fake_quantize_block, quantize_block
+from fp4lightning.numerics.cpu_fused import bits_sum
+from fp4lightning.numerics.dge import dge_derivative
 from fp4lightning.numerics.hadamard import apply_rht, rht_matrix
+from fp4lightning.numerics.occ import occ_bounds, occ_clamp
+from fp4lightning.ops import gemm
 
-__all__ = ["BLOCK_FORMAT_NAMES", "SR_OPERANDS", "block_fp4_linear", "positional_keep"]
+__all__ = ["BLOCK_FORMAT_NAMES", "SR_OPERANDS", "block_fp4_linear"]
 
 #: FP4Config.block_format -> block_formats name (block size and scale type)
 BLOCK_FORMAT_NAMES = {"block16_e4m3": "nvfp4", "block32_e8m0": "mxfp4"}
@@ -59,8 +62,6 @@ def _checksum(t: torch.Tensor) -> int:
     if t.dtype == torch.float64:
         t = t.float()
     ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-    from fp4lightning.numerics.cpu_fused import bits_sum
-
     return int(bits_sum(ints))
 
 
@@ -92,31 +93,23 @@ def _gemm(a, b, a_extra: torch.Tensor | None = None) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- Triton path
 def _use_triton(t: torch.Tensor) -> bool:
-    from fp4lightning.ops import gemm as gemm_dispatch
-
-    return gemm_dispatch.triton_quantizers(t.device)  # the Triton and the scaled_mm backends on CUDA
+    return gemm.triton_quantizers(t.device)  # the Triton and the scaled_mm backends on CUDA
 
 
 def _quant_packed(t: torch.Tensor, fmt: str, cfg, operand: str, block_2d: bool = False):
     """One operand as packed block FP4 (``BlockFP4``), drawing what ``_quant`` draws."""
-    from fp4lightning.numerics.block_formats import quantize_block
-
     rounding, gen = _rounding(cfg, operand, t)
     return quantize_block(t, fmt, rounding, gen, block_2d=block_2d)
 
 
 def _gemm_triton(a, b) -> torch.Tensor:
     """fp32 ``A B^T`` of two ``BlockFP4`` operands through the Triton block GeMM."""
-    from fp4lightning.ops import gemm as gemm_dispatch
-
-    return gemm_dispatch.block_gemm(a, b)
+    return gemm.block_gemm(a, b)
 
 
 def _values_of(q) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
     """``(values, factor, block decode scales)`` of a ``BlockFP4``: ``_quant``'s triple (fp32)."""
-    from fp4lightning.numerics.block_formats import _operand
-
-    vals, g = _operand(q, torch.float32)
+    vals, g = q.gemm_operand(torch.float32)
     return vals, g, q.block_scales_fp32()
 
 
@@ -129,21 +122,16 @@ def _element_decode(q, shape, block_2d: bool, b: int) -> torch.Tensor:
     return el[: shape[0], : shape[1]] * factor
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+def _gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the reference path's GeMMs read their operands in: bf16 for a bf16 output (bf16
+    GeMMs under bf16 autocast, as ``nn.Linear``'s), else fp32."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
 
 
 def _occ(x2d: torch.Tensor, cfg, bounds=None):
     """(clamped A, residual or None, bounds) - OCC of section 3.3, or the identity."""
     if not cfg.occ:
         return x2d, None, None
-    from fp4lightning.numerics.occ import occ_bounds, occ_clamp
-
     if bounds is None:
         bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
     xc, r = occ_clamp(x2d, bounds)
@@ -153,8 +141,8 @@ def _occ(x2d: torch.Tensor, cfg, bounds=None):
 class _BlockFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cfg):
-        out_dtype = _out_dtype(x)
-        cd = _compute_dtype(out_dtype)
+        out_dtype = gemm.output_dtype(x)
+        cd = _gemm_dtype(out_dtype)
         fmt = BLOCK_FORMAT_NAMES[cfg.block_format]
         n, k = weight.shape
         x2d = x.reshape(-1, k)
@@ -184,78 +172,59 @@ class _BlockFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2d, weight = ctx.saved_tensors
-        cfg, fmt, cd = ctx.cfg, ctx.fmt, ctx.cd
-        n, k = weight.shape
-        dyf = dy.reshape(-1, n).float()
+        dyf = dy.reshape(-1, weight.shape[0]).float()
         grad_x = grad_w = grad_b = None
         with torch.autocast(dy.device.type, enabled=False):
-            if ctx.needs_input_grad[0] and ctx.triton:
-                # dgrad: reduction over N (2-D tiles quantize W^T to W's codes, transposed)
-                pwt = _quant_packed(weight.detach().t(), fmt, cfg, "dgrad.w", block_2d=cfg.weight_block_2d)
-                grad_x = _gemm_triton(_quant_packed(dyf, fmt, cfg, "dgrad.g"), pwt)
-                grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
-            elif ctx.needs_input_grad[0]:
-                # dgrad: reduction over N
-                qg = _quant(dyf, fmt, cfg, "dgrad.g", cd)
-                if ctx.qw is not None and "dgrad.w" not in cfg.stochastic_rounding:
-                    wv, gw, _ = ctx.qw
-                    qwt = (wv.t(), gw, None)
-                else:
-                    qwt = _quant(weight.detach().t(), fmt, cfg, "dgrad.w", cd, block_2d=cfg.weight_block_2d)
-                grad_x = _gemm(qg, qwt).to(ctx.x_dtype).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[0]:
+                grad_x = _dgrad(ctx, weight, dyf).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                # wgrad: reduction over tokens M; optional RHT of both operands along M
-                xc, r, _ = _occ(x2d, cfg, ctx.bounds)
-                g_op, a_op = dyf, xc
-                if cfg.rht_wgrad:
-                    q = rht_matrix(cfg.rht_seed, device=dyf.device)
-                    g_op, a_op = apply_rht(g_op, q, 0), apply_rht(a_op, q, 0)
-                if ctx.triton:
-                    grad_w = _gemm_triton(_quant_packed(g_op.t().contiguous(), fmt, cfg, "wgrad.g"),
-                                          _quant_packed(a_op.t().contiguous(), fmt, cfg, "wgrad.a"))
-                else:
-                    qg = _quant(g_op.t(), fmt, cfg, "wgrad.g", cd)
-                    qa = _quant(a_op.t(), fmt, cfg, "wgrad.a", cd)
-                    grad_w = _gemm(qg, qa)
-                if r is not None:  # OCC compensation's share dY^T R, in high precision
-                    grad_w.add_(dyf.t() @ r.float())
-                if cfg.dge:
-                    from fp4lightning.numerics.dge import dge_derivative
-
-                    qw = ctx.qw
-                    if qw is None:  # re-derive fprop's (round-to-nearest) weight scales
-                        qw = _quant(weight.detach(), fmt, cfg.replace(stochastic_rounding=()), "fprop.w", cd)
-                        # (the decode scales are the same on both paths: only they are used here)
-                    dec = _element_decode(qw, (n, k), cfg.weight_block_2d, BLOCK_SIZES[fmt])
-                    grad_w.mul_(dge_derivative(weight.detach().float() / dec, cfg.dge_k, cfg.dge_clamp))
-                grad_w = grad_w.to(weight.dtype)
+                grad_w = _wgrad(ctx, x2d, weight, dyf).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dyf.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
 
 
+def _dgrad(ctx, weight: torch.Tensor, dyf: torch.Tensor) -> torch.Tensor:
+    """fp32 ``dA = dY W``: the reduction runs over N (2-D tiles quantize W^T to W's codes, transposed)."""
+    cfg, fmt = ctx.cfg, ctx.fmt
+    if ctx.triton:
+        pwt = _quant_packed(weight.detach().t(), fmt, cfg, "dgrad.w", block_2d=cfg.weight_block_2d)
+        return _gemm_triton(_quant_packed(dyf, fmt, cfg, "dgrad.g"), pwt)
+    qg = _quant(dyf, fmt, cfg, "dgrad.g", ctx.cd)
+    if ctx.qw is not None and "dgrad.w" not in cfg.stochastic_rounding:
+        wv, gw, _ = ctx.qw
+        qwt = (wv.t(), gw, None)
+    else:
+        qwt = _quant(weight.detach().t(), fmt, cfg, "dgrad.w", ctx.cd, block_2d=cfg.weight_block_2d)
+    return _gemm(qg, qwt)
+
+
+def _wgrad(ctx, x2d: torch.Tensor, weight: torch.Tensor, dyf: torch.Tensor) -> torch.Tensor:
+    """fp32 ``dW = dY^T A``: the reduction runs over tokens M, with an optional RHT of both operands
+    along M; OCC's compensation ``dY^T R`` and the DGE factor follow."""
+    cfg, fmt, cd = ctx.cfg, ctx.fmt, ctx.cd
+    xc, r, _ = _occ(x2d, cfg, ctx.bounds)
+    g_op, a_op = dyf, xc
+    if cfg.rht_wgrad:
+        q = rht_matrix(cfg.rht_seed, device=dyf.device)
+        g_op, a_op = apply_rht(g_op, q, 0), apply_rht(a_op, q, 0)
+    if ctx.triton:
+        grad_w = _gemm_triton(_quant_packed(g_op.t().contiguous(), fmt, cfg, "wgrad.g"),
+                              _quant_packed(a_op.t().contiguous(), fmt, cfg, "wgrad.a"))
+    else:
+        grad_w = _gemm(_quant(g_op.t(), fmt, cfg, "wgrad.g", cd), _quant(a_op.t(), fmt, cfg, "wgrad.a", cd))
+    if r is not None:  # OCC compensation's share dY^T R, in high precision
+        grad_w.add_(dyf.t() @ r.float())
+    if cfg.dge:
+        qw = ctx.qw
+        if qw is None:  # re-derive fprop's (round-to-nearest) weight scales
+            qw = _quant(weight.detach(), fmt, cfg.replace(stochastic_rounding=()), "fprop.w", cd)
+            # (the decode scales are the same on both paths: only they are used here)
+        dec = _element_decode(qw, tuple(weight.shape), cfg.weight_block_2d, BLOCK_SIZES[fmt])
+        grad_w.mul_(dge_derivative(weight.detach().float() / dec, cfg.dge_k, cfg.dge_clamp))
+    return grad_w
+
+
 def block_fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg) -> torch.Tensor:
     """``F.linear`` with block-FP4 GeMMs (``cfg.block_format`` != "none"); inputs already validated."""
     return _BlockFP4LinearFn.apply(x, weight, bias, cfg)
-
-
-def positional_keep(module: nn.Module, keep_first_n: int, keep_last_n: int) -> list[str]:
-    """Name prefixes (``"layers.0."``) of the first/last transformer blocks to keep in high precision.
-
-    The blocks are the children of the longest ``nn.ModuleList`` that holds Linear layers
-    (``layers`` in ``fp4lightning.models.llama``, ``model.layers`` in Hugging Face LLaMA).
-    """
-    if keep_first_n <= 0 and keep_last_n <= 0:
-        return []
-    best, best_name = None, ""
-    for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and any(isinstance(c, nn.Linear) for c in m.modules()):
-            if best is None or len(m) > len(best):
-                best, best_name = m, name
-    if best is None:
-        raise ValueError("keep_first_n / keep_last_n: found no nn.ModuleList of transformer blocks in the model; "
-                         "set both to 0 and list the layers in skip_modules instead")
-    n = len(best)
-    idx = sorted(set(range(min(keep_first_n, n))) | set(range(max(0, n - keep_last_n), n)))
-    prefix = f"{best_name}." if best_name else ""
-    return [f"{prefix}{i}." for i in idx]

@@ -36,7 +36,7 @@ from fp4lightning.config import DEFAULT_SKIP_MODULES, FP4Config
 from fp4lightning.numerics.cpu_bf16 import is_plain_linear
 from fp4lightning.nn.linear import FP4Linear, check_fp4_shape
 
-__all__ = ["convert_to_fp4", "describe_conversion", "fp4_modules", "matches_skip"]
+__all__ = ["convert_to_fp4", "describe_conversion", "fp4_modules", "matches_skip", "positional_keep"]
 
 log = logging.getLogger(__name__)
 
@@ -78,44 +78,76 @@ def _report_rank() -> bool:
                 and torch.distributed.get_rank() != 0)
 
 
+def positional_keep(module: nn.Module, keep_first_n: int, keep_last_n: int) -> list[str]:
+    """Name prefixes (``"layers.0."``) of the first/last transformer blocks to keep in high precision
+    (``FP4Config.keep_first_n`` / ``keep_last_n``).
+
+    The blocks are the children of the longest ``nn.ModuleList`` that holds Linear layers
+    (``layers`` in ``fp4lightning.models.llama``, ``model.layers`` in Hugging Face LLaMA).
+    """
+    if keep_first_n <= 0 and keep_last_n <= 0:
+        return []
+    best, best_name = None, ""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList) and any(isinstance(c, nn.Linear) for c in m.modules()):
+            if best is None or len(m) > len(best):
+                best, best_name = m, name
+    if best is None:
+        raise ValueError("keep_first_n / keep_last_n: found no nn.ModuleList of transformer blocks in the model; "
+                         "set both to 0 and list the layers in skip_modules instead")
+    n = len(best)
+    idx = sorted(set(range(min(keep_first_n, n))) | set(range(max(0, n - keep_last_n), n)))
+    prefix = f"{best_name}." if best_name else ""
+    return [f"{prefix}{i}." for i in idx]
+
+
+def _children(module: nn.Module):
+    """``(fqn, parent, name, child)`` of every submodule of ``module`` (listed first: the caller may
+    replace children as it goes)."""
+    for parent_name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            yield (f"{parent_name}.{child_name}" if parent_name else child_name), parent, child_name, child
+
+
+def _why_high_precision(fqn: str, linear: nn.Linear, config: FP4Config, module_filter_fn,
+                        embeddings: list[nn.Embedding], by_position: list[str]) -> tuple[bool, str] | None:
+    """Why the plain ``nn.Linear`` ``fqn`` stays in high precision, ``(on_purpose, reason)``: on purpose
+    (the module filter, or else ``skip_modules`` or being the output head; then keep_first_n /
+    keep_last_n), or because its shape cannot be FP4. None: it is converted."""
+    if module_filter_fn is not None:
+        if not module_filter_fn(linear, fqn):
+            return True, "excluded by the module filter"
+    elif matches_skip(fqn, config):
+        return True, "FP4Config.skip_modules"
+    else:
+        head = _head_reason(embeddings, linear)
+        if head:
+            return True, head
+    if any(fqn.startswith(p) for p in by_position):
+        return True, "keep_first_n/keep_last_n"
+    why = check_fp4_shape(linear.in_features, linear.out_features)
+    return None if why is None else (False, why)
+
+
 def _plan(module: nn.Module, config: FP4Config, module_filter_fn: Callable[[nn.Module, str], bool] | None):
     """``(fqn, parent, name, child, why)`` for every Linear-like layer of ``module``: ``why`` is None
     when it runs in FP4 (an ``FP4Linear``, or an ``nn.Linear`` to convert), else ``(on_purpose, reason)``
     for one that stays in high precision (on purpose: the head, the config, the filter; or because it
     cannot be converted)."""
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-    from fp4lightning.nn.block_linear import positional_keep  # keep_first_n / keep_last_n transformer blocks
     by_position = positional_keep(module, config.keep_first_n, config.keep_last_n)
-    for parent_name, parent in list(module.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            fqn = f"{parent_name}.{child_name}" if parent_name else child_name
-            if isinstance(child, FP4Linear):
-                yield fqn, parent, child_name, child, None
-                continue
+    for fqn, parent, name, child in _children(module):
+        if isinstance(child, FP4Linear):
+            yield fqn, parent, name, child, None
+        elif not is_plain_linear(child):
             # exact type: subclasses are left alone, except fp4lightning's own EmulatedBF16Linear,
             # which is nn.Linear with its bf16 GeMMs computed in fp32
-            if not is_plain_linear(child):
-                why = _linear_like_reason(child, parent)
-                if why:
-                    yield fqn, parent, child_name, child, (False, why)
-                continue
-            if module_filter_fn is not None:
-                if not module_filter_fn(child, fqn):
-                    yield fqn, parent, child_name, child, (True, "excluded by the module filter")
-                    continue
-            elif matches_skip(fqn, config):
-                yield fqn, parent, child_name, child, (True, "FP4Config.skip_modules")
-                continue
-            else:
-                head = _head_reason(embeddings, child)
-                if head:
-                    yield fqn, parent, child_name, child, (True, head)
-                    continue
-            if any(fqn.startswith(p) for p in by_position):
-                yield fqn, parent, child_name, child, (True, "keep_first_n/keep_last_n")
-                continue
-            why = check_fp4_shape(child.in_features, child.out_features)
-            yield fqn, parent, child_name, child, None if why is None else (False, why)
+            why = _linear_like_reason(child, parent)
+            if why:
+                yield fqn, parent, name, child, (False, why)
+        else:
+            yield fqn, parent, name, child, _why_high_precision(fqn, child, config, module_filter_fn, embeddings,
+                                                                by_position)
 
 
 def _as_config(config: FP4Config | str | None) -> FP4Config:

@@ -34,16 +34,19 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fp4lightning.ops import gemm as gemm_dispatch
 from fp4lightning.config import FP4Config
+from fp4lightning.nn.block_linear import block_fp4_linear
 from fp4lightning.numerics.dge import frozen_dge_factor
-from fp4lightning.numerics.occ import fold_e4m3, occ_bounds
+from fp4lightning.numerics.formats import decode_packed_fp4
+from fp4lightning.numerics.occ import occ_bounds
+from fp4lightning.ops import gemm
 
-__all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape"]
+__all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape", "quantize_weight"]
 
 #: Triton path: capacity of the compact OCC residual saved for backward, as a multiple of the
 #: expected non-zero count 2 (1 - alpha) M K (section 3.3), plus a fixed slack. The quantiles
@@ -64,104 +67,112 @@ def check_fp4_shape(in_features: int, out_features: int) -> str | None:
     return None
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
+@dataclass
+class _Activation:
+    """The quantized activation of one forward: what its GeMM reads and what backward keeps."""
+
+    codes: torch.Tensor  # packed E2M1 codes (M, K/2); with occ_fold_e4m3 the folded E4M3 operand itself
+    scale: torch.Tensor  # fp32 (M,), the scale of ``codes``
+    values: torch.Tensor | None = None  # the reference GeMM's decoded operand (OCC's residual folded in)
+    fold: torch.Tensor | None = None  # the folded E4M3 operand (M, K) the forward GeMM reads
+    fold_scale: torch.Tensor | None = None  # refold: that operand's scale s_a 2^-shift (``scale`` is s_a)
+    refold: bool = False  # backward rebuilds ``fold`` from ``codes`` and the compact residual
+    comp_r: torch.Tensor | None = None  # dense R for the forward's compensation GeMM (Triton / scaled_mm)
+    resid: torch.Tensor | tuple | None = None  # what backward keeps of R: CSR of R^T, or the compact form
+    resid_t: bool = False  # ``resid`` holds R^T (reference path) rather than R
+
+
+def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_dtype: torch.dtype,
+                         vals_round: torch.dtype | None) -> _Activation:
+    """OCC's clamp (section 3.3) fused with the per-token activation quantizer, in the form this
+    backend's forward GeMM reads, and the residual in the form backward keeps it."""
+    per_tensor = cfg.act_granularity == "per_tensor"
+    if not cfg.occ:
+        codes, scale, values = gemm.quantize_fp4(x2d, cfg.scale_mode, per_tensor, values_dtype=vals_dtype)
+        return _Activation(codes, scale, values)
+    bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
+    if backend == "scaled_mm" and (cfg.occ_fold_e4m3 or cfg.occ_compensation):
+        # The scaled_mm backend runs `paper`'s OCC folded into the E4M3 activation operand (no
+        # compensation GeMMs; docs/perf.md "OCC on the GPU", docs/results.md section 10: within
+        # noise of the exact compensation in training loss). Backward keeps the packed codes and
+        # the compact residual, not the 1-byte operand, and rebuilds the operand's bits from them
+        # (gemm.refold_operand): the saved bytes stay those of the Triton path.
+        fold, fold_scale, codes, scale, r = gemm.quantize_fp4_refold(x2d, bounds, cfg.scale_mode, per_tensor)
+        # R in x's dtype: the refold needs its bits
+        return _Activation(codes, scale, fold=fold, fold_scale=fold_scale, refold=True,
+                           resid=_compact_residual(r, cfg.occ_alpha))
+    if cfg.occ_fold_e4m3:
+        # Y = (E W_q^T) / (s_a 2^-shift s_w) with E = E4M3((A_q + s_a R) 2^-shift): the
+        # compensation rides in the FP4 GeMM's operand (docs/perf.md, "OCC on the GPU"); backward
+        # keeps the folded operand, which the wgrad GeMM reads
+        fold, scale = gemm.quantize_fp4_folded(x2d, bounds, cfg.scale_mode, per_tensor)
+        return _Activation(fold, scale, fold=fold)
+    # Triton and scaled_mm: the residual stays dense and the compensation runs as GeMMs.
+    # Reference path: fold the residual into the decoded operand,
+    # Y = ((A_q + s_a R) W_q^T) / (s_a s_w), one dense product instead of a sparse
+    # one (CPU sparse kernels cost as much as the dense GeMM). Only the ~2% outlier
+    # entries of the operand change; they are held in the compute dtype, bf16
+    # under autocast, like nn.Linear's operands.
+    dense_comp = backend != "reference"
+    codes, scale, values, r = gemm.quantize_fp4_clamped(
+        x2d, bounds, cfg.scale_mode, per_tensor, fold=cfg.occ_compensation and not dense_comp,
+        values_dtype=vals_dtype, values_round=vals_round)
+    if not cfg.occ_compensation:
+        return _Activation(codes, scale, values)
+    if dense_comp:
+        # Triton / scaled_mm path: R in the compute dtype (bf16 under autocast, as the
+        # reference path's folded operand and nn.Linear's operands), kept for backward
+        # in a fixed-capacity compact form built without a host sync
+        r = r.to(vals_round or vals_dtype)  # the compute dtype, never its fp32 carrier
+        return _Activation(codes, scale, values, comp_r=r, resid=_compact_residual(r, cfg.occ_alpha))
+    # what backward keeps: ~2% non-zeros; R^T in CSR form for the CPU sparse kernels
+    return _Activation(codes, scale, values, resid=_sparse_residual(r, transpose=True), resid_t=True)
+
+
+def _forward_gemm(act: _Activation, w_codes: torch.Tensor, w_scale: torch.Tensor, w_vals: torch.Tensor | None,
+                  k: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
+                  vals_dtype: torch.dtype) -> torch.Tensor:
+    """The FP4 GeMM plus OCC's compensation product ``R Wdq^T`` (in the folded operand, or a second GeMM)."""
+    if act.fold is not None:
+        scale = act.scale if act.fold_scale is None else act.fold_scale
+        return gemm.fp4_gemm_folded(act.fold, scale, w_codes, w_scale, k, out_dtype, bias=bias, w_values=w_vals,
+                                    values_dtype=vals_dtype)
+    if act.comp_r is None:  # no compensation, or (reference path) already folded into act.values
+        return gemm.fp4_gemm(act.codes, act.scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=act.values,
+                             w_values=w_vals)
+    # Triton / scaled_mm path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM
+    # on the dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse
+    # one, which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
+    # R and the E2M1 values are exact in R's dtype, the accumulation is fp32.
+    r = act.comp_r
+    y = gemm.fp4_gemm(act.codes, act.scale, w_codes, w_scale, k, torch.float32, bias=bias, a_values=act.values,
+                      w_values=w_vals)
+    w_q = decode_packed_fp4(w_codes, k, r.dtype)
+    return y.add_(_mm_f32(r, w_q.t()).div_(w_scale[None, :])).to(out_dtype)
 
 
 class _FP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: FP4Config,
                 w_quant: tuple | None = None):
-        out_dtype = _out_dtype(x)
+        out_dtype = gemm.output_dtype(x)
         k = weight.shape[1]
         x2d = x.reshape(-1, k)
         with torch.autocast(x.device.type, enabled=False):
-            # --- OCC clamp fused with the activation quantizer; keep the residual
-            resid = r = None
-            resid_t = False  # resid holds R (Triton path) or R^T (reference path) in CSR form
-            per_tensor_a = cfg.act_granularity == "per_tensor"
             # the reference GeMMs run on decoded values in this dtype (bf16 under autocast; fp32
             # holding bf16 values where CPU bf16 GeMMs are emulated, fp4lightning.numerics.cpu_bf16)
-            vals_dtype, vals_round = gemm_dispatch.operand_dtype(out_dtype, x.device)
-            backend = gemm_dispatch.backend_for(x.device)
-            # Triton and scaled_mm: the residual stays dense and the compensation runs as GeMMs
-            dense_comp = backend != "reference"
-            a_fold = None  # the E4M3 activation operand of cfg.occ_fold_e4m3 (saved for wgrad)
-            fold_scale = None  # refold: the folded operand's per-row scale s_a 2^-shift
-            # The scaled_mm backend runs `paper`'s OCC folded into the E4M3 activation operand (no
-            # compensation GeMMs; docs/perf.md "OCC on the GPU", docs/results.md section 10: within
-            # noise of the exact compensation in training loss). Backward keeps the packed codes and
-            # the compact residual, not the 1-byte operand, and rebuilds the operand's bits from them
-            # (gemm_dispatch.refold_operand): the saved bytes stay those of the Triton path.
-            refold = cfg.occ and backend == "scaled_mm" and (cfg.occ_fold_e4m3 or cfg.occ_compensation)
-            if refold:
-                bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-                a_fold, fold_scale, a_codes, a_scale, r = gemm_dispatch.quantize_fp4_refold(
-                    x2d, bounds, cfg.scale_mode, per_tensor_a)
-                resid = _compact_residual(r, cfg.occ_alpha)  # R in x's dtype: the refold needs its bits
-                r = None
-            elif cfg.occ and cfg.occ_fold_e4m3:
-                # Y = (E W_q^T) / (s_a 2^-shift s_w) with E = E4M3((A_q + s_a R) 2^-shift): the
-                # compensation rides in the FP4 GeMM's operand (docs/perf.md, "OCC on the GPU")
-                bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-                a_fold, a_scale = gemm_dispatch.quantize_fp4_folded(x2d, bounds, cfg.scale_mode, per_tensor_a)
-                a_codes = a_fold  # what backward keeps: the wgrad GeMM reads the folded operand
-            elif cfg.occ:
-                bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-                # Reference path: fold the residual into the decoded operand,
-                # Y = ((A_q + s_a R) W_q^T) / (s_a s_w), one dense product instead of a sparse
-                # one (CPU sparse kernels cost as much as the dense GeMM). Only the ~2% outlier
-                # entries of the operand change; they are held in the compute dtype, bf16
-                # under autocast, like nn.Linear's operands.
-                a_codes, a_scale, a_vals, r = gemm_dispatch.quantize_fp4_clamped(
-                    x2d, bounds, cfg.scale_mode, per_tensor_a, fold=cfg.occ_compensation and not dense_comp,
-                    values_dtype=vals_dtype, values_round=vals_round)
-                if cfg.occ_compensation and dense_comp:
-                    # Triton / scaled_mm path: R in the compute dtype (bf16 under autocast, as the
-                    # reference path's folded operand and nn.Linear's operands), kept for backward
-                    # in a fixed-capacity compact form built without a host sync
-                    r = r.to(vals_round or vals_dtype)  # the compute dtype, never its fp32 carrier
-                    resid = _compact_residual(r, cfg.occ_alpha)
-                elif cfg.occ_compensation:
-                    # what backward keeps: ~2% non-zeros; R^T in CSR form for the CPU sparse kernels
-                    resid_t = True
-                    resid = _sparse_residual(r, transpose=True)
-                else:
-                    r = None
-            else:
-                a_codes, a_scale, a_vals = gemm_dispatch.quantize_fp4(x2d, cfg.scale_mode, per_tensor_a, values_dtype=vals_dtype)
-            w_codes, w_scale, w_vals = w_quant if w_quant is not None else _quantize_weight(weight, cfg, vals_dtype)
-            # --- the FP4 GeMM plus the compensation product R Wdq^T
-            if a_fold is not None:
-                y = gemm_dispatch.fp4_gemm_folded(a_fold, a_scale if fold_scale is None else fold_scale, w_codes,
-                                                  w_scale, k, out_dtype, bias=bias, w_values=w_vals,
-                                                  values_dtype=vals_dtype)
-            elif r is not None and not dense_comp:  # compensation already folded into a_vals
-                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
-                                 w_values=w_vals)
-            elif r is not None:
-                # Triton / scaled_mm path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM
-                # on the dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse
-                # one, which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
-                # R and the E2M1 values are exact in R's dtype, the accumulation is fp32.
-                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, torch.float32, bias=bias,
-                                           a_values=a_vals, w_values=w_vals)
-                w_q = gemm_dispatch.decode_packed_fp4(w_codes, k, r.dtype)
-                y = y.add_(_mm_f32(r, w_q.t()).div_(w_scale[None, :])).to(out_dtype)
-            else:
-                y = gemm_dispatch.fp4_gemm(a_codes, a_scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=a_vals,
-                                 w_values=w_vals)
-        compact = isinstance(resid, tuple)
-        ctx.save_for_backward(a_codes, a_scale, w_codes, w_scale, weight, fold_scale,
-                              *(resid if compact else (resid,)))
-        ctx.folded = a_fold is not None and not refold
-        ctx.refold = refold
+            vals_dtype, vals_round = gemm.operand_dtype(out_dtype, x.device)
+            act = _quantize_activation(x2d, cfg, gemm.backend_for(x.device), vals_dtype, vals_round)
+            w_codes, w_scale, w_vals = w_quant if w_quant is not None else quantize_weight(weight, cfg, vals_dtype)
+            y = _forward_gemm(act, w_codes, w_scale, w_vals, k, out_dtype, bias, vals_dtype)
+        compact = isinstance(act.resid, tuple)
+        ctx.save_for_backward(act.codes, act.scale, w_codes, w_scale, weight, act.fold_scale,
+                              *(act.resid if compact else (act.resid,)))
+        ctx.folded = act.fold is not None and not act.refold
+        ctx.refold = act.refold
         ctx.cfg, ctx.k, ctx.out_dtype, ctx.has_bias = cfg, k, out_dtype, bias is not None
         ctx.compact_shape = tuple(x2d.shape) if compact else None
-        ctx.resid_t = resid_t
+        ctx.resid_t = act.resid_t
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -169,55 +180,62 @@ class _FP4LinearFn(torch.autograd.Function):
         a_codes, a_scale, w_codes, w_scale, weight, fold_scale, *resid = ctx.saved_tensors
         resid = tuple(resid) if ctx.compact_shape is not None else resid[0]
         cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
-        n = weight.shape[0]
-        dy2d = dy.reshape(-1, n)
+        dy2d = dy.reshape(-1, weight.shape[0])
         grad_x = grad_w = grad_b = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 # dA = dY diag(1/s_w) W_q : fold the reduction-dim scale into dY first
-                g1, s_g1 = gemm_dispatch.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
-                                                    carrier=gemm_dispatch.operand_dtype(cd, dy.device)[0])
-                grad_x = gemm_dispatch.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
+                g1, s_g1 = gemm.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
+                                                     carrier=gemm.operand_dtype(cd, dy.device)[0])
+                grad_x = gemm.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
             if ctx.needs_input_grad[1]:
-                # Under bf16 autocast the wgrad GeMM runs in bf16 like nn.Linear's: its
-                # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
-                gemm_dtype = torch.bfloat16 if cd == torch.bfloat16 else torch.float32
-                a_vals = a_codes if ctx.folded else None
-                if ctx.refold:  # the forward's folded E4M3 operand, bit for bit, and its row scales
-                    a_vals = gemm_dispatch.refold_operand(a_codes, a_scale, fold_scale, resid, ctx.compact_shape)
-                    a_scale = fold_scale
-                g2, s_g2 = gemm_dispatch.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
-                                                    carrier=gemm_dispatch.operand_dtype(gemm_dtype, dy.device)[0])
-                # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
-                # factor: DGE multiplies the whole dL/dW_q
-                comp = None
-                if ctx.refold:
-                    pass  # the compensation rides in the folded operand
-                elif ctx.compact_shape is not None:  # Triton path: dense GeMM on R scattered back
-                    comp = _compact_wgrad(dy2d, resid, ctx.compact_shape)
-                elif resid is not None:
-                    rt = resid if ctx.resid_t else _csr_transpose(resid)
-                    comp = _sparse_wgrad(rt, dy2d)
-                grad_w = gemm_dispatch.fp4_wgrad(
-                    g2, s_g2, None if a_vals is not None else a_codes, k, torch.float32,
-                    dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
-                    dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
-                    a_values=a_vals,
-                )
-                if ctx.refold:  # more outliers than the compact residual holds: a NaN step, never a wrong one
-                    grad_w = torch.where(resid[2], torch.full((), float("nan"), device=grad_w.device), grad_w)
-                if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.experiments.dge_probe
-                    grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)
-                grad_w = grad_w.to(weight.dtype)
+                grad_w = _wgrad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)  # no fp32 copy of dY
         return grad_x, grad_w, grad_b, None, None
 
 
-def _quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32):
-    """(packed codes, per-channel scales, decoded values or None) of the weight."""
-    return gemm_dispatch.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
-                            values_dtype=values_dtype)
+def _wgrad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.Tensor, fold_scale: torch.Tensor | None,
+           resid, weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``dW = (dY^T (A_qdq + R)) * f'(W s_w)`` from what the forward saved (section 3)."""
+    cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
+    # Under bf16 autocast the wgrad GeMM runs in bf16 like nn.Linear's: its
+    # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
+    gemm_dtype = torch.bfloat16 if cd == torch.bfloat16 else torch.float32
+    a_vals = a_codes if ctx.folded else None
+    if ctx.refold:  # the forward's folded E4M3 operand, bit for bit, and its row scales
+        a_vals = gemm.refold_operand(a_codes, a_scale, fold_scale, resid, ctx.compact_shape)
+        a_scale = fold_scale
+    g2, s_g2 = gemm.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
+                                         carrier=gemm.operand_dtype(gemm_dtype, dy2d.device)[0])
+    # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
+    # factor: DGE multiplies the whole dL/dW_q
+    comp = None
+    if ctx.refold:
+        pass  # the compensation rides in the folded operand
+    elif ctx.compact_shape is not None:  # Triton path: dense GeMM on R scattered back
+        comp = _compact_wgrad(dy2d, resid, ctx.compact_shape)
+    elif resid is not None:
+        rt = resid if ctx.resid_t else _csr_transpose(resid)
+        comp = _sparse_wgrad(rt, dy2d)
+    grad_w = gemm.fp4_wgrad(
+        g2, s_g2, None if a_vals is not None else a_codes, k, torch.float32,
+        dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
+        dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
+        a_values=a_vals,
+    )
+    if ctx.refold:  # more outliers than the compact residual holds: a NaN step, never a wrong one
+        grad_w = torch.where(resid[2], torch.full((), float("nan"), device=grad_w.device), grad_w)
+    if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.experiments.dge_probe
+        grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)
+    return grad_w
+
+
+def quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32):
+    """(packed codes, per-channel scales, decoded values or None) of the weight, as the layer's forward
+    quantizes it; FSDP's FP4 all-gather quantizes each rank's rows with it (``distributed.fsdp``)."""
+    return gemm.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
+                             values_dtype=values_dtype)
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -372,10 +390,9 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if x.numel() == 0:
         return torch.nn.functional.linear(x, weight, bias)
     if cfg.block_format != "none":  # NVFP4 / MXFP4 recipes
-        from fp4lightning.nn.block_linear import block_fp4_linear
         return block_fp4_linear(x, weight, bias, cfg)
     if (cfg.occ and cfg.occ_fold_e4m3 and cfg.grad_format == "bf16" and torch.is_grad_enabled()
-            and (x.requires_grad or weight.requires_grad) and gemm_dispatch.backend_for(x.device) == "triton"):
+            and (x.requires_grad or weight.requires_grad) and gemm.backend_for(x.device) == "triton"):
         # said before the step's forward work, not at its first backward
         raise TypeError("FP4Config(occ_fold_e4m3=True, grad_format='bf16'): on the Triton backend the folded-OCC "
                         "weight gradient needs an FP8 dY; set grad_format to 'e5m2' (the paper's) or 'e4m3', "

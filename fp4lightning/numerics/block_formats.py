@@ -40,8 +40,9 @@ import torch
 
 from fp4lightning.numerics import cpu_bf16
 from fp4lightning.numerics.constants import (E2M1_MAX, E2M1_MAX_POW2, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, F8E4M3_MAX,
-                        F8E4M3_MIN_NORMAL, F32_MIN_NORMAL)
-from fp4lightning.numerics.formats import _lut, _magnitude_index
+                                             F8E4M3_MIN_NORMAL, F32_MIN_NORMAL)
+from fp4lightning.numerics.cpu_fused import fused_pass
+from fp4lightning.numerics.formats import decode_packed_fp4, e2m1_index, pack_fp4
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -112,6 +113,20 @@ class BlockFP4:
         n = self.codes.numel() + self.scales.numel() * self.scales.element_size()
         return n + (4 if self.global_scale is not None else 0)
 
+    def gemm_operand(self, dtype: torch.dtype) -> tuple[torch.Tensor, float | torch.Tensor]:
+        """``(values, factor)``: the (M, K) values with their block scales, in ``dtype``, and the
+        tensor-wide factor (global and post scale) a GeMM leaves for its epilogue.
+
+        ``e2m1 * block_scale`` has at most 2 + 4 significant bits, so it is exact in bf16 and
+        fp32 (barring E4M3/E8M0 exponents outside bf16's range, which they are not).
+        """
+        k = self.shape[1]
+        vals = (_values(self.codes) * self.element_scales())[:, :k].to(dtype)
+        g = self.post_scale
+        if self.global_scale is not None:
+            g = self.global_scale * g
+        return vals, g
+
 
 # --------------------------------------------------------------------------- rounding
 _M32 = 0xFFFFFFFF
@@ -171,7 +186,7 @@ def _round_values(y: torch.Tensor, rounding: str, generator: torch.Generator | N
 
 def _codes_of(v: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8) of values already on the E2M1 grid; NaN -> code 0."""
-    idx = _magnitude_index(torch.nan_to_num(v.abs(), nan=0.0)).to(torch.uint8)
+    idx = e2m1_index(torch.nan_to_num(v.abs(), nan=0.0)).to(torch.uint8)
     return idx | (torch.signbit(v).view(torch.uint8) << 3)
 
 
@@ -188,13 +203,9 @@ def _encode(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -
     return _codes_of(_round_values(y, rounding, generator))
 
 
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
-    return torch.add(pairs[..., 0], pairs[..., 1], alpha=16)
-
-
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+def _values(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 E2M1 values of packed codes (M, Kp/2) -> (M, Kp)."""
+    return decode_packed_fp4(packed, 2 * packed.shape[-1], torch.float32)
 
 
 def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
@@ -264,7 +275,7 @@ def quantize_mxfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.
     m, k = x.shape
     y, biased, _, post = _mx_prepare(x, rounding)
     codes = _encode(y, rounding, generator).reshape(m, -1)
-    return BlockFP4(_pack(codes), biased, None, "mxfp4", False, (m, k), post)
+    return BlockFP4(pack_fp4(codes), biased, None, "mxfp4", False, (m, k), post)
 
 
 # --------------------------------------------------------------------------- NVFP4
@@ -318,7 +329,7 @@ def quantize_nvfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.
     m, k = x.shape
     y, s8, g = _nv_prepare(x, block_2d, global_scale)
     codes = _encode(y, rounding, generator).reshape(_rows(y, block_2d), -1)[:m]  # (M, Kp)
-    return BlockFP4(_pack(codes), s8, g, "nvfp4", block_2d, (m, k))
+    return BlockFP4(pack_fp4(codes), s8, g, "nvfp4", block_2d, (m, k))
 
 
 def _rows(y: torch.Tensor, block_2d: bool) -> int:
@@ -354,16 +365,15 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
     xb = _blocked(x.detach(), b, block_2d)  # detached: never differentiated (and no extra graphs)
     # stochastic rounding: one seed from the generator; the pass hashes it into its uniforms
     u = sr_seed(generator, x.device) if rounding == "stochastic" else None
-    from fp4lightning.numerics.cpu_fused import fake_quantize_block_pass
-
-    vals, factor, dec = fake_quantize_block_pass(xb, fmt, rounding, u, block_2d, dtype)
+    vals, factor, dec = _fake_quantize_blocked(xb, fmt, rounding, u, block_2d, dtype)
     return vals.reshape(_rows(xb, block_2d), -1)[:m, :k], factor, dec
 
 
-def _fake_quantize_block_eager(xb: torch.Tensor, fmt: str, rounding: str, u: torch.Tensor | None, block_2d: bool,
-                               dtype: torch.dtype):
-    """The body of :func:`fake_quantize_block` on the blocked input (``fused.fake_quantize_block_pass``
-    compiles it): values in the blocked layout, the tensor-wide factor, the block decode scales."""
+@fused_pass
+def _fake_quantize_blocked(xb: torch.Tensor, fmt: str, rounding: str, u: torch.Tensor | None, block_2d: bool,
+                           dtype: torch.dtype):
+    """The body of :func:`fake_quantize_block` on the blocked input, one fused pass: values in the
+    blocked layout, the tensor-wide factor, the block decode scales."""
     if fmt == "mxfp4":
         y, biased, _, factor = _mx_prepare_blocked(xb, rounding)
         dec = e8m0_to_float(biased)
@@ -393,7 +403,7 @@ def quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest", generat
 def dequantize_block(q: BlockFP4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(M, K) values ``e2m1 * block_scale * global_scale * post_scale``."""
     m, k = q.shape
-    vals = _lut(q.codes.device, torch.float32)[_unpack(q.codes).long()]  # (M, Kp)
+    vals = _values(q.codes)  # (M, Kp)
     s = q.element_scales()
     if q.global_scale is not None:
         s = s * q.global_scale  # scale first, then values: torchao's order (bit-identical output)
@@ -401,21 +411,6 @@ def dequantize_block(q: BlockFP4, dtype: torch.dtype = torch.float32) -> torch.T
     if q.post_scale != 1.0:
         out = out * q.post_scale
     return out[:, :k].to(dtype)
-
-
-def _operand(q: BlockFP4, cd: torch.dtype) -> tuple[torch.Tensor, float | torch.Tensor]:
-    """(values with their block scales, in ``cd``; the tensor-wide factor left for the epilogue).
-
-    ``e2m1 * block_scale`` has at most 2 + 4 significant bits, so it is exact in bf16 and
-    fp32 (barring E4M3/E8M0 exponents outside bf16's range, which they are not).
-    """
-    m, k = q.shape
-    vals = _lut(q.codes.device, torch.float32)[_unpack(q.codes).long()]
-    vals = (vals * q.element_scales())[:, :k].to(cd)
-    g = q.post_scale
-    if q.global_scale is not None:
-        g = q.global_scale * g
-    return vals, g
 
 
 def block_gemm_reference(a: BlockFP4, b: BlockFP4, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -428,8 +423,8 @@ def block_gemm_reference(a: BlockFP4, b: BlockFP4, out_dtype: torch.dtype = torc
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"block_gemm_reference: reduction dims differ ({a.shape[1]} vs {b.shape[1]})")
     cd = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    av, ga = _operand(a, cd)
-    bv, gb = _operand(b, cd)
+    av, ga = a.gemm_operand(cd)
+    bv, gb = b.gemm_operand(cd)
     y = cpu_bf16.mm(av, bv.t()).float()
     g = ga * gb
     if not (isinstance(g, float) and g == 1.0):

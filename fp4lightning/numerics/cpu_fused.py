@@ -23,9 +23,11 @@ import warnings
 import torch
 
 from fp4lightning.numerics.constants import E2M1_MAX, E4M3_FOLD_MAX_SHIFT, F8E4M3_MAX
-from fp4lightning.numerics.formats import pow2_floor, _round_e5m2, _round_index, _round_magnitude
+from fp4lightning.numerics.dge import dge_derivative
+from fp4lightning.numerics.formats import e2m1_index, e2m1_magnitude, pow2_floor, round_to_e5m2
 
-__all__ = ["compile_enabled", "fp4_rows", "fp4_rows_folded", "fp8_scaled", "gemm_epilogue", "wgrad_epilogue"]
+__all__ = ["compile_enabled", "fused_pass", "fp4_rows", "fp4_rows_folded", "fp8_scaled", "gemm_epilogue",
+           "wgrad_epilogue"]
 
 COMPILE_CHOICES = ("auto", "0", "1")
 _FAILED: list[str] = []  # the reason compiling failed, once it has
@@ -47,40 +49,50 @@ def compile_enabled(device: torch.device) -> bool:
 RECOMPILE_LIMIT = 64
 
 
-def _fused(fn):
-    """Run ``fn`` compiled where ``compile_enabled``, else (or if compiling fails) eagerly."""
+def fused_pass(fn):
+    """Decorator: run ``fn`` compiled where ``compile_enabled``, else (or if compiling fails) eagerly.
+
+    ``fn`` is a group of elementwise passes in plain PyTorch whose first argument is a tensor (its
+    device decides); its compiled form must give the eager bits (see the module docstring). The
+    eager function stays reachable as ``.eager``. The other numerics modules (the block quantizer)
+    and the FP8 gradient all-reduce fuse their passes with it too.
+    """
     compiled = None
     too_many_variants = False
 
     @functools.wraps(fn)
     def wrapper(x, *args, **kwargs):
         nonlocal compiled, too_many_variants
-        if compile_enabled(x.device) and not too_many_variants:
-            if compiled is None:
-                # emulate_precision_casts: keep every cast eager makes (a .to(bf16).float() round
-                # trip is a rounding here, e.g. cpu_bf16.gemm_plan's; Inductor would drop it)
-                compiled = torch.compile(fn, dynamic=True, fullgraph=True,
-                                         options={"emulate_precision_casts": True})
-            try:
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    return compiled(x, *args, **kwargs)
-            except Exception as e:
-                if "RecompileLimit" in type(e).__name__:
-                    # this function only, not the whole CPU path: it keeps running, eagerly
-                    too_many_variants = True
-                    warnings.warn(f"fp4lightning: {fn.__name__} met more than {RECOMPILE_LIMIT} input variants; "
-                                  "running it eagerly from now on (same numerics, slower)", RuntimeWarning,
-                                  stacklevel=2)
-                elif not _FAILED:  # no C++ compiler, or Inductor cannot build: same math eagerly
-                    _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-                    warnings.warn(f"fp4lightning: torch.compile unavailable ({_FAILED[0][:200]}); running the "
-                                  "FP4 CPU path eagerly (same numerics, slower). Install a C++ compiler (gcc) "
-                                  "to fuse it, or set FP4LIGHTNING_COMPILE=0 to silence this.",
-                                  RuntimeWarning, stacklevel=2)
+        if not compile_enabled(x.device) or too_many_variants:
+            return fn(x, *args, **kwargs)
+        if compiled is None:
+            # emulate_precision_casts: keep every cast eager makes (a .to(bf16).float() round
+            # trip is a rounding here, e.g. cpu_bf16.gemm_plan's; Inductor would drop it)
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(x, *args, **kwargs)
+        except Exception as e:
+            too_many_variants = _compile_failed(fn, e)
         return fn(x, *args, **kwargs)
 
     wrapper.eager = fn
     return wrapper
+
+
+def _compile_failed(fn, e: Exception) -> bool:
+    """Say once why compiling ``fn`` failed; True when only ``fn`` is to run eagerly from now on."""
+    if "RecompileLimit" in type(e).__name__:
+        # this function only, not the whole CPU path: it keeps running, eagerly
+        warnings.warn(f"fp4lightning: {fn.__name__} met more than {RECOMPILE_LIMIT} input variants; "
+                      "running it eagerly from now on (same numerics, slower)", RuntimeWarning, stacklevel=3)
+        return True
+    if not _FAILED:  # no C++ compiler, or Inductor cannot build: same math eagerly
+        _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        warnings.warn(f"fp4lightning: torch.compile unavailable ({_FAILED[0][:200]}); running the "
+                      "FP4 CPU path eagerly (same numerics, slower). Install a C++ compiler (gcc) "
+                      "to fuse it, or set FP4LIGHTNING_COMPILE=0 to silence this.", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:
@@ -114,7 +126,7 @@ def fp4_rows(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_d
     return ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8), scale, q, resid
 
 
-@_fused
+@fused_pass
 def fp4_rows_unpacked(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, values_dtype: torch.dtype,
                       bounds: torch.Tensor | None = None, fold: bool = False, values_round: torch.dtype | None = None):
     """``fp4_rows`` with the codes unpacked: uint8 (M, K), one code ``sign << 3 | index`` per byte."""
@@ -132,8 +144,8 @@ def fp4_rows_unpacked(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool,
     a = y.abs()
     # code = index + 8 * sign bit, held in fp32 until the final cast: integer uint8 passes
     # do not vectorize on CPU. copysign sees the sign of -0.0, as signbit does.
-    code = _round_index(a) + (torch.copysign(torch.ones_like(y), y) < 0).float() * 8.0
-    q = torch.copysign(_round_magnitude(a), y)
+    code = e2m1_index(a) + (torch.copysign(torch.ones_like(y), y) < 0).float() * 8.0
+    q = torch.copysign(e2m1_magnitude(a), y)
     if fold:
         q = q + resid.float() * scale[:, None]
     if values_round is not None:
@@ -146,14 +158,14 @@ def _pow2_neg(shift: torch.Tensor) -> torch.Tensor:
     return ((127 - shift) << 23).view(torch.float32)
 
 
-@_fused
+@fused_pass
 def fp4_rows_folded(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, bounds: torch.Tensor):
     """OCC's compensation folded into the activation operand in E4M3 (``FP4Config.occ_fold_e4m3``),
     in one fused pass: ``(e4 float8_e4m3fn (M, K), scale fp32 (M,))``.
 
     The same bits as the three steps it fuses (``fp4_rows_unpacked(fold=True)``, then
     ``fp4lightning.numerics.occ.fold_e4m3``, then NaN scales and zero codes for rows whose folded values are
-    not finite; ``gemm_dispatch.quantize_fp4_folded`` keeps them spelled out for float64 inputs and
+    not finite; ``fp4lightning.ops.gemm.quantize_fp4_folded`` keeps them spelled out for float64 inputs and
     the tests compare the two): the frexp exponent is read from the bits and ``ldexp`` is a
     multiply by an exact power of two, both exact, so Inductor can fuse it.
     """
@@ -165,7 +177,7 @@ def fp4_rows_folded(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, b
     scale = scale_from_amax(amax, E2M1_MAX, eps, pow2)
     y = torch.mul(xc, scale[:, None])
     y = torch.where(torch.isfinite(scale)[:, None], y, 0.0)
-    v = torch.copysign(_round_magnitude(y.abs()), y) + resid.float() * scale[:, None]
+    v = torch.copysign(e2m1_magnitude(y.abs()), y) + resid.float() * scale[:, None]
     famax = v.abs().amax(1)
     bad = ~torch.isfinite(famax)  # NaN or +/-inf anywhere in the folded row
     famax = torch.where(bad, 0.0, famax)
@@ -177,7 +189,7 @@ def fp4_rows_folded(x: torch.Tensor, eps: float, pow2: bool, per_tensor: bool, b
     return e4.to(torch.float8_e4m3fn), torch.where(bad, float("nan"), scale * p)
 
 
-@_fused
+@fused_pass
 def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: float, fp8_dtype: torch.dtype,
                carrier: torch.dtype | None = None):
     """``g = x.float() * (1 / div)`` (``div`` broadcast over rows for dim=1, over columns for dim=0),
@@ -211,14 +223,14 @@ def fp8_scaled(x: torch.Tensor, div: torch.Tensor, dim: int, fmax: float, eps: f
     scaled = scaled.clamp(-fmax, fmax)
     if carrier is not None and fp8_dtype == torch.float8_e5m2 and torch.compiler.is_compiling():
         # same values as the FP8 cast; compiled, the arithmetic vectorizes and the cast does not
-        out = _round_e5m2(scaled).to(carrier)
+        out = round_to_e5m2(scaled).to(carrier)
     else:
         g8 = scaled.to(fp8_dtype)
         out = g8 if carrier is None else g8.to(carrier)
     return (out.contiguous().t() if transposed else out), scale
 
 
-@_fused
+@fused_pass
 def gemm_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor | None,
                   bias: torch.Tensor | None, out_dtype: torch.dtype, acc_round: torch.dtype | None = None):
     """``(acc / row_scale[:, None] / col_scale[None, :] + bias)`` in fp32, cast to ``out_dtype``;
@@ -234,15 +246,13 @@ def gemm_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.T
     return y.to(out_dtype)
 
 
-@_fused
+@fused_pass
 def wgrad_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, addend: torch.Tensor | None,
                    weight: torch.Tensor | None, weight_scale: torch.Tensor | None, dge_k: float,
                    dge_clamp: float, out_dtype: torch.dtype, acc_round: torch.dtype | None = None):
     """``(acc / row_scale[:, None] + addend) * f'(W s_w)`` in fp32 (DGE factor when ``weight``
     is given, section 3.2; ``fp4lightning.numerics.dge.dge_derivative``), cast to ``out_dtype``; ``acc``
     rounded to ``acc_round`` first when given (as in :func:`gemm_epilogue`)."""
-    from fp4lightning.numerics.dge import dge_derivative
-
     if acc_round is not None:
         acc = acc.to(acc_round)
     dw = acc.float() / row_scale[:, None]
@@ -253,18 +263,8 @@ def wgrad_epilogue(acc: torch.Tensor, row_scale: torch.Tensor, addend: torch.Ten
     return dw.to(out_dtype)
 
 
-@_fused
+@fused_pass
 def bits_sum(ints: torch.Tensor) -> torch.Tensor:
     """Exact int64 sum of an integer tensor (the bits of an operand that seed its stochastic
     rounding, fp4lightning.nn.block_linear): compiled it is ~2.5x faster than eager's widening sum."""
     return ints.to(torch.int64).sum()
-
-
-def _fake_quantize_block(x, fmt, rounding, u, block_2d, dtype):
-    from fp4lightning.numerics.block_formats import _fake_quantize_block_eager
-
-    return _fake_quantize_block_eager(x, fmt, rounding, u, block_2d, dtype)
-
-
-#: block-FP4 quantize-dequantize (NVFP4 / MXFP4, block_formats.fake_quantize_block) in one pass
-fake_quantize_block_pass = _fused(_fake_quantize_block)

@@ -30,6 +30,9 @@ __all__ = [
     "cast_to_fp8",
     "saturating_cast_",
     "pow2_floor",
+    "e2m1_index",
+    "e2m1_magnitude",
+    "round_to_e5m2",
 ]
 
 _LUT_CACHE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -44,8 +47,10 @@ def _lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _LUT_CACHE[key]
 
 
-def _round_index(a: torch.Tensor) -> torch.Tensor:
-    """Index 0..7 (as a float of ``a``'s dtype) of the nearest E2M1 magnitude to ``a = |x|``.
+def e2m1_index(a: torch.Tensor) -> torch.Tensor:
+    """Index 0..7 (as a float of ``a``'s dtype) of the nearest E2M1 magnitude to ``a = |x|``:
+    the magnitude bits of the E2M1 code (``.to(torch.uint8)`` them; the fused CPU passes keep
+    them in float until the last cast because integer passes do not vectorize there).
 
     Rounding by arithmetic: the grid has step 0.5 below 2, step 1 on [2, 4) and step 2
     from 4, so ``round`` (half to even) of ``2a``, ``a`` or ``a/2`` lands on the grid, and
@@ -59,13 +64,9 @@ def _round_index(a: torch.Tensor) -> torch.Tensor:
                        torch.where(a < 4.0, torch.round(a) + 2.0, torch.round(a * 0.5) + 4.0)).clamp_(max=7.0)
 
 
-def _magnitude_index(a: torch.Tensor) -> torch.Tensor:
-    """Index (0..7, int32) of the nearest E2M1 magnitude for ``a = |x|``, ties to even."""
-    return _round_index(a).to(torch.int32)
-
-
-def _round_magnitude(a: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 magnitude to ``a = |x|`` in ``a``'s dtype (see ``_round_index``); NaN stays NaN."""
+def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 magnitude to ``a = |x|`` in ``a``'s dtype, ties to even (see ``e2m1_index``);
+    NaN stays NaN, +inf saturates to 6."""
     return torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
                        torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0)).clamp_(max=E2M1_MAX)
 
@@ -81,7 +82,7 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"round_to_e2m1 expects a floating-point tensor, got {x.dtype}")
     xf = x if x.dtype == torch.float64 else x.float()
-    return torch.copysign(_round_magnitude(xf.abs()), xf).to(x.dtype)
+    return torch.copysign(e2m1_magnitude(xf.abs()), xf).to(x.dtype)
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     xf = x if x.dtype == torch.float64 else x.float()
     if torch.isnan(xf).any():
         raise ValueError("encode_e2m1: input contains NaN, which E2M1 cannot represent; check the input for NaN first")
-    idx = _magnitude_index(xf.abs()).to(torch.uint8)
+    idx = e2m1_index(xf.abs()).to(torch.uint8)
     sign = torch.signbit(xf).view(torch.uint8) << 3
     return idx | sign
 
@@ -168,10 +169,11 @@ def decode_packed_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.f
     return out if k == full else out[..., :k]
 
 
-def _round_e5m2(y: torch.Tensor) -> torch.Tensor:
+def round_to_e5m2(y: torch.Tensor) -> torch.Tensor:
     """fp32 ``y`` (finite, |y| <= 57344) rounded to the nearest FP8 E5M2 value, ties to even,
     returned in fp32: the values of ``y.to(torch.float8_e5m2)``, bit for bit (-0.0 included;
-    ``tests/test_formats.py``).
+    ``tests/test_formats.py``). What the fused CPU pass of the FP8 dY cast computes
+    (``cpu_fused.fp8_scaled``).
 
     ``p``, the largest power of two <= |y| but at least 2^-14 (the E5M2 subnormal step is then
     p / 4 = 2^-16, so one formula covers both ranges), comes from five compare-and-double steps;

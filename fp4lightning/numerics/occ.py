@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from fp4lightning.numerics.constants import E4M3_FOLD_MAX_SHIFT  # fold_e4m3's largest shift (re-exported here)
+from fp4lightning.numerics.constants import F8E4M3_MAX
 
 __all__ = ["occ_bounds", "occ_clamp", "fold_e4m3", "QUANTILE_METHODS"]
 
@@ -136,8 +137,6 @@ def fold_e4m3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     of running the compensation ``R W^T`` as a second, bf16 GeMM (docs/perf.md, "OCC on the GPU");
     ``fp4lightning.experiments.occ_fidelity`` measures what it costs in activation SNR.
     """
-    from fp4lightning.numerics.constants import F8E4M3_MAX
-
     v = v.float()
     amax = v.abs().amax(1, keepdim=True)
     _, e = torch.frexp(amax)  # amax = m 2^e, 0.5 <= m < 1; 448 = 0.875 x 2^9

@@ -37,14 +37,17 @@ import warnings
 import torch
 
 from fp4lightning.numerics.constants import AMAX_EPS, DY_FORMATS, F8E4M3_MAX, F8E5M2_MAX, FP8_AMAX_EPS
-from fp4lightning.numerics.formats import decode_packed_fp4
-from fp4lightning.numerics import cpu_bf16, cpu_fused as fused
-from fp4lightning.numerics.occ import occ_clamp
+from fp4lightning.numerics import cpu_bf16, cpu_fused
 from fp4lightning.numerics.absmax import quantize_rows_reference
+from fp4lightning.numerics.block_formats import block_gemm_reference
+from fp4lightning.numerics.formats import decode_packed_fp4
+from fp4lightning.numerics.occ import fold_e4m3, occ_clamp
 
 __all__ = [
     "backend_for",
     "DY_FORMATS",
+    "output_dtype",
+    "operand_dtype",
     "quantize_fp4",
     "quantize_fp4_clamped",
     "quantize_fp4_folded",
@@ -180,6 +183,15 @@ def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer's output takes for input ``x``, as ``nn.Linear``'s: the autocast dtype
+    of ``x``'s device while autocast is on there, else ``x``'s dtype."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
 def operand_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
     """``(held in, rounded to)`` for the operands of a reference GeMM computing in ``dtype``'s compute
     dtype: ``(compute dtype, None)``, or ``(float32, bfloat16)`` where bf16 GeMMs are emulated
@@ -242,8 +254,8 @@ def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: st
     if scaled:
         values_dtype, values_round = torch.float32, None
     if x2d.dtype != torch.float64 and x2d.shape[1] % 2 == 0 and scale_mode in ("float", "pow2"):
-        codes, scale, values, resid = fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, values_dtype,
-                                                     bounds, fold, values_round)
+        codes, scale, values, resid = cpu_fused.fp4_rows(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor,
+                                                         values_dtype, bounds, fold, values_round)
         return codes, scale, (values.to(torch.float8_e4m3fn) if scaled else values), resid
     xc, resid = occ_clamp(x2d, bounds)
     codes, scale, values = quantize_rows_reference(xc, scale_mode, per_tensor=per_tensor, packed=True, return_values=True)
@@ -268,15 +280,13 @@ def quantize_fp4_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str
     if triton_quantizers(x2d.device):
         return _triton_kernels().triton_quantize_rows_folded(x2d, bounds, scale_mode=scale_mode, per_tensor=per_tensor)
     if x2d.dtype != torch.float64 and scale_mode in ("float", "pow2"):
-        return fused.fp4_rows_folded(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, bounds)
+        return cpu_fused.fp4_rows_folded(x2d, AMAX_EPS, scale_mode == "pow2", per_tensor, bounds)
     return quantize_fp4_folded_steps(x2d, bounds, scale_mode, per_tensor)
 
 
 def quantize_fp4_folded_steps(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
                               per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_fp4_folded`` as its three steps, unfused (float64 inputs; the tests' oracle)."""
-    from fp4lightning.numerics.occ import fold_e4m3
-
     _, scale, folded, _ = quantize_fp4_clamped(x2d, bounds, scale_mode, per_tensor, fold=True,
                                                values_dtype=torch.float32)
     e4, shift = fold_e4m3(folded)
@@ -307,7 +317,7 @@ def refold_operand(codes: torch.Tensor, scale: torch.Tensor, fold_scale: torch.T
     the folded scale ``s_a 2^-shift`` and the compact residual ``(flat indices, values in x's dtype,
     overflow)`` (``linear._compact_residual``). Returns (M, K) ``float8_e4m3fn``.
 
-    The same arithmetic as ``fused.fp4_rows_folded``: ``v = A_q + R s_a`` in fp32, times ``2^-shift``,
+    The same arithmetic as ``cpu_fused.fp4_rows_folded``: ``v = A_q + R s_a`` in fp32, times ``2^-shift``,
     saturated to E4M3's 448 and rounded; rows with a NaN folded scale are zeros. (Past the compact
     residual's capacity the outliers it dropped are missing: FP4Linear then returns a NaN weight
     gradient, as the Triton path does.)"""
@@ -363,7 +373,7 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
     fp8 = {"e5m2": (F8E5M2_MAX, torch.float8_e5m2), "e4m3": (F8E4M3_MAX, torch.float8_e4m3fn)}.get(fmt)
     if fp8 is None:
         raise ValueError(f"unknown gradient format {fmt!r}; choose one of {DY_FORMATS}")
-    return fused.fp8_scaled(x2d, div, dim, fp8[0], FP8_AMAX_EPS, fp8[1], carrier)
+    return cpu_fused.fp8_scaled(x2d, div, dim, fp8[0], FP8_AMAX_EPS, fp8[1], carrier)
 
 
 def quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
@@ -407,7 +417,7 @@ def fp4_gemm_reference(
     od, acc_round = cpu_bf16.gemm_plan(_compute_dtype(out_dtype, a_packed.device), a_packed.device)
     a = a_values.to(od) if a_values is not None else _fp4_values(a_packed, k, od)
     w = w_values.to(od) if w_values is not None else _fp4_values(w_packed, k, od)
-    return fused.gemm_epilogue(_mm(a, w.t(), acc_round), a_scale, w_scale, bias, out_dtype, acc_round)
+    return cpu_fused.gemm_epilogue(_mm(a, w.t(), acc_round), a_scale, w_scale, bias, out_dtype, acc_round)
 
 
 def fp4_dgrad_reference(
@@ -416,7 +426,7 @@ def fp4_dgrad_reference(
     """``dA = (G1_q W_q) / s_g1[:, None]``; ``g`` (M x N) FP8 or bf16, W packed along K."""
     od, acc_round = cpu_bf16.gemm_plan(_compute_dtype(out_dtype, g.device), g.device)
     acc = _mm(g.to(od), _fp4_values(w_packed, k, od), acc_round)
-    return fused.gemm_epilogue(acc, g_scale, None, None, out_dtype, acc_round)
+    return cpu_fused.gemm_epilogue(acc, g_scale, None, None, out_dtype, acc_round)
 
 
 def fp4_wgrad_reference(
@@ -448,8 +458,9 @@ def fp4_wgrad_reference(
     od, acc_round = cpu_bf16.gemm_plan(gemm_dtype or _compute_dtype(out_dtype, g.device), g.device)
     a = a_values.to(od) if a_values is not None else _fp4_values(a_packed, k, od)
     acc = _mm(g.to(od).t(), a, acc_round)
-    return fused.wgrad_epilogue(acc, g_scale, addend, dge_weight, dge_weight_scale if dge_weight is not None else None,
-                                dge_k, dge_clamp, out_dtype, acc_round)
+    return cpu_fused.wgrad_epilogue(acc, g_scale, addend, dge_weight,
+                                    dge_weight_scale if dge_weight is not None else None, dge_k, dge_clamp, out_dtype,
+                                    acc_round)
 
 
 # --------------------------------------------------------------------------- GeMMs (dispatch)
@@ -529,8 +540,6 @@ def block_gemm(a, b) -> torch.Tensor:
     reduction dimension: the Triton block-scaled kernel (kernels/block.py) on the Triton backend,
     else ``block_gemm_reference``. 2-D (16 x 16) tiles are handed to the kernel as per-row
     scales; the tensor-wide factors (NVFP4 global scale, MXFP4 SR post-scale) go to its epilogue."""
-    from fp4lightning.numerics.block_formats import block_gemm_reference
-
     if a.shape[1] != b.shape[1] or a.fmt != b.fmt:
         raise ValueError(f"block_gemm: operands differ ({a.fmt} {a.shape} vs {b.fmt} {b.shape}); "
                          "they must share the format and the reduction (last) dimension")
