@@ -179,15 +179,15 @@ def bench_quantile(dev, m=2048, k=1024, alpha=0.99, reps=5):
 
 #: the parts of FP4Linear's forward+backward that --breakdown times: (module, function, label)
 BREAKDOWN_PARTS = (
-    ("linear", "occ_bounds", "OCC quantile (sampled)"),
-    ("gemm_dispatch", "quantize_fp4_clamped", "FP4 quantize X (OCC clamp, residual)"),
-    ("linear", "_sparse_residual", "OCC residual -> CSR of R^T"),
-    ("linear", "_quantize_weight", "FP4 quantize W"),
-    ("gemm_dispatch", "fp4_gemm", "forward GeMM + epilogue"),
-    ("gemm_dispatch", "quantize_fp8_divided", "FP8 quantize dY (dgrad and wgrad operands)"),
-    ("gemm_dispatch", "fp4_dgrad", "dgrad GeMM + epilogue"),
-    ("linear", "_sparse_wgrad", "OCC compensation dY^T R (sparse)"),
-    ("gemm_dispatch", "fp4_wgrad", "wgrad GeMM + DGE epilogue"),
+    ("nn.linear", "occ_bounds", "OCC quantile (sampled)"),
+    ("ops.gemm", "quantize_fp4_clamped", "FP4 quantize X (OCC clamp, residual)"),
+    ("nn.linear", "_sparse_residual", "OCC residual -> CSR of R^T"),
+    ("nn.linear", "quantize_weight", "FP4 quantize W"),
+    ("ops.gemm", "fp4_gemm", "forward GeMM + epilogue"),
+    ("ops.gemm", "quantize_fp8_divided", "FP8 quantize dY (dgrad and wgrad operands)"),
+    ("ops.gemm", "fp4_dgrad", "dgrad GeMM + epilogue"),
+    ("nn.linear", "_sparse_wgrad", "OCC compensation dY^T R (sparse)"),
+    ("ops.gemm", "fp4_wgrad", "wgrad GeMM + DGE epilogue"),
 )
 
 
