@@ -37,6 +37,7 @@ from fp4lightning.errors import UserError
 from fp4lightning.models.llama import Llama, LlamaConfig
 from fp4lightning.lightning.nonfinite import NonFiniteError, params_nonfinite
 from fp4lightning.data.tokenizer import Tokenizer
+from fp4lightning.train.recipe import fp4_config_from_spec, recipe_from_dict
 
 __all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError", "AtomicCheckpointIO",
            "TMP_GLOB", "LAST_CKPT", "resume_candidates"]
@@ -411,10 +412,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
         model.lm_head.weight = model.embed_tokens.weight
     model = model.float().to(map_location).eval()
     if fp4 and hp.get("fp4"):
+        # here alone: reading a checkpoint (eval, export) does not need the FP4 layers' modules
         from fp4lightning.nn.convert import convert_to_fp4
-        from fp4lightning.train.recipe import fp4_config_from_spec  # the spec the run recorded
 
-        convert_to_fp4(model, fp4_config_from_spec(hp["fp4"]))
+        convert_to_fp4(model, fp4_config_from_spec(hp["fp4"]))  # the spec the run recorded
 
     tokenizer = None
     if ckpt.get("tokenizer"):
@@ -425,9 +426,5 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
                 tokenizer = Tokenizer.from_file(candidate)
                 break
 
-    recipe = None
-    if hp.get("recipe"):
-        from fp4lightning.train.recipe import recipe_from_dict
-
-        recipe = recipe_from_dict(hp["recipe"])
+    recipe = recipe_from_dict(hp["recipe"]) if hp.get("recipe") else None
     return LoadedCheckpoint(model, tokenizer, recipe)

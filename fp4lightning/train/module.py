@@ -19,11 +19,16 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
 
 from fp4lightning.config import FP4Config
+from fp4lightning.distributed.fsdp import fully_shard_fp4
 from fp4lightning.lightning.log import host_scalar
+from fp4lightning.lightning.optim import adamw
 from fp4lightning.models.llama import Llama, LlamaConfig
+from fp4lightning.nn.convert import convert_to_fp4, describe_conversion
+from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 
 __all__ = ["LlamaLightningModule", "warmup_cosine"]
 
@@ -97,10 +102,6 @@ class LlamaLightningModule(L.LightningModule):
             return
         model = Llama(self.model_config)
         if self.hparams.fp4 is not None and self.hparams.fp4_in_module:
-            from lightning.pytorch.utilities import rank_zero_info
-
-            from fp4lightning.nn.convert import convert_to_fp4, describe_conversion
-
             convert_to_fp4(model, self.fp4_config)  # the head is kept quietly; shape skips warn
             rank_zero_info(describe_conversion(model, self.fp4_config))  # as FP4Precision says it
         trainer = getattr(self, "_trainer", None)
@@ -109,12 +110,8 @@ class LlamaLightningModule(L.LightningModule):
             # bf16 baselines (and the FSDP path's high-precision head) on CPUs without native bf16
             # GeMMs: the same bf16 GeMMs computed with fp32 kernels (fp4lightning.numerics.cpu_bf16); FP4Precision
             # does this itself for the layers it keeps in high precision
-            from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
-
             emulate_bf16_linears(model)
         if getattr(self, "_device_mesh", None) is not None:  # ModelParallelStrategy: FSDP2 (docs/distributed.md)
-            from fp4lightning.distributed.fsdp import fully_shard_fp4
-
             fully_shard_fp4(model, self._device_mesh["data_parallel"], fp4_all_gather=True,
                             activation_checkpointing=True,
                             grad_format=getattr(self.trainer.strategy, "grad_format", "fp32"))
@@ -177,8 +174,6 @@ class LlamaLightningModule(L.LightningModule):
         # no weight decay on the RMSNorm gains (1-D), as in LLaMA / GPT-style training
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        from fp4lightning.lightning.optim import adamw
-
         # a checkpoint written before optimizer_states existed trained torch's AdamW: "fp32"
         opt = adamw(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
