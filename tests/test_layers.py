@@ -141,3 +141,96 @@ def test_import_fp4lightning_is_light():
     assert len(fp4lightning.__all__) <= 9
     for name in fp4lightning.__all__:
         assert getattr(fp4lightning, name) is not None
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {mod: {d for d in _imports(mod, path, modules) if d in modules and d != mod}
+            for mod, path in modules.items() if mod != "fp4lightning"}
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others (Tarjan's strongly connected components)."""
+    graph = _module_graph()
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(_short(m) for m in comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_private_names_across_modules():
+    """A name starting with one underscore is its module's own: no other module imports it."""
+    modules = _modules()
+    bad = []
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            src = node.module or ""
+            if node.level:
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            if not src.startswith("fp4lightning"):
+                continue
+            bad += [f"{_short(mod)} imports {_short(src)}.{a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "private names imported across modules (make them public or keep them home):\n" + "\n".join(bad)
+
+
+#: issue 38's bounds: "no function over about 60 lines or 4 levels of nesting"
+MAX_FUNCTION_LINES = 65
+MAX_NESTING = 4
+_BLOCKS = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith)
+
+
+def _nesting(node: ast.AST, depth: int = 0) -> int:
+    deepest = depth
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue  # a nested function is measured on its own
+        deepest = max(deepest, _nesting(child, depth + isinstance(child, _BLOCKS)))
+    return deepest
+
+
+def _is_triton_kernel(fn: ast.FunctionDef) -> bool:
+    # a @triton.jit body is one GPU launch: splitting it would split the kernel
+    return any("jit" in ast.unparse(d) for d in fn.decorator_list)
+
+
+def test_functions_are_short_and_shallow():
+    bad = []
+    for mod, path in _modules().items():
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _is_triton_kernel(fn):
+                continue
+            lines, depth = fn.end_lineno - fn.lineno + 1, _nesting(fn)
+            if lines > MAX_FUNCTION_LINES or depth > MAX_NESTING:
+                bad.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {lines} lines, nesting {depth}")
+    assert not bad, (f"functions over {MAX_FUNCTION_LINES} lines or {MAX_NESTING} levels deep "
+                     "(split them by job):\n" + "\n".join(bad))
