@@ -434,10 +434,10 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             eval_tasks: str | None = "offline", eval_limit: int | None = None, occ_report: bool = True,
             reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
     """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
-    from fp4lightning.experiments.dge_probe import read_probe
-
     parsed = _check_variants(variants, seeds, reference)  # before hours of training
     base = load_recipe(recipe, overrides)
+    from fp4lightning.experiments.dge_probe import read_probe  # torch, Lightning: once the recipe is known valid
+
     seed_list = [base.seed + i for i in range(seeds)]
     out_dir = Path(out_dir or f"runs/compare-{base.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
