@@ -34,7 +34,7 @@ import torch  # noqa: E402
 #: N fixed seeds to measure that every threshold holds across draws (tests/README.md).
 NUMERIC_MODULES = ("test_formats", "test_quantize", "test_dge", "test_occ", "test_linear", "test_kernels",
                    "test_optim", "test_block_formats", "test_block_linear", "test_block_kernels",
-                   "test_block_analysis", "test_cpu_bf16")
+                   "test_format_fidelity", "test_cpu_bf16")
 
 
 def pytest_addoption(parser):
