@@ -273,6 +273,11 @@ def tile_ids(pid, num_r, num_c, GROUP: tl.constexpr):
 
 # --------------------------------------------------------------------------- shared by the GeMMs
 # (the decode path, kernels/gemm.py, and the expand path, kernels/fp8_gemm.py)
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (the 16-byte row strides of the FP8 operands)."""
+    return (x + m - 1) // m * m
+
+
 def m_bucket(m: int) -> int:
     """The autotune key of a token count (``M_BUCKET``): the next power of two (at least 16), so a
     new batch size does not re-tune."""

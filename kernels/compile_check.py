@@ -379,7 +379,7 @@ def run(archs=(90, 80), all_configs: bool = False, dump: str | None = None) -> l
     return [compile_one(c, dump) for c in _cases(all_configs) if c["arch"] in archs]
 
 
-def _fmt(v, spec=""):
+def _cell(v, spec=""):
     return "-" if v is None else format(v, spec)
 
 
@@ -404,9 +404,9 @@ def main(argv=None) -> int:
                 continue
             tile = "-" if r["block_k"] is None else f"{r['block_m']}x{r['block_n']}x{r['block_k']}"
             print(f"{'ok':5} sm_{r['arch']:<3} {r['case']:50} {tile:14} {r['num_warps']}/{r['num_stages']:<3} "
-                  f"{_fmt(r['mma_dtype']):5} {_fmt(r.get('loop_instructions')):>8} {_fmt(r.get('tensor_ops')):>6} "
-                  f"{_fmt(r.get('issue_per_tensor'), '.2f'):>12} {_fmt(r['n_regs']):>4} {_fmt(r['spill_bytes']):>5} "
-                  f"{_fmt(r.get('sass_per_element')):>8}")
+                  f"{_cell(r['mma_dtype']):5} {_cell(r.get('loop_instructions')):>8} {_cell(r.get('tensor_ops')):>6} "
+                  f"{_cell(r.get('issue_per_tensor'), '.2f'):>12} {_cell(r['n_regs']):>4} {_cell(r['spill_bytes']):>5} "
+                  f"{_cell(r.get('sass_per_element')):>8}")
     return 0 if all(r["ok"] for r in results) else 1
 
 

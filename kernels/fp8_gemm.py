@@ -53,6 +53,7 @@ from ._common import (
     m_bucket,
     mma,
     precise_accumulation,
+    round_up,
     tile_ids,
 )
 
@@ -64,10 +65,6 @@ EXPAND_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Row strides of expanded copies are padded to this many bytes (16-byte vector loads);
 #: the pad holds zeros.
 _PAD = 16
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 # --------------------------------------------------------------------------- expansion
@@ -115,11 +112,11 @@ def triton_expand_fp4(packed: torch.Tensor, k: int, dtype: torch.dtype = torch.f
     r, kh = packed.shape
     mant, half = _BITS[dtype]
     if transpose:
-        buf = torch.empty(k, _round_up(r, _PAD), dtype=torch.uint8, device=packed.device)
-        grid_r, grid_kh = _round_up(r, _PAD), kh
+        buf = torch.empty(k, round_up(r, _PAD), dtype=torch.uint8, device=packed.device)
+        grid_r, grid_kh = round_up(r, _PAD), kh
         ky, ry = k, buf.shape[1]
     else:
-        buf = torch.empty(r, _round_up(k, _PAD), dtype=torch.uint8, device=packed.device)
+        buf = torch.empty(r, round_up(k, _PAD), dtype=torch.uint8, device=packed.device)
         grid_r, grid_kh = r, buf.shape[1] // 2
         ky, ry = buf.shape[1], r
     block_r, block_kh = (16, 32) if INTERPRET else (64, 64)
@@ -147,7 +144,7 @@ def triton_transpose_fp8(x: torch.Tensor) -> torch.Tensor:
     dimension, tokens, contiguous). The pad is not written (the GeMMs never read it)."""
     x = _check_fp8("x", x)
     r, c = x.shape
-    buf = torch.empty(c, _round_up(r, _PAD), dtype=torch.uint8, device=x.device)
+    buf = torch.empty(c, round_up(r, _PAD), dtype=torch.uint8, device=x.device)
     block_r, block_c = (16, 32) if INTERPRET else (64, 64)
     _transpose_kernel[(triton.cdiv(r, block_r), triton.cdiv(c, block_c))](
         x.view(torch.uint8), buf, r, c, x.stride(0), buf.stride(0), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)

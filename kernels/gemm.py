@@ -266,7 +266,8 @@ def triton_fp4_gemm(
     dot = _decode_mode(decode, a_packed.device)
     if _path(path, a_packed.device, dot == DOT_FP8E4) == "expand":
         return triton_fp8_gemm(triton_expand_fp4(a_packed, k), triton_expand_fp4(w_packed, k), out_dtype,
-                               row_scale=a_scale, col_scale=w_scale, bias=bias, precise_acc=precise_accumulation(fast_accum))
+                               row_scale=a_scale, col_scale=w_scale, bias=bias,
+                               precise_acc=precise_accumulation(fast_accum))
     y = torch.empty(m, n, dtype=out_dtype, device=a_packed.device)
     grid = lambda META: (triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"]),)  # noqa: E731
     _fp4_gemm_kernel[grid](

@@ -48,8 +48,8 @@ import triton.language as tl
 from fp4lightning.numerics import cpu_fused
 from fp4lightning.numerics.formats import decode_packed_fp4
 
-from ._common import F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, dge_factor, e2m1_bits, minifloat_bits, sign_bit
-from ._common import check_same_device as check_kernel_devices
+from ._common import (F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, check_same_device, dge_factor, e2m1_bits,
+                      minifloat_bits, round_up, sign_bit)
 from .fp8_gemm import triton_expand_fp4, triton_transpose_fp8
 
 __all__ = ["ALIGN", "fits", "e4m3_rows", "e4m3_cols", "fp8_cols", "scaled_fp4_gemm", "scaled_fp4_dgrad",
@@ -66,23 +66,20 @@ def fits(*dims: int) -> bool:
     return all(d % ALIGN == 0 for d in dims)
 
 
-def _round_up(x: int) -> int:
-    return (x + ALIGN - 1) // ALIGN * ALIGN
-
-
 def _pad_cols(t: torch.Tensor) -> torch.Tensor:
     """``t`` (rows, c) with unit column stride, as a tensor whose column count and row stride are
     multiples of 16 (zeros in the added columns); ``t`` itself when it already is one."""
     r, c = t.shape
     if c % ALIGN == 0 and t.stride(1) == 1 and (r <= 1 or t.stride(0) % ALIGN == 0):
         return t
-    out = torch.zeros(r, _round_up(c), dtype=torch.uint8, device=t.device)
+    out = torch.zeros(r, round_up(c, ALIGN), dtype=torch.uint8, device=t.device)
     out[:, :c] = t.view(torch.uint8) if t.stride(1) == 1 else t.contiguous().view(torch.uint8)
     return out.view(t.dtype)
 
 
-def check_same_device(**tensors: torch.Tensor | None) -> None:
-    """One device for all operands (any device: ``_scaled_mm`` runs on CPU without the Triton interpreter)."""
+def _check_one_device(**tensors: torch.Tensor | None) -> None:
+    """One device for all operands (any device: ``_scaled_mm`` runs on CPU without the Triton interpreter;
+    the Triton kernels here check theirs with ``_common.check_same_device``)."""
     items = [(n, t) for n, t in tensors.items() if t is not None]
     for n, t in items[1:]:
         if t.device != items[0][1].device:
@@ -158,7 +155,7 @@ def scaled_fp4_gemm(a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w
                     out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Forward ``Y = (A8 W8^T) / (s_a s_w^T) + bias``: ``a8`` (M, K) and ``w8`` (N, K) E4M3 row-major
     (the FP4 values, or the folded-OCC operand for ``a8``), ``a_scale`` (M,), ``w_scale`` (N,) fp32."""
-    check_same_device(a8=a8, w8=w8, a_scale=a_scale, w_scale=w_scale, bias=bias)
+    _check_one_device(a8=a8, w8=w8, a_scale=a_scale, w_scale=w_scale, bias=bias)
     fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
     y = _scaled(a8, w8.t(), _row_scale(a_scale), _row_scale(w_scale).reshape(1, -1), out_dtype,
                 bias.to(out_dtype) if fused_bias else None)
@@ -171,7 +168,7 @@ def scaled_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w8t: torch.Tensor,
                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``dA = (G W_q) / s_g[:, None]``: ``g`` (M, N) FP8 (one scale per row), ``w8t`` (K, N) E4M3
     row-major, W's values transposed (``e4m3_cols`` of W's codes)."""
-    check_same_device(g=g, g_scale=g_scale, w8t=w8t)
+    _check_one_device(g=g, g_scale=g_scale, w8t=w8t)
     if g.stride(1) != 1 or (g.shape[0] > 1 and g.stride(0) % ALIGN):
         g = g.contiguous()
     return _scaled(g, w8t.t(), _row_scale(g_scale), _unit_cols(w8t.shape[0], g.device), out_dtype)
@@ -184,7 +181,7 @@ def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, 
     row- or column-major; ``a8t`` (K, M16) E4M3 row-major, A's values transposed with zeros past M
     (``e4m3_cols`` / ``fp8_cols``). The GeMM's output is fp32; the addend and the DGE factor follow in
     one elementwise pass (the Triton kernel below on CUDA, ``cpu_fused.wgrad_epilogue`` on CPU)."""
-    check_same_device(g=g, g_scale=g_scale, a8t=a8t, addend=addend, dge_weight=dge_weight)
+    _check_one_device(g=g, g_scale=g_scale, a8t=a8t, addend=addend, dge_weight=dge_weight)
     gt = _tokens_contiguous(g)
     if gt.shape[1] != a8t.shape[1]:
         raise ValueError(f"wgrad: dY has {g.shape[0]} tokens but the activation operand {a8t.shape[1]} columns")
@@ -264,8 +261,8 @@ def triton_refold(codes: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, idx
     the clamped activation's scale ``s_a``, the per-row ``2^-shift`` (NaN for rows folded to NaN) and
     the compact residual's flat indices and values; ``ops.gemm.refold_operand`` bit for bit."""
     m, kh = codes.shape
-    check_kernel_devices(codes=codes, scale=scale, p=p, idx=idx, vals=vals)
-    e = torch.empty(m, _round_up(k), dtype=torch.uint8, device=codes.device)
+    check_same_device(codes=codes, scale=scale, p=p, idx=idx, vals=vals)
+    e = torch.empty(m, round_up(k, ALIGN), dtype=torch.uint8, device=codes.device)
     bm, bkh = (16, 32) if INTERPRET else REFOLD_BLOCK
     _refold_codes_kernel[(triton.cdiv(m, bm), triton.cdiv(kh, bkh))](
         codes, p, e, m, kh, codes.stride(0), e.stride(0), BLOCK_M=bm, BLOCK_KH=bkh, num_warps=4)
@@ -318,7 +315,7 @@ def triton_wgrad_finish(dw: torch.Tensor, addend: torch.Tensor | None = None, dg
             raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
         if dge_weight.stride(1) != 1:
             dge_weight = dge_weight.contiguous()
-    check_kernel_devices(dw=dw, addend=addend, dge_weight=dge_weight, dge_weight_scale=dge_weight_scale)
+    check_same_device(dw=dw, addend=addend, dge_weight=dge_weight, dge_weight_scale=dge_weight_scale)
     c = addend if addend is not None else dw
     w = dge_weight if dge_weight is not None else dw
     sw = dge_weight_scale if dge_weight is not None else dw

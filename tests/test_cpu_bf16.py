@@ -193,7 +193,8 @@ def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, com
     bf = torch.bfloat16
     # the forward as bf16 GeMMs: OCC-folded activation values and weight values in bf16
     bounds = occ_bounds(x, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
-    a_codes, a_scale, a_vals, r = gemm.quantize_fp4_clamped(x, bounds, cfg.scale_mode, False, fold=True, values_dtype=bf)
+    a_codes, a_scale, a_vals, r = gemm.quantize_fp4_clamped(x, bounds, cfg.scale_mode, False, fold=True,
+                                                            values_dtype=bf)
     w_codes, w_scale, w_vals = gemm.quantize_fp4(lin.weight.detach(), cfg.scale_mode, False, values_dtype=bf)
     y_ref = cpu_fused.gemm_epilogue(cpu_bf16.emulated_mm(a_vals, w_vals.t()), a_scale, w_scale, lin.bias.detach(), bf)
     assert torch.equal(y, y_ref)
@@ -203,7 +204,8 @@ def test_fp4linear_emulated_gemms_are_the_bf16_gemm_bit_for_bit(monkeypatch, com
     g2, s2 = gemm.quantize_fp8_divided(dy, a_scale, dim=0, fmt=cfg.grad_format, carrier=bf)
     acc = cpu_bf16.emulated_mm(g2.t(), decode_packed_fp4(a_codes, k, bf))
     comp = (dy.double().t() @ r.double()).float()  # OCC's share dY^T R, in float64 then fp32
-    dw_ref = cpu_fused.wgrad_epilogue(acc, s2, comp, lin.weight.detach(), w_scale, cfg.dge_k, cfg.dge_clamp, torch.float32)
+    dw_ref = cpu_fused.wgrad_epilogue(acc, s2, comp, lin.weight.detach(), w_scale, cfg.dge_k, cfg.dge_clamp,
+                                      torch.float32)
     torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-6 * dw_ref.abs().max().item())
 
 

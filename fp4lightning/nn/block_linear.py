@@ -176,15 +176,15 @@ class _BlockFP4LinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                grad_x = _dgrad(ctx, weight, dyf).to(ctx.x_dtype).reshape(ctx.x_shape)
+                grad_x = _block_dgrad(ctx, weight, dyf).to(ctx.x_dtype).reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                grad_w = _wgrad(ctx, x2d, weight, dyf).to(weight.dtype)
+                grad_w = _block_wgrad(ctx, x2d, weight, dyf).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dyf.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
 
 
-def _dgrad(ctx, weight: torch.Tensor, dyf: torch.Tensor) -> torch.Tensor:
+def _block_dgrad(ctx, weight: torch.Tensor, dyf: torch.Tensor) -> torch.Tensor:
     """fp32 ``dA = dY W``: the reduction runs over N (2-D tiles quantize W^T to W's codes, transposed)."""
     cfg, fmt = ctx.cfg, ctx.fmt
     if ctx.triton:
@@ -199,7 +199,7 @@ def _dgrad(ctx, weight: torch.Tensor, dyf: torch.Tensor) -> torch.Tensor:
     return _gemm(qg, qwt)
 
 
-def _wgrad(ctx, x2d: torch.Tensor, weight: torch.Tensor, dyf: torch.Tensor) -> torch.Tensor:
+def _block_wgrad(ctx, x2d: torch.Tensor, weight: torch.Tensor, dyf: torch.Tensor) -> torch.Tensor:
     """fp32 ``dW = dY^T A``: the reduction runs over tokens M, with an optional RHT of both operands
     along M; OCC's compensation ``dY^T R`` and the DGE factor follow."""
     cfg, fmt, cd = ctx.cfg, ctx.fmt, ctx.cd

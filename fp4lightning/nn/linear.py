@@ -189,13 +189,13 @@ class _FP4LinearFn(torch.autograd.Function):
                                                      carrier=gemm.operand_dtype(cd, dy.device)[0])
                 grad_x = gemm.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
             if ctx.needs_input_grad[1]:
-                grad_w = _wgrad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale).to(weight.dtype)
+                grad_w = _weight_grad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)  # no fp32 copy of dY
         return grad_x, grad_w, grad_b, None, None
 
 
-def _wgrad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.Tensor, fold_scale: torch.Tensor | None,
+def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.Tensor, fold_scale: torch.Tensor | None,
            resid, weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """fp32 ``dW = (dY^T (A_qdq + R)) * f'(W s_w)`` from what the forward saved (section 3)."""
     cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype

@@ -165,11 +165,11 @@ def _fits(*dims: int) -> bool:
     return all(d % 16 == 0 for d in dims)
 
 
-def _fp8(t: torch.Tensor | None) -> bool:
+def _is_fp8(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _e4m3(t: torch.Tensor | None) -> bool:
+def _is_e4m3(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype == torch.float8_e4m3fn
 
 
@@ -471,8 +471,8 @@ def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, b
     backend = _gemm_backend(a_packed.device, _fits(k, w_packed.shape[0]))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
-        a8 = a_values if _e4m3(a_values) else sm.e4m3_rows(a_packed, k)
-        w8 = w_values if _e4m3(w_values) else sm.e4m3_rows(w_packed, k)
+        a8 = a_values if _is_e4m3(a_values) else sm.e4m3_rows(a_packed, k)
+        w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
         return sm.scaled_fp4_gemm(a8, a_scale, w8, w_scale, out_dtype, bias)
     if backend == "triton":
         return _triton_kernels().triton_fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
@@ -480,7 +480,7 @@ def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, b
 
 
 def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
-    backend = _gemm_backend(g.device, _fp8(g) and _fits(k, w_packed.shape[0]))
+    backend = _gemm_backend(g.device, _is_fp8(g) and _fits(k, w_packed.shape[0]))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         return sm.scaled_fp4_dgrad(g, g_scale, sm.e4m3_cols(w_packed, k), out_dtype)
@@ -498,19 +498,19 @@ def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float
     backend = _gemm_backend(a_fold.device, _fits(k, w_packed.shape[0]))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
-        w8 = w_values if _e4m3(w_values) else sm.e4m3_rows(w_packed, k)
+        w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
         return sm.scaled_fp4_gemm(a_fold, a_scale, w8, w_scale, out_dtype, bias)
     if backend == "triton":
         return _triton_kernels().triton_folded_gemm(a_fold, a_scale, w_packed, w_scale, k, out_dtype=out_dtype,
                                                     bias=bias)
     a_vals = a_fold.to(values_dtype or _compute_dtype(out_dtype, a_fold.device))
-    w_vals = None if w_values is None or _fp8(w_values) else w_values
+    w_vals = None if w_values is None or _is_fp8(w_values) else w_values
     return fp4_gemm_reference(a_fold, a_scale, w_packed, w_scale, k, out_dtype, bias, a_vals, w_vals)
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
               dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None):
-    backend = _gemm_backend(g.device, _fp8(g) and _fits(k, g.shape[1]))
+    backend = _gemm_backend(g.device, _is_fp8(g) and _fits(k, g.shape[1]))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         # A's values transposed (tokens contiguous): from its packed codes, or the folded E4M3 operand
@@ -519,7 +519,7 @@ def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None,
     if a_values is not None:  # the E4M3-folded activation operand (FP4Config.occ_fold_e4m3)
         # the Triton GeMM needs an FP8 dY (it says so in one line on the Triton backend); the
         # scaled_mm backend's bf16 dY takes the reference
-        if backend == "triton" and (_fp8(g) or backend_for(g.device) == "triton"):
+        if backend == "triton" and (_is_fp8(g) or backend_for(g.device) == "triton"):
             return _triton_kernels().triton_folded_wgrad(
                 g, g_scale, a_values, out_dtype=out_dtype, dge_weight=dge_weight,
                 dge_weight_scale=dge_weight_scale, dge_k=dge_k, dge_clamp=dge_clamp, addend=addend)
