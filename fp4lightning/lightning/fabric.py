@@ -46,10 +46,9 @@ from fp4lightning.config import FP4Config
 from fp4lightning.distributed.comm import CommState, register_hook
 from fp4lightning.lightning.loss_scaler import DynamicLossScaler, StepPolicyState
 from fp4lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE
-from fp4lightning.lightning.precision import COMPUTE_DTYPES
+from fp4lightning.lightning.precision import COMPUTE_DTYPES, convert_for_training
 from fp4lightning.lightning.strategy import DDP_STRATEGY_NAMES
-from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_modules
-from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
+from fp4lightning.nn.convert import describe_conversion
 
 __all__ = ["FP4FabricPrecision", "FP4FabricDDPStrategy"]
 
@@ -97,12 +96,7 @@ class FP4FabricPrecision(StepPolicyState, FabricPrecision):
     # ------------------------------------------------------------------ model
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the eligible ``nn.Linear`` layers for ``FP4Linear`` in place (as the Trainer plugin)."""
-        if self.weights_dtype is not None:
-            module.to(dtype=self.weights_dtype)
-        convert_to_fp4(module, self.config, self.module_filter_fn)
-        if self.compute_dtype == torch.bfloat16:  # the layers kept in high precision (the output head)
-            emulate_bf16_linears(module)
-        n = len(fp4_modules(module))
+        n = convert_for_training(module, self.config, self.module_filter_fn, self.weights_dtype, self.compute_dtype)
         if n == 0:
             rank_zero_warn("FP4FabricPrecision: the model has no Linear layer that can run in FP4; training runs in "
                            f"plain {self.precision.split('-')[1]} autocast")

@@ -51,7 +51,7 @@ from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_mod
 from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 from fp4lightning.numerics.cpu_fused import compile_enabled
 
-__all__ = ["FP4Precision", "COMPUTE_DTYPES"]
+__all__ = ["FP4Precision", "COMPUTE_DTYPES", "convert_for_training"]
 
 
 #: names accepted for ``compute_dtype`` -> the autocast dtype of the non-GeMM operations
@@ -61,6 +61,19 @@ COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.
 # 32 bits per parameter for ours; that is right (the weights are fp32 master copies) and cannot be
 # told to it otherwise, so the warning says nothing a user can act on
 warnings.filterwarnings("ignore", message=r"Precision fp4-(bf16|fp16) is not supported by the model summary")
+
+
+def convert_for_training(module: nn.Module, config: FP4Config, module_filter_fn, weights_dtype: torch.dtype | None,
+                         compute_dtype: torch.dtype) -> int:
+    """What both FP4 plugins (Trainer and Fabric) do to the model, in place: cast the weights, swap the eligible
+    ``nn.Linear`` layers for ``FP4Linear``, route the layers kept in high precision through the CPU's bf16
+    GeMM emulation under bf16 compute. Returns the number of FP4 layers."""
+    if weights_dtype is not None:
+        module.to(dtype=weights_dtype)
+    convert_to_fp4(module, config, module_filter_fn)
+    if compute_dtype == torch.bfloat16:  # the layers kept in high precision (the output head)
+        emulate_bf16_linears(module)
+    return len(fp4_modules(module))
 
 
 class FP4Precision(StepPolicyState, Precision):
@@ -137,12 +150,7 @@ class FP4Precision(StepPolicyState, Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap the eligible ``nn.Linear`` layers of ``module`` for ``FP4Linear``, in place."""
         _refuse_fabric(sys._getframe(1))
-        if self.weights_dtype is not None:
-            module.to(dtype=self.weights_dtype)
-        convert_to_fp4(module, self.config, self.module_filter_fn)
-        if self.compute_dtype == torch.bfloat16:  # the layers kept in high precision (the output head)
-            emulate_bf16_linears(module)
-        n = len(fp4_modules(module))
+        n = convert_for_training(module, self.config, self.module_filter_fn, self.weights_dtype, self.compute_dtype)
         if n == 0:
             rank_zero_warn("FP4Precision: the model has no Linear layer that can run in FP4 (feature sizes must be "
                            "multiples of 16 and the output head is skipped); training runs in plain "
