@@ -50,7 +50,7 @@ __all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape", "quantize_weight"]
 
 #: Triton path: capacity of the compact OCC residual saved for backward, as a multiple of the
 #: expected non-zero count 2 (1 - alpha) M K (section 3.3), plus a fixed slack. The quantiles
-#: come from a sample, so the real count moves by ~0.05 points around 2 (1 - alpha) (docs/perf.md).
+#: come from a sample, so the real count moves a little around 2 (1 - alpha) (docs/design.md, "OCC quantiles by sampling").
 OCC_CAPACITY_MARGIN = 1.5
 OCC_CAPACITY_SLACK = 256
 

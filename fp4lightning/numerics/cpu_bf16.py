@@ -2,9 +2,8 @@
 
 torch runs a CPU bf16 matmul through oneDNN only where oneDNN has a bf16 kernel for the
 processor (AVX-512 or AMX on x86, BF16 extensions on Arm). Elsewhere (AVX2-only x86, e.g. many
-AMD EPYC virtual machines) it falls back to a scalar loop: measured on such a 2-vCPU VM with
-torch 2.13, a 512^3 bf16 matmul ran at 0.43 GFLOP/s against 19.7 GFLOP/s in fp32 (46x), and a
-batched (48 x 256 x 64) product 9.5x slower (docs/perf.md, "CPUs without native bf16 GeMMs").
+AMD EPYC virtual machines) it falls back to a scalar loop, tens of times slower than the fp32
+kernels (docs/perf.md, "CPUs without native bf16 GeMMs").
 Everything of the FP4 simulation and of a bf16 baseline that is a GeMM would pay that.
 
 On those CPUs this module computes the same bf16 GeMM with fp32 kernels: operands rounded to
