@@ -102,3 +102,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A real one-process gloo group: the communication hooks' collectives run, over one rank.
+
+    An in-process Lightning run earlier in the session (FSDP on one device) can leave its own
+    one-rank group behind; it is finished, so it is replaced rather than the test skipped."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

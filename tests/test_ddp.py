@@ -670,17 +670,6 @@ def test_async_gather_payload_at_odd_sizes():
             assert not _sum_own_scale_payloads(gathered, out, sizes, fmt) and bool(out.isnan().all()), (sizes, fmt)
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A real one-process gloo group (the hooks' collectives run, over one rank)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_fp8_hooks_on_odd_sized_buckets_in_real_ddp(world_of_one):
     """Both FP8 hooks in a real DistributedDataParallel model of 26,122 parameters (10-class head), one

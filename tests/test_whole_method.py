@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fp4lightning.distributed.comm import CommState, hook_for_format
@@ -104,18 +103,6 @@ def test_optimizer_states_build_low_precision_adamw(states, formats):
 
 
 # ----------------------------------------------------------------------------- one device = the exchange
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A real one-process gloo group: the hooks' collectives run, over one rank."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("fmt,scheme", [("e4m3", "async_all_gather"), ("e4m3", "reduce_scatter"),
                                         ("e5m2", "async_all_gather"), ("e5m2", "reduce_scatter"),
                                         ("bf16", "auto")])
