@@ -48,6 +48,7 @@ from fp4lightning.lightning.loss_scaler import DynamicLossScaler, StepPolicyStat
 from fp4lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE
 from fp4lightning.lightning.optim import REDUCED_STATE_FORMATS, swap_to_low_precision_adamw
 from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_modules
+from fp4lightning.nn.linear import reuse_weight_quantization, weights_updated
 from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 from fp4lightning.numerics.cpu_fused import compile_enabled
 
@@ -97,6 +98,10 @@ class FP4Precision(StepPolicyState, Precision):
         max_consecutive_skips: a step whose gradients hold an inf/NaN is skipped (bf16 and fp16;
             weights and optimizer state untouched, the decision all-reduced across ranks); after
             this many in a row training stops with :class:`~fp4lightning.lightning.nonfinite.NonFiniteError`.
+        reuse_weight_quantization: quantize each FP4 weight once per optimizer step instead of once per
+            micro-batch (:func:`~fp4lightning.nn.linear.reuse_weight_quantization`; same bits). ``None``
+            (default): when the Trainer accumulates gradients, where it saves work; ``False`` never (it
+            holds the quantized weights from the forward to the optimizer step); ``True`` always.
     """
 
     precision: Literal["fp4-bf16", "fp4-fp16"] = "fp4-bf16"
@@ -112,6 +117,7 @@ class FP4Precision(StepPolicyState, Precision):
         device: str | None = None,
         scaler: DynamicLossScaler | None = None,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE,
+        reuse_weight_quantization: bool | None = None,
     ) -> None:
         if isinstance(config, str):
             config = FP4Config.from_preset(config)
@@ -144,6 +150,8 @@ class FP4Precision(StepPolicyState, Precision):
         self._checked_device: str | None = None
         self._said_layers = False  # the layer summary (describe_conversion) is printed
         self._said_compile = False
+        self.reuse_weight_quantization = reuse_weight_quantization
+        self._module: nn.Module | None = None  # connect()'s model: its trainer says whether it accumulates
 
     # ------------------------------------------------------------------ model
 
@@ -182,6 +190,19 @@ class FP4Precision(StepPolicyState, Precision):
         device = self._device_type()
         return torch.autocast(device_type=device, dtype=self.compute_dtype, cache_enabled=False)
 
+    @contextlib.contextmanager
+    def train_step_context(self):
+        """The forward's autocast, and the weights' FP4 quantization reused across the micro-batches of one
+        optimizer step (``reuse_weight_quantization``; :meth:`optimizer_step` ends each step's cache)."""
+        with self.forward_context(), reuse_weight_quantization(self._reuses_weights()):
+            yield
+
+    def _reuses_weights(self) -> bool:
+        if self.reuse_weight_quantization is not None:
+            return self.reuse_weight_quantization
+        trainer = getattr(self._module, "_trainer", None)
+        return int(getattr(trainer, "accumulate_grad_batches", 1) or 1) > 1
+
     def _device_type(self) -> str:
         if self.device is not None:
             return self.device
@@ -194,6 +215,7 @@ class FP4Precision(StepPolicyState, Precision):
     def connect(self, model: nn.Module, optimizers: list[Optimizer],
                 lr_schedulers: list[Any]) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Resolve the autocast device, check the dtype runs there, swap in reduced-precision AdamW."""
+        self._module = model
         param = next(iter(model.parameters()), None)
         if param is not None and param.device.type != "meta":
             self._resolved_device = param.device.type
@@ -255,7 +277,10 @@ class FP4Precision(StepPolicyState, Precision):
         """Closure, (unscale,) check for inf/NaN on every rank, clip, then step or skip (and update the scale)."""
         if isinstance(optimizer, LBFGS):
             if self.scaler is None:  # LBFGS re-evaluates the closure inside step: Lightning's path, no check
-                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+                try:
+                    return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+                finally:
+                    weights_updated()
             raise RuntimeError("FP4Precision with fp16 loss scaling cannot drive LBFGS (it re-evaluates the closure "
                                "inside step); use precision='fp4-bf16'")
         closure_result = closure()
@@ -269,7 +294,10 @@ class FP4Precision(StepPolicyState, Precision):
         # raises NonFiniteError when the run must stop
         if self._settle_step(found_inf, step, optimizer):
             return closure_result
-        return optimizer.step(**kwargs)
+        try:
+            return optimizer.step(**kwargs)
+        finally:
+            weights_updated()  # the next forward quantizes the new weights
 
 
 

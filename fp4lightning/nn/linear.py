@@ -33,7 +33,10 @@ scaling and the non-finite step check skip such a step either way.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +49,8 @@ from fp4lightning.numerics.formats import decode_packed_fp4
 from fp4lightning.numerics.occ import occ_bounds
 from fp4lightning.ops import gemm
 
-__all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape", "quantize_weight"]
+__all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape", "quantize_weight", "reuse_weight_quantization",
+           "weights_updated"]
 
 #: Triton path: capacity of the compact OCC residual saved for backward, as a multiple of the
 #: expected non-zero count 2 (1 - alpha) M K (section 3.3), plus a fixed slack. The quantiles
@@ -376,9 +380,14 @@ def _csr_transpose(a: torch.Tensor) -> torch.Tensor:
         return _csr(new_crow, rows[order], a.values()[order], (k, m))
 
 
+@torch.compiler.disable
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                config: FP4Config | None = None, w_quant: tuple | None = None) -> torch.Tensor:
-    """Functional form of ``FP4Linear`` (``F.linear`` with FP4 GeMMs)."""
+    """Functional form of ``FP4Linear`` (``F.linear`` with FP4 GeMMs).
+
+    Under ``torch.compile`` it is one clean graph break: the layer's own kernels (Triton, the vendor's
+    ``_scaled_mm``, the CPU path's compiled passes) already run fused, and the code around it (norms,
+    RoPE, SwiGLU, residuals) compiles into the graphs on either side."""
     cfg = config or FP4Config()
     if not x.is_floating_point():
         raise TypeError(f"fp4_linear: input must be floating point, got {x.dtype}")
@@ -398,6 +407,62 @@ def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                         "weight gradient needs an FP8 dY; set grad_format to 'e5m2' (the paper's) or 'e4m3', "
                         "or FP4LIGHTNING_BACKEND=reference")
     return _FP4LinearFn.apply(x, weight, bias, cfg, w_quant)
+
+
+# ----------------------------------------------------------------------------- weight quantization reuse
+class _Reuse(threading.local):
+    enabled = False
+
+
+_REUSE = _Reuse()
+_EPOCH = [0]  # advanced by weights_updated(): a quantization from an older epoch is never served
+_HOLDERS: "weakref.WeakSet[FP4Linear]" = weakref.WeakSet()  # layers holding one, dropped by weights_updated()
+
+
+@contextmanager
+def reuse_weight_quantization(enabled: bool = True):
+    """Inside, an ``FP4Linear`` reuses its weight's FP4 quantization (packed codes, scales, the forward's
+    operand) from an earlier forward of the same weight epoch instead of quantizing again: under gradient
+    accumulation the weight is quantized once per optimizer step, not once per micro-batch.
+
+    The epoch ends with :func:`weights_updated`, which whoever changes the weights must call: the Trainer's
+    ``FP4Precision`` enters this context around each training forward and calls it after every optimizer
+    step. The cache is keyed on the epoch, the weight's storage, its version counter, dtype and the forward's
+    operand dtype, so an in-place edit that autograd sees (``copy_``, ``load_state_dict``) also refreshes it;
+    the epoch covers what it cannot see (fused optimizers and ``.data`` writes do not bump the version).
+    Outside this context every forward quantizes the weight afresh."""
+    prev, _REUSE.enabled = _REUSE.enabled, enabled
+    try:
+        yield
+    finally:
+        _REUSE.enabled = prev
+
+
+def weights_updated() -> None:
+    """Every cached weight quantization is stale from now on (call after changing FP4 weights in place
+    while :func:`reuse_weight_quantization` is in use); the cached tensors are freed."""
+    _EPOCH[0] += 1
+    for layer in list(_HOLDERS):
+        layer._weight_quant = None
+    _HOLDERS.clear()
+
+
+def _reused_weight_quant(layer: "FP4Linear", x: torch.Tensor) -> tuple | None:
+    """The layer's weight quantization for input ``x`` from the cache (made now if missing or stale), or None
+    where reuse is off or does not apply (block formats quantize inside their own GeMM)."""
+    w, cfg = layer.weight, layer.config
+    if not _REUSE.enabled or cfg.block_format != "none" or x.numel() == 0 or not x.is_floating_point():
+        return None
+    vals_dtype = gemm.operand_dtype(gemm.output_dtype(x), x.device)[0]
+    key = (_EPOCH[0], w.data_ptr(), w._version, w.dtype, w.device, vals_dtype, id(cfg))
+    cached = layer._weight_quant
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.autocast(x.device.type, enabled=False):
+        quant = quantize_weight(w, cfg, vals_dtype)
+    layer._weight_quant = (key, quant)
+    _HOLDERS.add(layer)
+    return quant
 
 
 class FP4Linear(nn.Linear):
@@ -427,14 +492,19 @@ class FP4Linear(nn.Linear):
         new.train(linear.training)
         return new
 
+    _weight_quant: tuple | None = None  # (key, quantization) under reuse_weight_quantization
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The weight is re-quantized on every call, never cached: no cache key sees every
-        # update path (fused AdamW and ``.data`` edits do not bump ``weight._version``), and
-        # a stale weight would silently train the wrong model.
+        # The weight is quantized on every call unless reuse_weight_quantization is on, whose cache
+        # is keyed on an epoch that weights_updated() ends: no tensor-side key sees every update path
+        # (fused AdamW and ``.data`` edits do not bump ``weight._version``), and a stale weight would
+        # silently train the wrong model.
         # Under FSDP2 with the FP4 all-gather (fp4lightning.distributed.fsdp) the gathered weight carries the
         # packed codes and scales its shards were quantized to, for this forward only.
-        gathered = getattr(self.weight, "fp4_weight_quant", None)
-        return fp4_linear(x, self.weight, self.bias, self.config, gathered)
+        quant = getattr(self.weight, "fp4_weight_quant", None)
+        if quant is None:
+            quant = _reused_weight_quant(self, x)
+        return fp4_linear(x, self.weight, self.bias, self.config, quant)
 
     def extra_repr(self) -> str:
         c = self.config
