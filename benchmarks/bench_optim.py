@@ -11,11 +11,15 @@ and reports bytes of optimizer state per parameter, the held-out loss at the end
 AdamW. The text is the Python standard library's source, which ships with every Python (real,
 offline, no download). ``--fp4`` trains the model through ``FP4Precision``'s conversion and bf16
 autocast instead of in fp32; ``--noise`` adds an AdamW run on another batch order, to compare the
-gap with run-to-run noise.
+gap with run-to-run noise. ``--step-time`` instead times one optimizer step of LowPrecisionAdamW's
+per-parameter loop against its foreach path (``foreach=False`` / ``True``) on the same parameters, and
+checks that both end with the same bits (parameters, moment codes, scales, master copies).
 
     .venv/bin/python benchmarks/bench_optim.py                 # ~4 min on 2 busy CPU cores
     .venv/bin/python benchmarks/bench_optim.py --seeds 0 1 2 3 --variants adamw fp8 fp8-nearest fp16
     .venv/bin/python benchmarks/bench_optim.py --model tiny --steps 300 --fp4
+    .venv/bin/python benchmarks/bench_optim.py --step-time --step-params 200   # CUDA if there is one
+    .venv/bin/python benchmarks/bench_optim.py --step-time --device cpu --threads 1   # on busy CPU cores
 """
 from __future__ import annotations
 
@@ -113,6 +117,71 @@ def run(name: str, init: torch.nn.Module, train: list[torch.Tensor], held_out: l
     }
 
 
+#: --step-time: parameter shapes, cycled (a weight matrix, a norm, a bias, a small projection)
+STEP_SHAPES = [(256, 256), (256,), (1024,), (64, 512)]
+
+
+def _timed_step(opt: LowPrecisionAdamW, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> float:
+    for p, g in zip(params, grads):
+        p.grad = g
+    if params[0].is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    opt.step()
+    if params[0].is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _same_bits(opt_a: LowPrecisionAdamW, a: torch.Tensor, opt_b: LowPrecisionAdamW, b: torch.Tensor) -> bool:
+    """Parameter, moment codes, scales and master copy of ``a`` and ``b`` are the same bits."""
+    pairs = [(a, b)] + [(opt_a.state[a][k], opt_b.state[b][k]) for k in opt_a.state[a] if k != "step"]
+    return all(x.dtype == y.dtype and torch.equal(x.detach().reshape(-1).view(torch.uint8),
+                                                  y.detach().reshape(-1).view(torch.uint8)) for x, y in pairs)
+
+
+def step_time(n_params: int, steps: int, device: str, dtype: torch.dtype) -> list[dict]:
+    """Median step time of the loop and the foreach path, per moment layout; the two are timed in
+    alternation (one step each, ``steps`` times) so that load on the machine hits both alike."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(STEP_SHAPES[i % len(STEP_SHAPES)], generator=gen).to(device, dtype) for i in range(n_params)]
+    grad_sets = [[torch.randn(t.shape, generator=gen).to(device, dtype) for t in init] for _ in range(3)]
+    rows = []
+    for name in ("fp8", "fp8-nearest", "fp16"):
+        runs = {}
+        for foreach in (False, True):
+            params = [torch.nn.Parameter(t.clone()) for t in init]
+            runs[foreach] = (params, LowPrecisionAdamW(params, lr=1e-3, weight_decay=0.1, foreach=foreach,
+                                                       **VARIANTS[name]), [])
+        for i in range(steps + 2):  # two warm-up steps
+            for foreach, (params, opt, times) in runs.items():
+                seconds = _timed_step(opt, params, grad_sets[i % len(grad_sets)])
+                if i >= 2:
+                    times.append(seconds)
+        loop, fe = (sorted(runs[f][2])[steps // 2] for f in (False, True))
+        same = all(_same_bits(runs[False][1], a, runs[True][1], b) for a, b in zip(runs[False][0], runs[True][0]))
+        rows.append({"states": name, "loop_ms": loop * 1e3, "foreach_ms": fe * 1e3, "ratio": loop / fe,
+                     "same_bits": same})
+    return rows
+
+
+def main_step_time(args: argparse.Namespace) -> None:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.step_dtype]
+    numel = sum(math.prod(STEP_SHAPES[i % len(STEP_SHAPES)]) for i in range(args.step_params))
+    print(f"LowPrecisionAdamW step time: {args.step_params} {args.step_dtype} parameters ({numel / 1e6:.2f}M "
+          f"elements, shapes {STEP_SHAPES} cycled) on {device}, {torch.get_num_threads()} threads, "
+          f"median of {args.step_steps} steps")
+    print(f"{'states':<14}{'loop ms':>10}{'foreach ms':>12}{'loop/foreach':>14}{'same bits':>11}")
+    rows = step_time(args.step_params, args.step_steps, device, dtype)
+    for r in rows:
+        print(f"{r['states']:<14}{r['loop_ms']:>10.2f}{r['foreach_ms']:>12.2f}{r['ratio']:>14.2f}"
+              f"{str(r['same_bits']):>11}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "step_time": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="small", help="'small' (dim 128, 2 layers) or 'tiny' (dim 256, 4 layers)")
@@ -126,7 +195,21 @@ def main() -> None:
     ap.add_argument("--fp4", action="store_true", help="train through FP4Precision (FP4 GeMMs, bf16 autocast)")
     ap.add_argument("--noise", action="store_true", help="also run the reference on another batch order")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--step-time", action="store_true",
+                    help="time the optimizer step, per-parameter loop against foreach, and exit")
+    ap.add_argument("--step-params", type=int, default=200, help="--step-time: number of parameters")
+    ap.add_argument("--step-steps", type=int, default=20, help="--step-time: timed steps per path")
+    ap.add_argument("--step-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="--step-time: parameter dtype (bf16 keeps fp32 master weights)")
+    ap.add_argument("--device", default=None, help="--step-time: device (default: cuda if available, else cpu)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (on cores busy with other work, 1 avoids threads waiting on each other)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.step_time:
+        main_step_time(args)
+        return
     if args.model not in ("small", "tiny"):
         ap.error(f"--model {args.model!r}: choose 'small' or 'tiny'")
     unknown = [v for v in args.variants if v not in VARIANTS]

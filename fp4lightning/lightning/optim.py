@@ -15,6 +15,8 @@ tensor; :class:`LowPrecisionAdamW` does the same:
 * FSDP2's sharded parameters (DTensors) keep sharded states: each rank updates its shard, and the
   per-tensor scale comes from the amax over every shard (one ``all_reduce(MAX)`` per moment), so the
   states are the unsharded tensor's, split.
+* on CUDA most of the update runs as ``torch._foreach_*`` kernels, one launch per list of parameters
+  instead of one per parameter (``foreach=``), with the same arithmetic as the per-parameter loop.
 
 The recipe key ``optimizer.states`` picks the layout (:data:`REDUCED_STATE_FORMATS`, :func:`adamw`):
 ``fp32`` (torch's AdamW), ``fp16`` (both moments FP16, the paper's text) or ``fp8-fp16`` (O2).
@@ -60,6 +62,10 @@ _EXP_AVG_FORMATS = ("fp8", "fp16", "fp32")
 _EXP_AVG_SQ_FORMATS = ("fp16", "fp32")
 # amax below this is treated as an all-zero tensor; keeps FORMAT_MAX / amax finite in fp32.
 _TINY_AMAX = 1e-30
+# The foreach update works on lists of at most this many elements (one larger parameter forms a list
+# of its own): its fp32 temporaries (gradient, moments, denominator, scaled moment) then stay about as
+# large as the loop's for the largest parameter, not a multiple of the whole model.
+_FOREACH_CHUNK_NUMEL = 1 << 25
 # The keys torch's Adam/AdamW add to every param group; stripped when converting state dicts and optimizers.
 _TORCH_ADAM_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
                           "decoupled_weight_decay")
@@ -69,6 +75,11 @@ _OUR_GROUP_KEYS = ("exp_avg_format", "exp_avg_sq_format")
 def _local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (FSDP2's parameters and the states made like them), else ``t``."""
     return t.to_local() if hasattr(t, "device_mesh") and hasattr(t, "to_local") else t
+
+
+def _is_plain(t: Tensor) -> bool:
+    """Whether ``t`` is a plain tensor or parameter: no DTensor, no other tensor subclass."""
+    return type(t) in (Tensor, torch.nn.Parameter)
 
 
 def _shard_groups(t: Tensor) -> list:
@@ -94,7 +105,7 @@ def _encode_(dst: Tensor, scale_dst: Tensor, x: Tensor, fmt: str, generator: tor
     amax = x.abs().amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
     for group in groups:  # every rank must derive the same scale, the unsharded tensor's
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale = torch.where(amax > _TINY_AMAX, fmax / amax.clamp(min=_TINY_AMAX), torch.ones_like(amax))
+    scale = _scale_from_amax(amax, fmax)
     # saturate: fp32 rounding can put the amax element a hair above FORMAT_MAX, and E4M3 has no inf
     # (an overflowing cast becomes NaN)
     y = x * scale
@@ -102,6 +113,60 @@ def _encode_(dst: Tensor, scale_dst: Tensor, x: Tensor, fmt: str, generator: tor
         y = _stochastic_round_e4m3(y.clamp_(-fmax, fmax), generator)
     saturating_cast_(y, dst)
     scale_dst.copy_(scale)
+
+
+def _scale_from_amax(amax: Tensor, fmax: float) -> Tensor:
+    """``fmax / amax`` elementwise (1 where ``amax`` is below :data:`_TINY_AMAX`), for one amax or a stack."""
+    return torch.where(amax > _TINY_AMAX, fmax / amax.clamp(min=_TINY_AMAX), torch.ones_like(amax))
+
+
+def _encode_all_(dsts: list[Tensor], scale_dsts: list[Tensor], xs: list[Tensor], fmt: str,
+                 rounding: Callable[[int, Tensor], Tensor] | None = None) -> None:
+    """:func:`_encode_` for lists of plain tensors (one device, one ``dst`` dtype) with foreach kernels.
+
+    The amaxes come from one ``_foreach_norm(ord=inf)`` and the scales from one computation on their
+    stack. ``rounding(i, y)`` rounds the ``i``-th scaled FP8 tensor stochastically; it runs per tensor,
+    so that each one draws its own noise as in the loop.
+    """
+    if fmt == "fp32":
+        torch._foreach_copy_(dsts, xs)
+        torch._foreach_copy_(scale_dsts, torch.ones(len(xs), device=xs[0].device).unbind(0))
+        return
+    _, fmax = MOMENT_FORMATS[fmt]
+    scales = _scale_from_amax(torch.stack(torch._foreach_norm(xs, ord=math.inf)), fmax).unbind(0)
+    ys = torch._foreach_mul(xs, scales)
+    if fmt == "fp8" and rounding is not None:
+        _foreach_clamp_(ys, fmax)
+        ys = [rounding(i, y) for i, y in enumerate(ys)]
+    _foreach_clamp_(ys, torch.finfo(dsts[0].dtype).max)  # saturating_cast_ of every tensor
+    torch._foreach_copy_(dsts, ys)
+    torch._foreach_copy_(scale_dsts, scales)
+
+
+def _foreach_clamp_(xs: list[Tensor], bound: float) -> None:
+    """``x.clamp_(-bound, bound)`` for every ``x``: NaN stays NaN, as with ``clamp_``."""
+    torch._foreach_clamp_min_(xs, -bound)
+    torch._foreach_clamp_max_(xs, bound)
+
+
+def _cast(xs: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """``[x.to(dtype) for x in xs]`` (the same tensor where it has ``dtype``), one foreach copy for the casts."""
+    out = [x if x.dtype == dtype else torch.empty_like(x, dtype=dtype) for x in xs]
+    todo = [i for i, x in enumerate(xs) if out[i] is not x]
+    if todo:
+        torch._foreach_copy_([out[i] for i in todo], [xs[i] for i in todo])
+    return out
+
+
+def _mul_scalar_(xs: list[Tensor], value: float) -> None:
+    """``x.mul_(value)`` for every ``x``: one foreach op, except for bf16/fp16 tensors (parameters
+    without a master copy), which go one by one: the CPU's foreach op rounds a Python scalar to the
+    list's dtype first, where ``mul_`` keeps it in fp32 (bf16 would turn 0.997 into 0.99609375)."""
+    if xs[0].dtype in (torch.bfloat16, torch.float16):
+        for x in xs:
+            x.mul_(value)
+    else:
+        torch._foreach_mul_(xs, value)
 
 
 def _stochastic_round_e4m3(y: Tensor, generator: torch.Generator) -> Tensor:
@@ -146,6 +211,16 @@ class LowPrecisionAdamW(Optimizer):
             from a generator re-seeded from ``(seed, step, parameter index)``: runs are reproducible,
             resume bit-exactly from a checkpoint, and data-parallel replicas stay identical.
         seed: seed of that generator.
+        foreach: run the update as ``torch._foreach_*`` kernels over lists of parameters (per param
+            group, device and dtypes, in lists of at most :data:`_FOREACH_CHUNK_NUMEL` elements)
+            instead of ~15 kernels per parameter. ``None`` (default): when every parameter is a plain
+            CUDA tensor; ``False``: never; ``True``: on any device. DTensor (FSDP2-sharded), other
+            tensor-subclass and empty parameters always take the per-parameter path (for a DTensor
+            it all-reduces the amax over the shards).
+            The elementwise arithmetic is the loop's, op for op (bitwise the same on CPU); the
+            stochastic rounding of FP8 moments stays per parameter, each drawing its own noise, and so
+            does the decoding division by each tensor's scale (a broadcast operand, which CUDA's
+            foreach kernels run one tensor at a time).
 
     The formats may also be set per param group. ``amsgrad``, ``maximize`` and sparse gradients
     are not supported.
@@ -164,6 +239,7 @@ class LowPrecisionAdamW(Optimizer):
         master_weights: bool = True,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        foreach: bool | None = None,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"LowPrecisionAdamW: invalid learning rate {lr}")
@@ -178,6 +254,7 @@ class LowPrecisionAdamW(Optimizer):
         self.master_weights = master_weights
         self.stochastic_rounding = stochastic_rounding
         self.seed = int(seed)
+        self.foreach = foreach
         self._generators: dict[torch.device, torch.Generator] = {}
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -207,11 +284,10 @@ class LowPrecisionAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        foreach = self._foreach_now()
         index = -1
         for group in self.param_groups:
-            lr = float(group["lr"])
-            beta1, beta2 = group["betas"]
-            eps, wd = group["eps"], group["weight_decay"]
+            batch = []
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -222,27 +298,83 @@ class LowPrecisionAdamW(Optimizer):
                 if len(state) == 0:
                     state = self._init_state(p, group)
                 state["step"] = int(state["step"]) + 1
-                t = state["step"]
-                g = _local(p.grad).float()
-                m = _decode(_local(state["exp_avg_q"]), state["exp_avg_scale"])  # fp32, same shape as p
-                v = _decode(_local(state["exp_avg_sq_q"]), state["exp_avg_sq_scale"])
-                m.lerp_(g, 1.0 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                # fp32 parameters are their own master; low-precision ones have an fp32 copy
-                w = _local(state.get("master", p))
-                if wd != 0.0:
-                    w.mul_(1.0 - lr * wd)
-                bias_c1 = 1.0 - beta1**t
-                bias_c2 = 1.0 - beta2**t
-                denom = (v.sqrt() / math.sqrt(bias_c2)).add_(eps)
-                w.addcdiv_(m.to(w.dtype), denom.to(w.dtype), value=-lr / bias_c1)
-                if "master" in state:
-                    _local(p).copy_(w)
-                # the update above used the fresh fp32 moments; only storage is lossy
-                gen = self._generator(p.device, t, index) if self.stochastic_rounding else None
-                _encode_(state["exp_avg_q"], state["exp_avg_scale"], m, group["exp_avg_format"], gen)
-                _encode_(state["exp_avg_sq_q"], state["exp_avg_sq_scale"], v, group["exp_avg_sq_format"])
+                if foreach and _is_plain(p) and p.numel():
+                    batch.append((p, index))
+                else:
+                    self._update_one(p, group, index)
+            for chunk in _foreach_chunks(batch, self.state):
+                self._update_many(chunk, group)
         return loss
+
+    def _foreach_now(self) -> bool:
+        """Whether this step takes the foreach path (for the parameters it can take)."""
+        if self.foreach is not None:
+            return bool(self.foreach)
+        params = [p for g in self.param_groups for p in g["params"]]
+        return bool(params) and all(p.is_cuda and _is_plain(p) for p in params)
+
+    def _update_one(self, p: Tensor, group: dict[str, Any], index: int) -> None:
+        """The update of one parameter (whose step counter is already advanced), kernel by kernel."""
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        state = self.state[p]
+        t = state["step"]
+        g = _local(p.grad).float()
+        m = _decode(_local(state["exp_avg_q"]), state["exp_avg_scale"])  # fp32, same shape as p
+        v = _decode(_local(state["exp_avg_sq_q"]), state["exp_avg_sq_scale"])
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        # fp32 parameters are their own master; low-precision ones have an fp32 copy
+        w = _local(state.get("master", p))
+        if wd != 0.0:
+            w.mul_(1.0 - lr * wd)
+        bias_c1 = 1.0 - beta1**t
+        bias_c2 = 1.0 - beta2**t
+        denom = (v.sqrt() / math.sqrt(bias_c2)).add_(eps)
+        w.addcdiv_(m.to(w.dtype), denom.to(w.dtype), value=-lr / bias_c1)
+        if "master" in state:
+            _local(p).copy_(w)
+        # the update above used the fresh fp32 moments; only storage is lossy
+        gen = self._generator(p.device, t, index) if self.stochastic_rounding else None
+        _encode_(state["exp_avg_q"], state["exp_avg_scale"], m, group["exp_avg_format"], gen)
+        _encode_(state["exp_avg_sq_q"], state["exp_avg_sq_scale"], v, group["exp_avg_sq_format"])
+
+    def _update_many(self, items: list[tuple[Tensor, int]], group: dict[str, Any]) -> None:
+        """:meth:`_update_one` for ``(parameter, index)`` pairs of one :func:`_foreach_chunks` list, with
+        foreach kernels: the same ops in the same order with the same constants."""
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        params = [p for p, _ in items]
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        g = _cast([p.grad for p in params], torch.float32)
+        m = _cast([s["exp_avg_q"] for s in states], torch.float32)  # _decode
+        torch._foreach_div_(m, [s["exp_avg_scale"] for s in states])
+        v = _cast([s["exp_avg_sq_q"] for s in states], torch.float32)
+        torch._foreach_div_(v, [s["exp_avg_sq_scale"] for s in states])
+        torch._foreach_lerp_(m, g, 1.0 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+        w = [s.get("master", p) for s, p in zip(states, params)]
+        if wd != 0.0:
+            _mul_scalar_(w, 1.0 - lr * wd)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, [math.sqrt(1.0 - beta2**t) for t in steps])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(w, _cast(m, w[0].dtype), _cast(denom, w[0].dtype),
+                                [-lr / (1.0 - beta1**t) for t in steps])
+        if "master" in states[0]:
+            torch._foreach_copy_(params, w)
+
+        def rounding(i: int, y: Tensor) -> Tensor:  # the loop's generator for (step, index) of the i-th
+            return _stochastic_round_e4m3(y, self._generator(params[i].device, steps[i], items[i][1]))
+
+        _encode_all_([s["exp_avg_q"] for s in states], [s["exp_avg_scale"] for s in states], m,
+                     group["exp_avg_format"], rounding if self.stochastic_rounding else None)
+        _encode_all_([s["exp_avg_sq_q"] for s in states], [s["exp_avg_sq_scale"] for s in states], v,
+                     group["exp_avg_sq_format"])
 
     def _generator(self, device: torch.device, step: int, index: int) -> torch.Generator:
         gen = self._generators.get(device)
@@ -305,6 +437,26 @@ class LowPrecisionAdamW(Optimizer):
             # torch's AdamW kept no master copy: the parameter is the best value there is
             out["master"] = p.detach().float()
         return out
+
+
+def _foreach_chunks(items: list[tuple[Tensor, int]], state: Any) -> Iterable[list[tuple[Tensor, int]]]:
+    """Split ``(parameter, index)`` pairs into lists that foreach kernels take together: one device and
+    one dtype of parameter, gradient, master copy and each moment per list, and at most
+    :data:`_FOREACH_CHUNK_NUMEL` elements per list unless one parameter alone has more."""
+    buckets: dict[tuple, list[tuple[Tensor, int]]] = {}
+    for p, index in items:
+        s = state[p]
+        key = (p.device, p.dtype, p.grad.dtype, "master" in s, s["exp_avg_q"].dtype, s["exp_avg_sq_q"].dtype)
+        buckets.setdefault(key, []).append((p, index))
+    for bucket in buckets.values():
+        chunk, numel = [], 0
+        for p, index in bucket:
+            if chunk and numel + p.numel() > _FOREACH_CHUNK_NUMEL:
+                yield chunk
+                chunk, numel = [], 0
+            chunk.append((p, index))
+            numel += p.numel()
+        yield chunk
 
 
 def _check_formats(group: dict[str, Any]) -> None:
