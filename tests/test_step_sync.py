@@ -120,3 +120,54 @@ def test_torch_adamw_is_fused_on_cuda_only():
     if torch.cuda.is_available():
         gpu = adamw(model.cuda().parameters(), "fp32", lr=1e-3)
         assert gpu.defaults["fused"] is True
+
+
+def _detect_worker(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from fp4lightning.lightning.loss_scaler import DynamicLossScaler
+    from fp4lightning.lightning.nonfinite import detect_nonfinite
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        p = torch.nn.Parameter(torch.randn(64, 32))
+        q = torch.nn.Parameter(torch.randn(32, dtype=torch.bfloat16))
+        opt = torch.optim.SGD([p, q], lr=0.1)
+        results = {}
+        for case, scaler in (("bf16", None), ("fp16", DynamicLossScaler())):
+            for nan_rank in (None, 1):
+                p.grad, q.grad = torch.randn(64, 32), torch.randn(32, dtype=torch.bfloat16)
+                if rank == nan_rank:
+                    p.grad[3, 4] = float("nan")
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    found = detect_nonfinite(opt, scaler)
+                ops = collections.Counter(e.name for e in prof.events())
+                results[f"{case}-{nan_rank}"] = [found, ops["aten::_local_scalar_dense"], ops["aten::lift_fresh"]]
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_multi_rank_nonfinite_decision_reads_the_device_once(tmp_path):
+    """Over two real gloo ranks the skip decision costs one read per step (it cost three: a read of the
+    local flag, an upload of it as a new tensor, a read of the all-reduced one) and agrees on every rank."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_detect_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case in ("bf16", "fp16"):
+            assert got[f"{case}-None"][0] is False and got[f"{case}-1"][0] is True, (rank, got)
+        for found, reads, uploads in got.values():
+            assert reads == 1 and uploads == 0, (rank, got)

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from fp4lightning.config import FP4Config
-from fp4lightning.lightning.nonfinite import TRAINER_FIX, SkipCounter, detect_nonfinite, settle_step
+from fp4lightning.lightning.nonfinite import TRAINER_FIX, SkipCounter, any_flag, detect_nonfinite, settle_step
 
 __all__ = ["DynamicLossScaler", "StepPolicyState"]
 
@@ -65,6 +65,12 @@ class DynamicLossScaler:
     @torch.no_grad()
     def unscale_(self, optimizer: Optimizer) -> bool:
         """Divide the gradients by the scale in place; True if any gradient is inf or NaN."""
+        flag = self.unscale_flag_(optimizer)
+        return bool(flag) if flag is not None else False
+
+    def unscale_flag_(self, optimizer: Optimizer) -> Tensor | None:
+        """:meth:`unscale_` without the read: a one-element float32 tensor, 1.0 where a gradient is inf or
+        NaN (None when no parameter has a gradient)."""
         grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -79,8 +85,8 @@ class DynamicLossScaler:
             inv = torch.full((1,), 1.0 / self.scale_value, device=device)
             # one fused kernel per (device, dtype): unscale and flag non-finite values
             torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv)
-            found.append(found_inf.to("cpu", non_blocking=False))
-        return bool(sum(found).item() > 0) if found else False
+            found.append(found_inf)
+        return any_flag(found)
 
     def update(self, found_inf: bool) -> None:
         """Back off on overflow, grow after a run of good steps."""

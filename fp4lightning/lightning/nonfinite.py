@@ -32,7 +32,8 @@ from torch.optim import Optimizer
 
 from fp4lightning.lightning.log import host_scalar
 
-__all__ = ["NonFiniteError", "NonFiniteGuard", "grads_nonfinite", "params_nonfinite", "detect_nonfinite", "settle_step",
+__all__ = ["NonFiniteError", "NonFiniteGuard", "grads_nonfinite", "params_nonfinite", "nonfinite_flag", "any_flag",
+           "detect_nonfinite", "settle_step",
            "DEFAULT_MAX_CONSECUTIVE"]
 
 log = logging.getLogger(__name__)
@@ -57,18 +58,37 @@ def _grouped(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype]
 
 
 @torch.no_grad()
-def _any_nonfinite(tensors: Iterable[Tensor]) -> bool:
-    found = []
+def nonfinite_flag(tensors: Iterable[Tensor]) -> Tensor | None:
+    """A one-element float32 tensor on the first tensor's device, 1.0 where any of ``tensors`` holds an inf
+    or NaN, else 0.0; computed without reading it back (None when there are no float tensors)."""
+    flags = []
     for gs in _grouped(t for t in tensors if t.is_floating_point()).values():
         # one fused pass per (device, dtype); max-norm of a set is inf/NaN iff one element is
         norms = torch._foreach_norm(gs, float("inf"))
-        found.append((~torch.isfinite(torch.stack(norms))).any().to("cpu"))
-    return bool(torch.stack(found).any()) if found else False
+        flags.append((~torch.isfinite(torch.stack(norms))).any())
+    return any_flag(flags)
+
+
+def any_flag(flags: list[Tensor]) -> Tensor | None:
+    """The flags OR-ed on the first one's device as a one-element float32 tensor (no host read)."""
+    if not flags:
+        return None
+    device = flags[0].device
+    return torch.stack([f.reshape(()).to(device, torch.float32) for f in flags]).amax().reshape(1)
+
+
+def _any_nonfinite(tensors: Iterable[Tensor]) -> bool:
+    flag = nonfinite_flag(tensors)
+    return bool(flag) if flag is not None else False
 
 
 def grads_nonfinite(optimizer: Optimizer) -> bool:
     """True if any gradient of ``optimizer``'s parameters holds an inf or NaN."""
-    return _any_nonfinite(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+    return _any_nonfinite(_grads(optimizer))
+
+
+def _grads(optimizer: Optimizer) -> list[Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def params_nonfinite(params: Iterable[Tensor]) -> bool:
@@ -76,23 +96,35 @@ def params_nonfinite(params: Iterable[Tensor]) -> bool:
     return _any_nonfinite(params)
 
 
-def all_ranks_any(flag: bool, like: Tensor | None = None) -> bool:
-    """``flag`` OR-ed over the default process group (``flag`` itself when not distributed)."""
+def all_ranks_any(flag: bool | Tensor | None, like: Tensor | None = None) -> bool:
+    """``flag`` (a bool, or a one-element tensor from :func:`nonfinite_flag`; None is False) OR-ed over the
+    default process group (``flag`` itself when not distributed).
+
+    A tensor flag is reduced where it lies (NCCL: on the GPU) and read once, after the all-reduce: one
+    host synchronisation per call, on any number of ranks."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    device = torch.device("cpu") if dist.get_backend() == "gloo" else (
-        like.device if like is not None else torch.device("cuda", torch.cuda.current_device()))
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+        return bool(flag) if flag is not None else False
+    if dist.get_backend() == "gloo":
+        device = torch.device("cpu")
+    elif isinstance(flag, Tensor):
+        device = flag.device
+    else:
+        device = like.device if like is not None else torch.device("cuda", torch.cuda.current_device())
+    if isinstance(flag, Tensor):
+        t = flag.reshape(1).to(device, torch.float32)
+    else:  # a fill, not a host-to-device copy of a Python number
+        t = (torch.ones if flag else torch.zeros)(1, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
 
 def detect_nonfinite(optimizer: Optimizer, scaler: Any = None) -> bool:
     """Unscale ``optimizer``'s gradients (fp16: ``scaler.unscale_``) or check them (bf16), then OR the
-    result over the ranks: True if any rank holds an inf/NaN gradient. Every rank must call it."""
-    found = scaler.unscale_(optimizer) if scaler is not None else grads_nonfinite(optimizer)
+    result over the ranks: True if any rank holds an inf/NaN gradient. Every rank must call it; it reads
+    the device once."""
+    found = scaler.unscale_flag_(optimizer) if scaler is not None else nonfinite_flag(_grads(optimizer))
     # DDP's all-reduce already spreads a NaN to every rank; sharded gradients (FSDP) do not
     return all_ranks_any(found)
 
