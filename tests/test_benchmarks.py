@@ -46,3 +46,17 @@ def test_bench_linear_layer_table_writes_its_json(tmp_path):
                          "paper reference"]
     assert all(v is None or v > 0 for v in row.values()) and row["bf16"] > 0 and row["paper"] > 0
     assert proc.stdout.count("| 32x48 | 32 |") == 6  # every row printed as it was measured
+
+
+def test_bench_weight_reuse_runs_and_checks_its_bits(tmp_path):
+    # scripts/gpu_check.sh times it on the 1.3B recipe's MLP shape; here a tiny shape on CPU
+    import json
+    out = tmp_path / "reuse.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_weight_reuse.py"), "--device", "cpu",
+                           "--tokens", "16", "--in-features", "64", "--out-features", "32", "--accum", "2",
+                           "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["same_bits"] is True and got["accum"] == 2 and "quantized once per step" in proc.stdout
