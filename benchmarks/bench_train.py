@@ -15,6 +15,13 @@ Rows (``--precisions``):
   converted and autocast by ``FP4Precision`` as in training;
 * ``w4a4-direct``: the ``w4a4-direct`` preset (no DGE, no OCC).
 
+``--compile`` compiles each decoder block of every row, as the recipe key ``trainer.compile`` does
+(``fp4lightning.models.llama.compile_blocks``: RMSNorm, RoPE, SwiGLU and the residual adds fuse, each
+FP4Linear is one graph break), bf16-mixed included so that the rows stay comparable; the torchao row
+with ``--compile-torchao`` keeps its whole-model compile. The two warm-up steps include the compile.
+A compiled row has no time split and no attention-kernel probe (their hooks would break its graphs).
+The recipe's own ``trainer.compile`` is not read here: without ``--compile`` every row runs eagerly.
+
 Each row starts from the same initial weights (the recipe's seed) and batch: random tokens, or the
 first windows of the recipe's prepared data folder when there is one. Printed per row: step time
 (median of ``--steps`` timed steps after two warm-up steps), tokens/s, MFU (model FLOPs per step,
@@ -33,7 +40,7 @@ Micro-batch: ``--micro-batch``; by default on CUDA the largest that fits, halvin
 so), and on CPU the recipe's ``data.micro_batch_size`` capped at 4096 tokens per step.
 
     .venv/bin/python benchmarks/bench_train.py [--recipe recipes/tiny.yaml] [--steps 5] [--micro-batch B]
-        [--seq T] [--precisions bf16-mixed,fp4] [--peak-tflops X] [--json PATH] [key=value ...]
+        [--seq T] [--precisions bf16-mixed,fp4] [--peak-tflops X] [--compile] [--json PATH] [key=value ...]
 
 ``key=value`` arguments override the recipe as on ``fp4lightning train`` (e.g. ``optimizer.states=fp32``).
 """
@@ -58,7 +65,7 @@ from fp4lightning.numerics.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linea
 from fp4lightning.errors import UsageError  # noqa: E402
 from fp4lightning.experiments.occ_fidelity import saved_tensor_bytes  # noqa: E402
 from fp4lightning.train.throughput import flops_per_token, peak_tflops  # noqa: E402
-from fp4lightning.models.llama import Attention, Llama  # noqa: E402
+from fp4lightning.models.llama import Attention, Llama, compile_blocks  # noqa: E402
 from fp4lightning.lightning.nonfinite import detect_nonfinite  # noqa: E402
 from fp4lightning.lightning.optim import state_bytes_per_param  # noqa: E402
 from fp4lightning.train.recipe import load_recipe  # noqa: E402
@@ -67,7 +74,7 @@ ROWS = ("bf16-mixed", "torchao-float8", "fp4", "w4a4-direct")
 SPLIT = ("linears", "attention", "other", "optimizer")
 #: CPU default: at most this many tokens per micro-batch (a step of the 1.3B model takes minutes on CPU)
 CPU_TOKENS = 4096
-WARMUP = 2  # the first step creates the optimizer state (and compiles, where the CPU path compiles)
+WARMUP = 2  # the first step creates the optimizer state (and compiles: --compile, and the CPU path's passes)
 
 
 def _batch(cfg, vocab: int, b: int, t: int, dev: torch.device):
@@ -100,9 +107,14 @@ def _is_decoder_linear(module: nn.Module, fqn: str) -> bool:
 
 
 class Row:
-    """One precision's model, optimizer, autocast and step."""
+    """One precision's model, optimizer, autocast and step.
 
-    def __init__(self, name: str, cfg, dev: torch.device, micro_batch: int, seq: int, compile_torchao: bool = False):
+    ``compile_backend``: compile each decoder block with this ``torch.compile`` backend (``--compile``:
+    ``"inductor"``; tests: ``"aot_eager"``), None for eager blocks. ``compiled`` says what ran compiled:
+    ``"model"`` (torchao's row with ``compile_torchao``), ``"blocks"`` or None."""
+
+    def __init__(self, name: str, cfg, dev: torch.device, micro_batch: int, seq: int, compile_torchao: bool = False,
+                 compile_backend=None):
         from fp4lightning.train.run import make_module
         from fp4lightning.lightning.precision import FP4Precision
 
@@ -133,7 +145,10 @@ class Row:
             emulate_bf16_linears(model, dev)  # as LlamaLightningModule.configure_model on CPUs without bf16 GeMMs
             self.autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16)  # Lightning's bf16-mixed
             self.preset = None
-        self.compiled = name == "torchao-float8" and compile_torchao
+        self.compiled = "model" if name == "torchao-float8" and compile_torchao else None
+        if compile_backend is not None and self.compiled is None:
+            compile_blocks(model, backend=compile_backend)  # as LlamaLightningModule.configure_model (trainer.compile)
+            self.compiled = "blocks"
         # the LightningModule's optimizer (AdamW groups, optimizer.states) and schedule, outside Lightning
         module = make_module(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision="bf16-mixed")))
         module.model = model
@@ -267,12 +282,12 @@ def _analytic_memory(row: Row) -> tuple[int, int, float]:
 
 
 def _build(name: str, cfg, dev: torch.device, micro_batch: int, seq: int, search: bool,
-           compile_torchao: bool = False) -> Row:
+           compile_torchao: bool = False, compile_backend=None) -> Row:
     """The row, warmed up; on CUDA with ``search``, halving the micro-batch on out-of-memory."""
     while True:
         row = oom = None
         try:
-            row = Row(name, cfg, dev, micro_batch, seq, compile_torchao)
+            row = Row(name, cfg, dev, micro_batch, seq, compile_torchao, compile_backend)
             row.x, row.source = _batch(cfg, cfg.llama_config().vocab_size, micro_batch, seq, dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -308,6 +323,8 @@ def main(argv=None) -> int:
                     help="dense bf16 peak TFLOP/s of the device for MFU (default: known GPUs; none on CPU)")
     ap.add_argument("--compile-torchao", action="store_true",
                     help="torch.compile the torchao-float8 row's model (torchao's recommended use)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each decoder block of every row, as the recipe key trainer.compile does")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
@@ -346,7 +363,8 @@ def main(argv=None) -> int:
         if why:
             results[name] = {"skipped": why}
             continue
-        row = _build(name, cfg, dev, micro_batch, seq, search, args.compile_torchao)
+        row = _build(name, cfg, dev, micro_batch, seq, search, args.compile_torchao,
+                     "inductor" if args.compile else None)
         micro_batch = row.micro_batch  # later rows start from what fitted
         if interleave:
             built[name] = row
@@ -382,7 +400,9 @@ def main(argv=None) -> int:
           "other fwd+bwd ms | optimizer ms | saved activations MB | attention kernel |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        label = f"{name} ({r['preset']})" if name == "fp4" else f"{name} (compiled)" if r.get("compiled") else name
+        notes = [r["preset"]] if name == "fp4" and "preset" in r else []
+        notes += {"model": ["compiled"], "blocks": ["blocks compiled"]}.get(r.get("compiled"), [])
+        label = f"{name} ({', '.join(notes)})" if notes else name
         if "skipped" in r:
             print(f"| {label} | skipped: {r['skipped']} |" + " |" * 10)
             continue
@@ -400,7 +420,8 @@ def main(argv=None) -> int:
         setup = {"recipe": args.recipe, "overrides": list(args.overrides), "device": str(dev),
                  "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "torch": torch.__version__, "seq_len": seq, "steps": args.steps, "peak_tflops": peak,
-                 "flops_per_token": fpt, "peak_mem_kind": mem_kind, "optimizer_states": cfg.optimizer.states}
+                 "flops_per_token": fpt, "peak_mem_kind": mem_kind, "optimizer_states": cfg.optimizer.states,
+                 "compile_blocks": args.compile, "compile_torchao": args.compile_torchao}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({**results, "setup": setup}, f, indent=2)
@@ -423,8 +444,8 @@ def _measure(row: Row, fpt: float, peak: float | None) -> dict:
     if row.dev.type == "cuda":
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(row.dev) / 1e9
         out["saved_activation_bytes"] = None
-    if row.compiled:  # hooks and the dispatch probe would break the compiled graph
-        out["compiled"] = True
+    if row.compiled:  # hooks and the dispatch probe would break the compiled graphs
+        out["compiled"] = row.compiled
     out["split_ms"] = None if row.compiled else time_split(row)
     out["attention_op"] = "n/a (compiled)" if row.compiled else attention_op(row)
     if row.dev.type != "cuda":

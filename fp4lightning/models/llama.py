@@ -25,13 +25,15 @@ llama2-13b  5120     40      40       40      13824   13.0B (published LLaMA-2 1
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fp4lightning.models.config import LLAMA_CONFIGS, LlamaConfig, llama_config
 
-__all__ = ["LlamaConfig", "Llama", "LLAMA_CONFIGS", "llama_config", "init_weights_"]
+__all__ = ["LlamaConfig", "Llama", "LLAMA_CONFIGS", "llama_config", "init_weights_", "compile_blocks"]
 
 
 @torch.no_grad()
@@ -182,3 +184,32 @@ class Llama(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+def compile_blocks(model: Llama, backend: str | Callable[..., Any] = "inductor") -> Llama:
+    """``torch.compile`` each decoder block of ``model`` in place, as torchtitan compiles each TransformerBlock.
+
+    RMSNorm, RoPE, the code around ``scaled_dot_product_attention``, SwiGLU's activation and product and
+    the residual adds fuse; every ``FP4Linear`` is one graph break (``fp4lightning.nn.linear.fp4_linear`` is
+    ``torch.compiler.disable``-d) and runs as it does eagerly, so a block of 7 FP4 layers is 8 graphs. The
+    embedding, the final norm and the output head are not compiled. Compiling is lazy (at the first
+    forward), so layers swapped in afterwards (``FP4Precision.convert_module``) are what gets compiled.
+
+    What is compiled is each block's ``forward`` (an instance attribute), not the module call
+    (``Block.compile()``): ``fp4lightning.distributed.fsdp.fully_shard_fp4`` wraps ``forward`` in activation
+    checkpointing, and a compiled module call would trace that checkpoint, whose body may not contain a
+    graph break, and run the whole block eagerly. Compile first, then shard: the checkpoint wraps the
+    compiled forward, FSDP2's hooks run eagerly around it. A block whose ``forward`` is already wrapped is
+    refused for that reason.
+
+    ``backend``: ``torch.compile``'s (tests pass ``"aot_eager"``: same graphs, no C++ or Triton build).
+    Returns ``model``.
+    """
+    for i, block in enumerate(model.layers):
+        wrapper = vars(block).get("forward")
+        if wrapper is not None:
+            by = getattr(getattr(wrapper, "func", wrapper), "__qualname__", type(wrapper).__name__)
+            raise ValueError(f"compile_blocks: layers.{i} already wraps its forward (in {by}), e.g. fully_shard_fp4's "
+                             "activation checkpointing or an earlier compile_blocks; compile the blocks before sharding")
+        block.forward = torch.compile(block.forward, backend=backend)
+    return model

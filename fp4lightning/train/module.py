@@ -7,14 +7,15 @@ Gradient clipping is the Trainer's (``gradient_clip_val``).
 The model is built in ``configure_model`` so that strategies that shard it (FSDP) can
 build it on the meta device. FP4 conversion is done by the ``FP4Precision`` plugin, or
 here right after building the model where that plugin cannot be used (FSDP); see
-``fp4lightning.train.run.precision_setup``.
+``fp4lightning.train.run.precision_setup``. With ``compile`` (recipe key ``trainer.compile``) each
+decoder block is compiled there too, before FSDP shards it (``fp4lightning.models.llama.compile_blocks``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -26,7 +27,7 @@ from fp4lightning.config import FP4Config
 from fp4lightning.distributed.fsdp import fully_shard_fp4
 from fp4lightning.lightning.log import host_scalar
 from fp4lightning.lightning.optim import adamw
-from fp4lightning.models.llama import Llama, LlamaConfig
+from fp4lightning.models.llama import Llama, LlamaConfig, compile_blocks
 from fp4lightning.nn.convert import convert_to_fp4, describe_conversion
 from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 
@@ -59,6 +60,9 @@ class LlamaLightningModule(L.LightningModule):
             (FSDP); False when the Trainer's ``FP4Precision`` plugin converts it instead.
         recipe: the resolved recipe (plain dict), kept in the checkpoint's hyperparameters.
         tokenizer_json: the tokenizer, stored in every checkpoint (``checkpoint["tokenizer"]``).
+        compile: ``torch.compile`` each decoder block with :attr:`compile_backend`, after this module's
+            FP4 conversion (if any) and before FSDP; ``None`` (default): the recipe's ``trainer.compile``
+            (False without a recipe, and for a checkpoint written before the key existed).
     Batches are ``(B, T + 1)`` int64 token windows.
     """
 
@@ -79,6 +83,7 @@ class LlamaLightningModule(L.LightningModule):
         recipe: dict[str, Any] | None = None,
         tokenizer_json: str | None = None,
         optimizer_states: str = "fp32",
+        compile: bool | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["tokenizer_json", "fp4_config"])
@@ -94,6 +99,17 @@ class LlamaLightningModule(L.LightningModule):
         self._step_batches = 0
         self._step_tokens = 0
         self._t_last: float | None = None
+
+    #: ``torch.compile`` backend of ``compile`` (tests set ``"aot_eager"``: the same graphs, nothing built)
+    compile_backend: str | Callable[..., Any] = "inductor"
+
+    @property
+    def compiles_blocks(self) -> bool:
+        """Whether ``configure_model`` compiles the decoder blocks (``compile``, else ``trainer.compile``)."""
+        hp = self.hparams
+        if hp.get("compile") is not None:
+            return bool(hp.compile)
+        return bool(((hp.get("recipe") or {}).get("trainer") or {}).get("compile", False))
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -111,6 +127,12 @@ class LlamaLightningModule(L.LightningModule):
             # GeMMs: the same bf16 GeMMs computed with fp32 kernels (fp4lightning.numerics.cpu_bf16); FP4Precision
             # does this itself for the layers it keeps in high precision
             emulate_bf16_linears(model)
+        if self.compiles_blocks:
+            # lazily, at the first forward: the FP4Precision plugin's conversion (after this hook) is
+            # compiled too; before fully_shard_fp4, whose activation checkpointing wraps the compiled forward
+            compile_blocks(model, backend=self.compile_backend)
+            rank_zero_info(f"trainer.compile: {len(model.layers)} decoder blocks under torch.compile; the first "
+                           "training step and the first validation compile them")
         if getattr(self, "_device_mesh", None) is not None:  # ModelParallelStrategy: FSDP2 (docs/distributed.md)
             fully_shard_fp4(model, self._device_mesh["data_parallel"], fp4_all_gather=True,
                             activation_checkpointing=True,

@@ -144,6 +144,10 @@ class TrainerSection:
     loggers: str = "csv,tensorboard"
     peak_tflops: Optional[float] = None
     grad_comm: str = "fp32"
+    #: torch.compile each decoder block (fp4lightning.models.llama.compile_blocks; the FP4 layers are one
+    #: graph break each); with fsdp the blocks are compiled before they are sharded. On CPU it costs a
+    #: minute or more of compiling at the first step (and again at the first validation, no_grad)
+    compile: bool = False
 
 
 def _overrides_schema() -> type:
