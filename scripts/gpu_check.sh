@@ -20,6 +20,9 @@
 #    row-wise (compiled), fp4 (paper) and w4a4-direct side by side, each with its decoder blocks
 #    compiled as the recipe's trainer.compile does (benchmarks/bench_train.py --recipe
 #    recipes/llama2-1.3b.yaml --compile), added to docs/perf/h200.json as "step_1.3b";
+#    then, around the FP4 layers: one optimizer step of the 1.3B MLP layer with its weight quantized
+#    per micro-batch against once per step (benchmarks/bench_weight_reuse.py, "weight_reuse" in the
+#    json) and LowPrecisionAdamW's per-parameter loop against its foreach path (bench_optim.py);
 # 5. the user's own path: `fp4lightning train recipes/llama2-1.3b.yaml` for a few steps on the
 #    built-in corpus with a 32000-token vocabulary, prepared on a machine with network and carried
 #    in (`fp4lightning data prepare --source builtin --vocab-size 32000 --out data/builtin-32k`;
@@ -144,6 +147,24 @@ print("step_1.3b added to docs/perf/h200.json")
 EOF
   if [ -n "${OUT:-}" ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
 fi
+
+step "around the FP4 layers: weight quantized once per step (bench_weight_reuse.py), LowPrecisionAdamW loop vs foreach"
+REUSE_JSON=${OUT:-/tmp}/weight_reuse.json
+timeout -k 10 60 "$PY" benchmarks/bench_weight_reuse.py --device cuda --tokens 8192 --accum 4 --json "$REUSE_JSON"
+rc=$?
+if [ $rc -eq 124 ]; then INCOMPLETE+=("weight reuse (ran out of its 60 s)"); elif [ $rc -ne 0 ]; then FAIL+=("weight reuse (rc=$rc)"); fi
+if [ -f "$REUSE_JSON" ] && [ -f docs/perf/h200.json ]; then
+  "$PY" - "$REUSE_JSON" <<'EOF'
+import json, sys
+rec = json.load(open("docs/perf/h200.json"))
+rec["weight_reuse"] = json.load(open(sys.argv[1]))
+json.dump(rec, open("docs/perf/h200.json", "w"), indent=1)
+EOF
+  if [ -n "${OUT:-}" ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
+fi
+timeout -k 10 60 "$PY" benchmarks/bench_optim.py --step-time --step-params 200 --step-steps 10
+rc=$?
+if [ $rc -eq 124 ]; then INCOMPLETE+=("optimizer step (ran out of its 60 s)"); elif [ $rc -ne 0 ]; then FAIL+=("optimizer step (rc=$rc)"); fi
 
 step "the user's path: fp4lightning train recipes/llama2-1.3b.yaml (built-in corpus, 32000-token BPE)"
 if [ -f data/builtin-32k/meta.json ]; then
