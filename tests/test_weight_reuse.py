@@ -127,3 +127,17 @@ def test_reuse_gives_the_same_gradients():
         y.square().sum().backward()
     assert torch.equal(y.detach(), ref[0]) and torch.equal(x.grad, ref[1]) and torch.equal(layer.weight.grad, ref[2])
     weights_updated()
+
+
+def test_reuse_under_torch_compile(counted):
+    """A compiled caller (trainer.compile) reuses too: the lookup sits inside the layer's one graph break."""
+    torch._dynamo.reset()
+    layer, x = _layer(), torch.randn(8, 64)
+    step = torch.compile(lambda t: torch.relu(layer(t)) * 2.0, backend="aot_eager")
+    ref = torch.relu(layer(x)) * 2.0
+    counted[0] = 0
+    with reuse_weight_quantization():
+        outs = [step(x) for _ in range(3)]
+    weights_updated()
+    torch._dynamo.reset()
+    assert counted[0] == 1 and all(torch.equal(o, ref) for o in outs)

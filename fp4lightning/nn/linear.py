@@ -465,6 +465,16 @@ def _reused_weight_quant(layer: "FP4Linear", x: torch.Tensor) -> tuple | None:
     return quant
 
 
+@torch.compiler.disable
+def _fp4_linear_layer(layer: "FP4Linear", x: torch.Tensor) -> torch.Tensor:
+    """The layer's forward: its weight quantization (FSDP's gathered one, the reused one, or none: made
+    in the forward), then :func:`fp4_linear`; under ``torch.compile`` one graph break, lookup included."""
+    quant = getattr(layer.weight, "fp4_weight_quant", None)
+    if quant is None:
+        quant = _reused_weight_quant(layer, x)
+    return fp4_linear(x, layer.weight, layer.bias, layer.config, quant)
+
+
 class FP4Linear(nn.Linear):
     """``nn.Linear`` with FP4 forward and backward GeMMs (arXiv 2501.17116).
 
@@ -501,10 +511,7 @@ class FP4Linear(nn.Linear):
         # silently train the wrong model.
         # Under FSDP2 with the FP4 all-gather (fp4lightning.distributed.fsdp) the gathered weight carries the
         # packed codes and scales its shards were quantized to, for this forward only.
-        quant = getattr(self.weight, "fp4_weight_quant", None)
-        if quant is None:
-            quant = _reused_weight_quant(self, x)
-        return fp4_linear(x, self.weight, self.bias, self.config, quant)
+        return _fp4_linear_layer(self, x)
 
     def extra_repr(self) -> str:
         c = self.config
