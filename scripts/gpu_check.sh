@@ -51,6 +51,18 @@ T0=$(date +%s)
 FAIL=()        # wrong results or crashes
 INCOMPLETE=()  # steps cut off by their time limit (nothing wrong seen, but not all run)
 step() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+# add_to_record KEY FILE: FILE's json under KEY in docs/perf/h200.json (and its copy in $OUT)
+add_to_record() {
+  [ -f "$2" ] && [ -f docs/perf/h200.json ] || return 0
+  "$PY" - "$1" "$2" <<'EOF'
+import json, sys
+rec = json.load(open("docs/perf/h200.json"))
+rec[sys.argv[1]] = json.load(open(sys.argv[2]))
+json.dump(rec, open("docs/perf/h200.json", "w"), indent=1)
+print(sys.argv[1], "added to docs/perf/h200.json")
+EOF
+  if [ -n "${OUT:-}" ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
+}
 
 step "environment"
 date -u
@@ -137,31 +149,14 @@ FP4LIGHTNING_AUTOTUNE=0 timeout -k 10 240 "$PY" benchmarks/bench_train.py --reci
   --steps 5 --start-micro-batch 16 --compile --compile-torchao --json "$STEP_JSON"
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("1.3B step (ran out of its 240 s)"); elif [ $rc -ne 0 ]; then FAIL+=("1.3B step (rc=$rc)"); fi
-if [ -f "$STEP_JSON" ] && [ -f docs/perf/h200.json ]; then
-  "$PY" - "$STEP_JSON" <<'EOF'
-import json, sys
-rec = json.load(open("docs/perf/h200.json"))
-rec["step_1.3b"] = json.load(open(sys.argv[1]))
-json.dump(rec, open("docs/perf/h200.json", "w"), indent=1)
-print("step_1.3b added to docs/perf/h200.json")
-EOF
-  if [ -n "${OUT:-}" ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
-fi
+add_to_record step_1.3b "$STEP_JSON"
 
 step "around the FP4 layers: weight quantized once per step (bench_weight_reuse.py), LowPrecisionAdamW loop vs foreach"
 REUSE_JSON=${OUT:-/tmp}/weight_reuse.json
 timeout -k 10 60 "$PY" benchmarks/bench_weight_reuse.py --device cuda --tokens 8192 --accum 4 --json "$REUSE_JSON"
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("weight reuse (ran out of its 60 s)"); elif [ $rc -ne 0 ]; then FAIL+=("weight reuse (rc=$rc)"); fi
-if [ -f "$REUSE_JSON" ] && [ -f docs/perf/h200.json ]; then
-  "$PY" - "$REUSE_JSON" <<'EOF'
-import json, sys
-rec = json.load(open("docs/perf/h200.json"))
-rec["weight_reuse"] = json.load(open(sys.argv[1]))
-json.dump(rec, open("docs/perf/h200.json", "w"), indent=1)
-EOF
-  if [ -n "${OUT:-}" ]; then cp docs/perf/h200.json "$OUT/h200.json"; fi
-fi
+add_to_record weight_reuse "$REUSE_JSON"
 timeout -k 10 60 "$PY" benchmarks/bench_optim.py --step-time --step-params 200 --step-steps 10
 rc=$?
 if [ $rc -eq 124 ]; then INCOMPLETE+=("optimizer step (ran out of its 60 s)"); elif [ $rc -ne 0 ]; then FAIL+=("optimizer step (rc=$rc)"); fi
