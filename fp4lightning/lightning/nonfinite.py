@@ -73,6 +73,8 @@ def any_flag(flags: list[Tensor]) -> Tensor | None:
     """The flags OR-ed on the first one's device as a one-element float32 tensor (no host read)."""
     if not flags:
         return None
+    # a DTensor's flag (FSDP2's sharded gradients) as the plain tensor of the whole, as bool() reads it
+    flags = [f.full_tensor() if hasattr(f, "full_tensor") else f for f in flags]
     device = flags[0].device
     return torch.stack([f.reshape(()).to(device, torch.float32) for f in flags]).amax().reshape(1)
 
