@@ -319,30 +319,41 @@ def dge_factor(x, INV_K: tl.constexpr, POW: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def finish_tile(y_ptr, stride_y, c_ptr, stride_cr, stride_cc, w_ptr, stride_w, sw_ptr, rows, cols, r_ok, col_ok,
+                HAS_ADDEND: tl.constexpr, HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr,
+                DGE_CLAMP: tl.constexpr):
+    """A wgrad epilogue on the fp32 output at ``rows`` x ``cols``, in place: add the addend C,
+    multiply by the DGE factor f'(W s_w). The one copy of that math for the GeMM kernels' chunked
+    second phase (``finish_rows_in_chunks``) and the stand-alone epilogue kernel behind
+    ``_scaled_mm`` (``scaled_mm._wgrad_finish_kernel``)."""
+    mask = r_ok[:, None] & col_ok[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    ptrs = y_ptr + r64 * stride_y + cols[None, :]
+    v = tl.load(ptrs, mask=mask, other=0.0)
+    if HAS_ADDEND:
+        v += tl.load(c_ptr + r64 * stride_cr + cols.to(tl.int64)[None, :] * stride_cc, mask=mask,
+                     other=0.0).to(tl.float32)
+    if HAS_DGE:
+        sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
+        w = tl.load(w_ptr + r64 * stride_w + cols[None, :], mask=mask, other=0.0)
+        v = v * dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
+    tl.store(ptrs, v, mask=mask)
+
+
+@triton.jit
 def finish_rows_in_chunks(y_ptr, stride_y, c_ptr, stride_cr, stride_cc, w_ptr, stride_w, sw_ptr, row0, R, cols,
                           col_ok, BLOCK_R: tl.constexpr, EPI: tl.constexpr, HAS_ADDEND: tl.constexpr,
                           HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr,
                           DGE_CLAMP: tl.constexpr):
     """Second phase of a wgrad epilogue on an fp32 output tile already stored at rows
-    ``row0 ..`` (R rows in all) and columns ``cols``: re-read it in chunks of EPI rows, add
-    the addend C, multiply by the DGE factor f'(W s_w), store. Chunked because the DGE math
-    on a whole tile holds several tile-sized temporaries and spills (compile_check)."""
+    ``row0 ..`` (R rows in all) and columns ``cols``: re-read it in chunks of EPI rows and finish
+    each (``finish_tile``). Chunked because the DGE math on a whole tile holds several tile-sized
+    temporaries and spills (compile_check)."""
     tl.debug_barrier()  # the block's own stores are visible to all its threads
     for r0 in tl.static_range(0, BLOCK_R, EPI):
         rows = row0 + r0 + tl.arange(0, EPI)
-        r_ok = rows < R
-        mask = r_ok[:, None] & col_ok[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        ptrs = y_ptr + r64 * stride_y + cols[None, :]
-        v = tl.load(ptrs, mask=mask, other=0.0)
-        if HAS_ADDEND:
-            v += tl.load(c_ptr + r64 * stride_cr + cols.to(tl.int64)[None, :] * stride_cc, mask=mask,
-                         other=0.0).to(tl.float32)
-        if HAS_DGE:
-            sw = tl.load(sw_ptr + rows, mask=r_ok, other=1.0)
-            w = tl.load(w_ptr + r64 * stride_w + cols[None, :], mask=mask, other=0.0)
-            v = v * dge_factor(w.to(tl.float32) * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
-        tl.store(ptrs, v, mask=mask)
+        finish_tile(y_ptr, stride_y, c_ptr, stride_cr, stride_cc, w_ptr, stride_w, sw_ptr, rows, cols, rows < R,
+                    col_ok, HAS_ADDEND, HAS_DGE, DGE_INV_K, DGE_POW, DGE_CLAMP)
 
 
 # --------------------------------------------------------------------------- input checks

@@ -48,7 +48,7 @@ import triton.language as tl
 from fp4lightning.numerics import cpu_fused
 from fp4lightning.numerics.formats import decode_packed_fp4
 
-from ._common import (F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, check_same_device, dge_factor, e2m1_bits,
+from ._common import (F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, check_same_device, e2m1_bits, finish_tile,
                       minifloat_bits, round_up, sign_bit)
 from .fp8_gemm import triton_expand_fp4, triton_transpose_fp8
 
@@ -283,19 +283,8 @@ def _wgrad_finish_kernel(y_ptr, c_ptr, w_ptr, sw_ptr, N, K, stride_y, stride_cn,
                          BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    mask = n_ok[:, None] & (offs_k < K)[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    ptrs = y_ptr + rows * stride_y + offs_k[None, :]
-    v = tl.load(ptrs, mask=mask, other=0.0)
-    if HAS_ADDEND:
-        v += tl.load(c_ptr + rows * stride_cn + offs_k.to(tl.int64)[None, :] * stride_ck, mask=mask,
-                     other=0.0).to(tl.float32)
-    if HAS_DGE:
-        sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=1.0)
-        w = tl.load(w_ptr + rows * stride_w + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = v * dge_factor(w * sw[:, None], DGE_INV_K, DGE_POW, DGE_CLAMP)
-    tl.store(ptrs, v, mask=mask)
+    finish_tile(y_ptr, stride_y, c_ptr, stride_cn, stride_ck, w_ptr, stride_w, sw_ptr, offs_n, offs_k, offs_n < N,
+                offs_k < K, HAS_ADDEND, HAS_DGE, DGE_INV_K, DGE_POW, DGE_CLAMP)
 
 
 #: tile of the epilogue kernel (elementwise, bandwidth-bound: 4K elements per program)
