@@ -49,7 +49,7 @@ from fp4lightning.numerics.hadamard import apply_rht, rht_matrix
 from fp4lightning.numerics.occ import occ_bounds, occ_clamp
 from fp4lightning.ops import gemm
 
-__all__ = ["BLOCK_FORMAT_NAMES", "SR_OPERANDS", "block_fp4_linear"]
+__all__ = ["BLOCK_FORMAT_NAMES", "SR_OPERANDS", "block_fp4_linear", "element_decode"]
 
 #: FP4Config.block_format -> block_formats name (block size and scale type)
 BLOCK_FORMAT_NAMES = {"block16_e4m3": "nvfp4", "block32_e8m0": "mxfp4"}
@@ -113,8 +113,9 @@ def _values_of(q) -> tuple[torch.Tensor, float | torch.Tensor, torch.Tensor]:
     return vals, g, q.block_scales_fp32()
 
 
-def _element_decode(q, shape, block_2d: bool, b: int) -> torch.Tensor:
-    """(N, K) fp32 decode scale of every element of a fake-quantized weight (for DGE)."""
+def element_decode(q, shape, block_2d: bool, b: int) -> torch.Tensor:
+    """(N, K) fp32 decode scale of every element of a fake-quantized weight ``q`` (``_quant``'s triple),
+    blocks of ``b`` (``b`` x ``b`` tiles with ``block_2d``): what DGE divides the weight by."""
     _, factor, dec = q
     el = dec.repeat_interleave(b, dim=1)
     if block_2d:
@@ -220,7 +221,7 @@ def _block_wgrad(ctx, x2d: torch.Tensor, weight: torch.Tensor, dyf: torch.Tensor
         if qw is None:  # re-derive fprop's (round-to-nearest) weight scales
             qw = _quant(weight.detach(), fmt, cfg.replace(stochastic_rounding=()), "fprop.w", cd)
             # (the decode scales are the same on both paths: only they are used here)
-        dec = _element_decode(qw, tuple(weight.shape), cfg.weight_block_2d, BLOCK_SIZES[fmt])
+        dec = element_decode(qw, tuple(weight.shape), cfg.weight_block_2d, BLOCK_SIZES[fmt])
         grad_w.mul_(dge_derivative(weight.detach().float() / dec, cfg.dge_k, cfg.dge_clamp))
     return grad_w
 
