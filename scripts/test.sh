@@ -16,4 +16,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$oracle" ]; then
   echo "$oracle" > "$stamp"
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec "$VENV/bin/python" -m pytest -q "$@"
+# one pytest-xdist worker per core, at most 8 (FP4_TEST_WORKERS overrides; 1 runs in this
+# process); a test file stays on one worker, so its module-scoped fixtures (a trained run, a
+# corpus) are built once
+workers=${FP4_TEST_WORKERS:-$(( $(nproc) < 8 ? $(nproc) : 8 ))}
+xdist=()
+[ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadfile)
+exec "$VENV/bin/python" -m pytest -q --durations=15 "${xdist[@]}" "$@"

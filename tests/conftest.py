@@ -28,6 +28,11 @@ if not _cuda:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# scripts/test.sh runs the suite on pytest-xdist workers, one per core: each worker gets one
+# intra-op thread, so two workers do not spin-wait on each other's cores.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(1)
+
 
 #: Test modules whose thresholds depend on the random draw: they carry the ``numeric`` marker,
 #: and ``--seed-sweep N`` (scripts/seed_sweep.sh; not part of CI) runs each of their tests under
