@@ -85,6 +85,14 @@ def test_reuse_and_run_set_see_the_method_keys(tmp_path, capsys):
     assert "old-1.json predates optimizer.states, trainer.grad_comm" in capsys.readouterr().out
     with pytest.raises(UsageError, match=r"optimizer\.states: 'fp16' in .*, 'fp32' here"):
         join_summaries([summary("states.json", {**new, "optimizer.states": "fp16"}), summary("old-2.json", old)])
+    # trainer.compile came later still: a run set without it compiled nothing (false)
+    before_compile = {k: v for k, v in new.items() if k != "trainer.compile"}
+    assert new["trainer.compile"] is False
+    joined, _ = join_summaries([summary("old-3.json", before_compile), summary("new-2.json", new)])
+    assert joined["run_set"]["trainer.compile"] is False
+    assert "old-3.json predates trainer.compile; its runs trained with trainer.compile=False" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=r"trainer\.compile: True in .*, False here"):
+        join_summaries([summary("compiled.json", {**new, "trainer.compile": True}), summary("old-4.json", before_compile)])
 
 
 @pytest.mark.slow

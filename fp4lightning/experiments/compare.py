@@ -653,15 +653,17 @@ def _same_recipe(a: str, b: str) -> bool:
 
 
 def _with_legacy_method_keys(run_set: dict, path: Path) -> dict:
-    """A ``run_set`` written before ``optimizer.states`` / ``trainer.grad_comm`` were recipe keys, with the values
-    its runs trained with where they are known: fp32 states (torch's AdamW), and on one device no gradient
-    exchange (the same as fp32). Over several devices an FP4 variant exchanged FP8 E4M3 and a BF16 one fp32,
-    which one run set cannot record: left unset, so joining it with a newer summary is refused."""
-    missing = [k for k in ("optimizer.states", "trainer.grad_comm") if k not in run_set]
+    """A ``run_set`` written before some recipe keys existed, with the values its runs trained with where
+    they are known: ``optimizer.states`` fp32 (torch's AdamW); ``trainer.compile`` false (nothing was
+    compiled); on one device ``trainer.grad_comm`` fp32 (no gradient exchange). Over several devices an FP4
+    variant exchanged FP8 E4M3 and a BF16 one fp32, which one run set cannot record: left unset, so joining
+    it with a newer summary is refused."""
+    missing = [k for k in ("optimizer.states", "trainer.grad_comm", "trainer.compile") if k not in run_set]
     if not missing:
         return run_set
     world = run_set.get("trainer.devices", 1) * run_set.get("trainer.num_nodes", 1)
-    known = {"optimizer.states": "fp32", **({"trainer.grad_comm": "fp32"} if world == 1 else {})}
+    known = {"optimizer.states": "fp32", "trainer.compile": False,
+             **({"trainer.grad_comm": "fp32"} if world == 1 else {})}
     filled = {k: known[k] for k in missing if k in known}
     if filled:
         print(f"[compare-join] note: {path} predates {', '.join(missing)}; its runs trained with "
