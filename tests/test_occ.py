@@ -148,23 +148,32 @@ def test_fold_e4m3_keeps_the_fp4_grid_and_rounds_only_outliers():
 def test_folded_quantizer_fused_pass_is_its_three_steps(compile_mode, monkeypatch):
     # gemm.quantize_fp4_folded (one fused pass, cpu_fused.fp4_rows_folded) against the three
     # steps it replaces (clamped FP4 quantization with the residual folded in, occ.fold_e4m3, NaN
-    # scales for non-finite rows): the same bits, odd K, three dtypes, float/pow2/per-tensor
+    # scales for non-finite rows): the same bits, odd K, three dtypes, float/pow2/per-tensor.
+    # Eagerly every combination; compiled (each combination is a graph of its own, a dozen seconds
+    # to compile) the odd shape and each dtype and each scale mode once
     from fp4lightning.ops import gemm
 
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "reference")
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", compile_mode)
-    for seed, (m, k) in enumerate(((64, 96), (33, 75))):
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    modes = (("float", False), ("pow2", False), ("float", True))
+    if compile_mode == "auto":
+        cases = [((33, 75), dtype, mode) for dtype, mode in zip(dtypes, modes)]
+    else:
+        cases = [(shape, dtype, mode) for shape in ((64, 96), (33, 75)) for dtype in dtypes for mode in modes]
+    for (m, k), dtype, (scale_mode, per_tensor) in cases:
         x = heavy_tailed(m, k, outlier_scale=300.0)
         x[3, 4], x[5, 0], x[6, 1] = float("inf"), float("nan"), -float("inf")
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            xd = x.to(dtype)
-            b = occ_bounds(xd, 0.99, "exact")
-            for scale_mode, per_tensor in (("float", False), ("pow2", False), ("float", True)):
-                e, s = gemm.quantize_fp4_folded(xd, b, scale_mode, per_tensor)
-                e_ref, s_ref = gemm.quantize_fp4_folded_steps(xd, b, scale_mode, per_tensor)
-                assert e.dtype == torch.float8_e4m3fn and torch.equal(e.view(torch.uint8), e_ref.view(torch.uint8))
-                assert torch.equal(s.isnan(), s_ref.isnan()) and torch.isnan(s[[3, 5, 6]]).all()
-                assert torch.equal(s.nan_to_num(0.0).view(torch.int32), s_ref.nan_to_num(0.0).view(torch.int32))
+        xd = x.to(dtype)
+        b = occ_bounds(xd, 0.99, "exact")
+        e, s = gemm.quantize_fp4_folded(xd, b, scale_mode, per_tensor)
+        e_ref, s_ref = gemm.quantize_fp4_folded_steps(xd, b, scale_mode, per_tensor)
+        assert e.dtype == torch.float8_e4m3fn and torch.equal(e.view(torch.uint8), e_ref.view(torch.uint8))
+        assert torch.equal(s.isnan(), s_ref.isnan()) and torch.isnan(s[[3, 5, 6]]).all()
+        assert torch.equal(s.nan_to_num(0.0).view(torch.int32), s_ref.nan_to_num(0.0).view(torch.int32))
+    from fp4lightning.numerics import cpu_fused
+
+    assert not cpu_fused._FAILED, cpu_fused._FAILED  # compiled where asked (CI has a C++ compiler)
 
 
 def test_e4m3_folded_compensation_between_clamp_only_and_exact():
