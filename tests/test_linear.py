@@ -238,6 +238,30 @@ def test_compiled_cpu_path_is_bitwise_equal_to_eager(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_dispatch_mode_runs_the_cpu_path_eagerly_and_keeps_it_compiled_after(monkeypatch):
+    """Under a TorchDispatchMode (Lightning's ``measure_flops`` counts FLOPs with one) Dynamo compiles
+    nothing: the fused passes run eagerly there, with the same bits, and the rest of the run stays
+    compiled (the first such call once switched the whole CPU path to eager for good)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fp4lightning.numerics import cpu_fused
+
+    monkeypatch.setattr(cpu_fused, "_FAILED", [])
+    cfg = FP4Config(occ_quantile="exact")
+    x, dy = heavy_tailed(32, 64), torch.randn(32, 16)
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "0")
+    torch.manual_seed(1)
+    eager = _layer_grads(cfg, x, dy, autocast=False)
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
+    torch.manual_seed(1)
+    with FlopCounterMode(display=False) as counter:
+        counted = _layer_grads(cfg, x, dy, autocast=False)
+    assert counter.get_total_flops() > 0
+    assert not cpu_fused._FAILED, cpu_fused._FAILED
+    for a, b in zip(eager, counted):
+        assert torch.equal(a, b)
+
+
 # dW from the bf16 wgrad GeMM against the fp32 GeMM on the same exact operands: only the GeMM
 # output's rounding to bf16 differs, as for nn.Linear under bf16 autocast against fp32.
 # Elementwise |diff| <= 2^-8 |dW_fp32| (bf16 half-ulp) plus fp32 accumulation-order noise.

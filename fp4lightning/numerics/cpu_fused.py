@@ -63,7 +63,7 @@ def fused_pass(fn):
     @functools.wraps(fn)
     def wrapper(x, *args, **kwargs):
         nonlocal compiled, too_many_variants
-        if not compile_enabled(x.device) or too_many_variants:
+        if not compile_enabled(x.device) or too_many_variants or _dispatch_mode_active():
             return fn(x, *args, **kwargs)
         if compiled is None:
             # emulate_precision_casts: keep every cast eager makes (a .to(bf16).float() round
@@ -78,6 +78,15 @@ def fused_pass(fn):
 
     wrapper.eager = fn
     return wrapper
+
+
+def _dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is on (a FLOP counter such as Lightning's ``measure_flops``, a
+    tracer): Dynamo compiles no frame under one, so the call runs eagerly (the same bits) and the
+    function compiles again outside it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 def _compile_failed(fn, e: Exception) -> bool:
