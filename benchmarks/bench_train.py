@@ -397,7 +397,7 @@ def main(argv=None) -> int:
           + (" (each synchronising the device)" if dev.type == "cuda" else "") + "; attention = RoPE + SDPA")
     print()
     print("| precision | micro-batch | step ms | tokens/s | MFU % | peak mem GB | linears ms | attention ms | "
-          "other fwd+bwd ms | optimizer ms | saved activations MB | attention kernel |")
+          "other fwd+bwd ms | optimizer ms | saved activations MiB | attention kernel |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         notes = [r["preset"]] if name == "fp4" and "preset" in r else []

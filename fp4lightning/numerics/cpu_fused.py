@@ -21,6 +21,7 @@ import os
 import warnings
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fp4lightning.numerics.constants import E2M1_MAX, E4M3_FOLD_MAX_SHIFT, F8E4M3_MAX
 from fp4lightning.numerics.dge import dge_derivative
@@ -84,8 +85,6 @@ def _dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` is on (a FLOP counter such as Lightning's ``measure_flops``, a
     tracer): Dynamo compiles no frame under one, so the call runs eagerly (the same bits) and the
     function compiles again outside it."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return _get_current_dispatch_mode() is not None
 
 
