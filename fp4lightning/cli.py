@@ -258,6 +258,13 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
                              "thread counts, is reused; a cut-off one, or one whose only difference is a larger "
                              "schedule.max_steps, is resumed from its last.ckpt (to the new length); any other "
                              "difference starts it over. One line per run says which and why")
+    _mixed_numerics_argument(parser)
+
+
+def _mixed_numerics_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-mixed-numerics", action="store_true",
+                        help="pair runs whose numerics fingerprints differ (another machine kind, another code's "
+                             "numerics) or that recorded none; the table says which pairs are mixed")
 
 
 def _compare_run(args: argparse.Namespace) -> int:
@@ -268,7 +275,7 @@ def _compare_run(args: argparse.Namespace) -> int:
     compare(recipe, overrides, variants, Path(args.out) if args.out else None,
             None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
             not args.no_occ_report, args.reuse, seeds=args.seeds, dge_probe=args.dge_probe,
-            reference=args.reference)
+            reference=args.reference, allow_mixed_numerics=args.allow_mixed_numerics)
     return 0
 
 
@@ -278,6 +285,7 @@ def _compare_join_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", default=None,
                         help="variant the paired gaps are relative to (default: the BF16 variant with the lowest "
                              "mean validation loss)")
+    _mixed_numerics_argument(parser)
 
 
 def _compare_join_run(args: argparse.Namespace) -> int:
@@ -285,7 +293,7 @@ def _compare_join_run(args: argparse.Namespace) -> int:
 
     from fp4lightning.experiments.compare import join_summaries
 
-    joined, table = join_summaries([Path(p) for p in args.summaries], args.reference)
+    joined, table = join_summaries([Path(p) for p in args.summaries], args.reference, args.allow_mixed_numerics)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(joined, indent=2))

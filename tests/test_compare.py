@@ -30,12 +30,15 @@ def test_variant_overrides_and_errors():
                                                    "fp4.overrides.dge_frozen_factor=true"]
     # the rest of the paper's method on top of `paper`: states, the gradient exchange, both
     paper = ["trainer.precision=fp4", "fp4.preset=paper"]
-    assert variant_overrides("fp4+states") == [*paper, "optimizer.states=fp8-fp16"]
+    # fp4+states / fp4+all: the LLaMA-2 recipes' FP16 moments; the -fp8 variants the released code's layout
+    assert variant_overrides("fp4+states") == [*paper, "optimizer.states=fp16"]
+    assert variant_overrides("fp4+states-fp8") == [*paper, "optimizer.states=fp8-fp16"]
     assert variant_overrides("fp4+comm") == [*paper, "trainer.grad_comm=fp8-e4m3"]
-    assert variant_overrides("fp4+all@lr=1e-3") == [*paper, "optimizer.states=fp8-fp16", "trainer.grad_comm=fp8-e4m3",
+    assert variant_overrides("fp4+all@lr=1e-3") == [*paper, "optimizer.states=fp16", "trainer.grad_comm=fp8-e4m3",
                                                     "optimizer.lr=0.001"]
+    assert variant_overrides("fp4+all-fp8") == [*paper, "optimizer.states=fp8-fp16", "trainer.grad_comm=fp8-e4m3"]
     assert parse_variant("fp4+all").preset == "fp4+all"  # summary.json tells it from `paper`
-    with pytest.raises(ValueError, match=r"unknown variant 'fp4\+foo'.*fp4\+states, fp4\+comm, fp4\+all"):
+    with pytest.raises(ValueError, match=r"unknown variant 'fp4\+foo'.*fp4\+states, fp4\+states-fp8, fp4\+comm"):
         variant_overrides("fp4+foo")
 
 
@@ -122,12 +125,17 @@ def test_compare_seeds_through_cli(tmp_path_factory, capsys):
     assert set(summary["variants"]) == {"bf16", "fp4@lr=3e-3"}
     for name, preset, lr in (("bf16", "bf16", 1e-2), ("fp4@lr=3e-3", "paper", 3e-3)):
         v = summary["variants"][name]
-        assert set(v) == {"preset", "lr", "seeds", "final_val_loss", "mean", "std"}
+        assert set(v) == {"preset", "lr", "seeds", "overrides", "numerics", "final_val_loss", "mean", "std"}
         assert (v["preset"], v["lr"], v["seeds"]) == (preset, lr, [7, 8])
+        # every run's numerics fingerprint, computed at its start: both seeds computed the same numbers
+        assert len(v["numerics"]) == 2 and v["numerics"][0] == v["numerics"][1]
+        assert set(v["numerics"][0]["parts"]) == ({"high"} if preset == "bf16" else {"high", "fp4"})
         assert len(v["final_val_loss"]) == 2 and v["final_val_loss"][0] != v["final_val_loss"][1]
         assert v["mean"] == pytest.approx(statistics.fmean(v["final_val_loss"]))
         assert v["std"] == pytest.approx(statistics.stdev(v["final_val_loss"]))
     full = json.loads((out / "comparison.json").read_text())
+    assert full["variants"]["fp4@lr=3e-3"]["numerics_vs_reference"] == "same"
+    assert "paired t-test" in md and "95% interval" in md
     gap = full["variants"]["fp4@lr=3e-3"]["val_gap"]["values"]
     bf16, fp4 = (summary["variants"][n]["final_val_loss"] for n in ("bf16", "fp4@lr=3e-3"))
     assert gap == pytest.approx([f / b - 1 for f, b in zip(fp4, bf16)])
@@ -295,8 +303,11 @@ def test_compare_join_refuses_what_does_not_belong_together(tmp_path):
                                                  "variants": variants}))
         return tmp_path / name
 
-    def v(preset, lr, seeds, vals):
-        return {"preset": preset, "lr": lr, "seeds": seeds, "final_val_loss": vals, "mean": 0.0, "std": None}
+    same = {"version": 1, "env": {"torch": "2.13.0+cpu"}, "parts": {"high": "h1"}}
+
+    def v(preset, lr, seeds, vals, numerics=same):
+        return {"preset": preset, "lr": lr, "seeds": seeds, "final_val_loss": vals, "mean": 0.0, "std": None,
+                "numerics": [numerics] * len(seeds)}
 
     a = write("a.json", {"bf16": v("bf16", 2e-3, [1], [4.0]), "fp4": v("paper", 2e-3, [1], [3.8])})
     b = write("b.json", {"bf16": v("bf16", 2e-3, [2, 1], [4.2, 4.0]), "fp4": v("paper", 2e-3, [2], [3.9])})
@@ -316,3 +327,18 @@ def test_compare_join_refuses_what_does_not_belong_together(tmp_path):
             join_summaries(paths)
     with pytest.raises(UsageError, match=r"--reference 'fp8'"):
         join_summaries([a], reference="fp8")
+    # runs of other numerics (another machine's bf16 GeMMs) or with no fingerprint pair only when allowed
+    other = {"version": 1, "env": {"torch": "2.13.0+cpu"}, "parts": {"high": "h2"}}
+    g = write("g.json", {"bf16": v("bf16", 2e-3, [1], [4.0], other), "fp4": v("paper", 2e-3, [1], [3.8])})
+    h = write("h.json", {"bf16": v("bf16", 2e-3, [1], [4.0], None), "fp4": v("paper", 2e-3, [1], [3.8])})
+    for path, why in ((g, "the high path's numbers"), (h, "no numerics fingerprint recorded")):
+        with pytest.raises(UsageError, match=rf"fp4 and bf16 seed 1 did not compute the same numbers \({why}"):
+            join_summaries([path])
+        _, table = join_summaries([path], allow_mixed_numerics=True)
+        assert f"mixed (1 of 1 seeds: {why}" in table
+    # a summary from before the -fp8 method variants meant fp8-fp16 states under the plain name
+    old_all = {"preset": "fp4+all", "lr": 2e-3, "seeds": [1], "final_val_loss": [3.8], "mean": 3.8, "std": None}
+    new_all = {**old_all, "overrides": ["trainer.precision=fp4", "fp4.preset=paper", "optimizer.states=fp16",
+                                        "trainer.grad_comm=fp8-e4m3"], "seeds": [2], "final_val_loss": [3.9]}
+    with pytest.raises(UsageError, match=r"'fp4\+all' trained with .*optimizer.states=fp16.* but with .*fp8-fp16"):
+        join_summaries([write("i.json", {"fp4+all": old_all}), write("j.json", {"fp4+all": new_all})])

@@ -49,8 +49,10 @@ import yaml
 
 from fp4lightning.config import PRESETS
 from fp4lightning.errors import UsageError
+from fp4lightning.experiments.stats import paired_t, verdict
 from fp4lightning.eval.run import evaluate_checkpoint, headline_metrics, metric_kind
 from fp4lightning.lightning.precision_names import HIGH_PRECISION_VARIANTS
+from fp4lightning.train.fingerprint import disagreement, read_fingerprint
 from fp4lightning.train.recipe import flat_recipe_dict, load_recipe, recipe_to_dict
 
 __all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread", "paired_gap", "paired_diff",
@@ -65,9 +67,19 @@ EXPERIMENT_VARIANTS: dict[str, tuple[str, dict]] = {
 }
 #: the ``paper`` preset plus the method's other two parts (arXiv 2501.17116 section 4): reduced-precision
 #: optimizer states and FP8 E4M3 gradient communication (on one device its rounding, fp4lightning.distributed.grad_comm_sim).
-#: The states are the released code's E4M3 first moment + FP16 second (``fp8-fp16``), the coarser of the two
-#: reduced layouts, so its measured cost bounds that of the LLaMA-2 recipes' ``fp16`` (the paper's text)
+#: ``fp4+states`` / ``fp4+all`` use the LLaMA-2 recipes' states, both moments in FP16 (the paper's text);
+#: the ``-fp8`` variants the released code's E4M3 first moment + FP16 second (``fp8-fp16``, MS-AMP O2).
+#: Summaries written before the ``-fp8`` names existed used ``fp8-fp16`` under the plain names
+#: (:data:`LEGACY_METHOD_OVERRIDES`); ``compare-join`` tells them apart by the overrides each summary records.
 METHOD_VARIANTS: dict[str, dict[str, str]] = {
+    "fp4+states": {"optimizer.states": "fp16"},
+    "fp4+states-fp8": {"optimizer.states": "fp8-fp16"},
+    "fp4+comm": {"trainer.grad_comm": "fp8-e4m3"},
+    "fp4+all": {"optimizer.states": "fp16", "trainer.grad_comm": "fp8-e4m3"},
+    "fp4+all-fp8": {"optimizer.states": "fp8-fp16", "trainer.grad_comm": "fp8-e4m3"},
+}
+#: what the method variants meant in a summary.json that records no overrides per variant
+LEGACY_METHOD_OVERRIDES: dict[str, dict[str, str]] = {
     "fp4+states": {"optimizer.states": "fp8-fp16"},
     "fp4+comm": {"trainer.grad_comm": "fp8-e4m3"},
     "fp4+all": {"optimizer.states": "fp8-fp16", "trainer.grad_comm": "fp8-e4m3"},
@@ -148,7 +160,9 @@ def paired_gap(values: list[float], reference: list[float]) -> dict:
     """Relative gap ``v / ref - 1`` per seed (same seed, same start and data), with its spread."""
     if len(values) != len(reference):
         raise ValueError(f"paired_gap: {len(values)} values against {len(reference)} reference values")
-    return spread([v / r - 1 for v, r in zip(values, reference)])
+    gaps = [v / r - 1 for v, r in zip(values, reference)]
+    test = paired_t(gaps)
+    return {**spread(gaps), **{k: test[k] for k in ("t", "df", "p", "ci95")}}
 
 
 def paired_diff(values: list[float], reference: list[float]) -> dict:
@@ -166,10 +180,19 @@ def _pm(s: dict, fmt: str = ".4f", scale: float = 1.0) -> str:
 
 
 def _resolved(g: dict) -> str:
-    """Whether a paired gap is resolved: its |mean| is over 2 standard errors (std / sqrt(seeds))."""
-    if g["std"] is None:
+    """Whether a paired gap is resolved (paired t-test, p < 0.05), with its p-value; where it is not, the
+    difference its 95% interval rules out (:func:`fp4lightning.experiments.stats.verdict`)."""
+    if g.get("std") is None:
         return "n/a (1 seed)"
-    return "yes" if abs(g["mean"]) > 2 * g["std"] / math.sqrt(g["n"]) else "no"
+    if g.get("p") is None:  # a gap recorded before the t-test was: test its per-seed values
+        g = {**g, **paired_t(g["values"])}
+    return verdict(g)
+
+
+def _interval(g: dict) -> str:
+    """The 95% confidence interval of a paired relative gap, in percent (``-`` for one seed)."""
+    ci = g.get("ci95") or (paired_t(g["values"])["ci95"] if len(g.get("values", ())) > 1 else None)
+    return "-" if ci is None else f"[{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]%"
 
 
 #: resolved-recipe keys that say where a run writes, what it is called or how many threads and loader
@@ -313,17 +336,19 @@ def plot_curves(metrics: dict[str, list[dict]], png: Path, title: str) -> Path:
 def loss_table(rows: list[dict], reference: str) -> str:
     """Markdown: final losses as mean ± std over seeds, the paired gap to ``reference``."""
     lines = [f"| variant | lr | seeds | final train loss | final val loss | val - {reference} | val vs {reference} "
-             "| resolved (>2 SE) | val ppl | wall time |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| 95% interval | paired t-test | val ppl | wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r.get("val_gap")
         if g is None:
-            diff = gap = resolved = "-"
+            diff = gap = ci = resolved = "-"
         else:
-            diff, gap, resolved = _pm(r["val_diff"], "+.4f"), _pm(g, "+.2f", 100) + "%", _resolved(g)
+            diff, gap, ci, resolved = _pm(r["val_diff"], "+.4f"), _pm(g, "+.2f", 100) + "%", _interval(g), _resolved(g)
+            if r.get("numerics_vs_reference", "same") != "same":
+                resolved += f"; numerics {r['numerics_vs_reference']}"
         lines.append(f"| {r['variant']} | {r['lr']:g} | {r['val_loss']['n']} | {_pm(r['train_loss'])} | "
-                     f"{_pm(r['val_loss'])} | {diff} | {gap} | {resolved} | {math.exp(r['val_loss']['mean']):.2f} | "
-                     f"{r['wall_s']['mean'] / 60:.1f} min |")
+                     f"{_pm(r['val_loss'])} | {diff} | {gap} | {ci} | {resolved} | "
+                     f"{math.exp(r['val_loss']['mean']):.2f} | {r['wall_s']['mean'] / 60:.1f} min |")
     return "\n".join(lines)
 
 
@@ -432,8 +457,11 @@ def _plot_probe(summary: dict, png: Path) -> Path:
 
 def compare(recipe: str | None, overrides: list[str], variants: list[str], out_dir: Path | None = None,
             eval_tasks: str | None = "offline", eval_limit: int | None = None, occ_report: bool = True,
-            reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None) -> dict:
-    """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary."""
+            reuse: bool = False, seeds: int = 1, dge_probe: int = 0, reference: str | None = None,
+            allow_mixed_numerics: bool = False) -> dict:
+    """Train ``recipe`` under each variant and seed and write the comparison; returns its JSON summary.
+    Gaps pair runs whose numerics fingerprints agree (:func:`check_pairs`; ``allow_mixed_numerics``
+    pairs the others too, and the table says so)."""
     parsed = _check_variants(variants, seeds, reference)  # before hours of training
     base = load_recipe(recipe, overrides)
     from fp4lightning.experiments.dge_probe import read_probe  # torch, Lightning: once the recipe is known valid
@@ -455,7 +483,7 @@ def compare(recipe: str | None, overrides: list[str], variants: list[str], out_d
             metrics[v.name].append(_run_variant(v, seed, cfg, run_dir, reuse, dge_probe))
             if dge_probe:
                 probes[v.name].append(read_probe(run_dir / "dge_probe.jsonl"))
-    rows = _aggregate(summary, parsed, metrics, lrs, seed_list, reference)
+    rows = _aggregate(summary, parsed, metrics, lrs, seed_list, reference, allow_mixed_numerics)
     md, png = _loss_section(f"# Comparison: {recipe or 'tiny'} {' '.join(overrides)}", base, parsed, seed_list,
                             summary["reference"], rows, metrics, out_dir)
     if dge_probe:
@@ -497,7 +525,7 @@ def _run_variant(v: Variant, seed: int, cfg, run_dir: Path, reuse: bool, dge_pro
         raise RuntimeError(f"variant {v.name} seed {seed}: no validation loss was logged in {run_dir}/logs; "
                            "set trainer.val_every_n_steps so validation runs at least once")
     return {"seed": seed, "checkpoint": str(last), "train_loss": _final_train_loss(m["train"]),
-            "val_loss": m["val"][max(m["val"])], "wall_s": wall, **m}
+            "val_loss": m["val"][max(m["val"])], "wall_s": wall, "numerics": read_fingerprint(run_dir), **m}
 
 
 def _train_run(v: Variant, seed: int, cfg, run_dir: Path, resume: bool, why: str, dge_probe: int) -> float:
@@ -520,6 +548,23 @@ def _train_run(v: Variant, seed: int, cfg, run_dir: Path, resume: bool, why: str
     return wall
 
 
+def check_pairs(name: str, reference: str, mine: dict[int, dict | None], theirs: dict[int, dict | None],
+                allow_mixed: bool) -> str:
+    """Whether the runs of ``name`` and ``reference`` of each seed both have computed the same numbers
+    (:func:`~fp4lightning.train.fingerprint.disagreement` of their fingerprints): ``"same"``; else a
+    :class:`UsageError` naming the first difference, or with ``allow_mixed`` the words the table shows."""
+    why = {seed: disagreement(mine[seed], theirs[seed]) for seed in mine if seed in theirs}
+    bad = {seed: w for seed, w in why.items() if w}
+    if not bad:
+        return "same"
+    seed, first = next(iter(bad.items()))
+    if not allow_mixed:
+        raise UsageError(f"{name} and {reference} seed {seed} did not compute the same numbers ({first}); pair "
+                         "runs of one machine kind and one code's numerics, or pass --allow-mixed-numerics to "
+                         "pair them anyway (the table then says so)")
+    return f"mixed ({len(bad)} of {len(why)} seeds: {first})"
+
+
 def _default_reference(means: dict[str, float], bf16: list[str]) -> str:
     """The BF16 variant with the lowest mean validation loss (the tuned baseline of a learning-rate
     sweep), else the first variant."""
@@ -527,14 +572,15 @@ def _default_reference(means: dict[str, float], bf16: list[str]) -> str:
 
 
 def _aggregate(summary: dict, parsed: list[Variant], metrics: dict[str, list[dict]], lrs: dict[str, float],
-               seed_list: list[int], reference: str | None) -> list[dict]:
+               seed_list: list[int], reference: str | None, allow_mixed: bool = False) -> list[dict]:
     """Fill ``summary``'s variants (spreads over seeds; gaps to the reference paired by seed) and its
     ``reference``; returns the rows of the loss table."""
     for v in parsed:
         runs = metrics[v.name]
         summary["variants"][v.name] = {
             "preset": v.preset, "lr": lrs[v.name], "seeds": seed_list,
-            "runs": [{k: r[k] for k in ("seed", "checkpoint", "train_loss", "val_loss", "wall_s")} for r in runs],
+            "runs": [{k: r[k] for k in ("seed", "checkpoint", "train_loss", "val_loss", "wall_s", "numerics")}
+                     for r in runs],
             **{k: spread([r[k] for r in runs]) for k in ("train_loss", "val_loss", "wall_s")},
         }
     if reference is None:
@@ -546,6 +592,9 @@ def _aggregate(summary: dict, parsed: list[Variant], metrics: dict[str, list[dic
     for v in parsed:
         s = summary["variants"][v.name]
         if v.name != reference:
+            s["numerics_vs_reference"] = check_pairs(
+                v.name, reference, {r["seed"]: r["numerics"] for r in s["runs"]},
+                {r["seed"]: r["numerics"] for r in ref["runs"]}, allow_mixed)
             for key in ("train", "val"):
                 s[f"{key}_gap"] = paired_gap(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
                 s[f"{key}_diff"] = paired_diff(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
@@ -564,7 +613,8 @@ def _loss_section(title: str, base, parsed: list[Variant], seed_list: list[int],
           f"{base.schedule.max_steps} steps, {seeds_note}. Within a seed every variant starts from the same "
           f"weights and sees the same batches in the same order. Final train loss = mean over the last 10% of "
           f"logged steps. Gaps are relative to {reference}, computed per seed (paired) and then averaged; "
-          "'resolved' means |mean gap| > 2 standard errors (std / sqrt(seeds)).", "",
+          "a gap is resolved at p < 0.05 (paired t-test over seeds); where it is not, its 95% interval says "
+          "how large a difference the runs rule out.", "",
           loss_table(rows, reference), "", "Final validation / train loss per seed:", "", per_seed_table(rows, seed_list), "",
           "Validation loss against step (mean over seeds):", "",
           val_curve_table({v: [{"val": r["val"]} for r in runs] for v, runs in metrics.items()}), "",
@@ -626,6 +676,8 @@ def _summary_core(recipe: str | None, base, parsed: list[Variant], lrs: dict[str
             # what every run of the set shares: compare-join refuses a file whose record differs
             "run_set": _run_set(base),
             "variants": {v.name: {"preset": v.preset, "lr": lrs[v.name], "seeds": seed_list,
+                                  "overrides": v.overrides(),
+                                  "numerics": [r["numerics"] for r in summary["variants"][v.name]["runs"]],
                                   "final_val_loss": summary["variants"][v.name]["val_loss"]["values"],
                                   "mean": summary["variants"][v.name]["val_loss"]["mean"],
                                   "std": summary["variants"][v.name]["val_loss"]["std"]} for v in parsed}}
@@ -671,7 +723,8 @@ def _with_legacy_method_keys(run_set: dict, path: Path) -> dict:
     return {**run_set, **filled}
 
 
-def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dict, str]:
+def join_summaries(paths: list[Path], reference: str | None = None,
+                   allow_mixed_numerics: bool = False) -> tuple[dict, str]:
     """Join ``summary.json`` files of one run set (seeds run on other machines or at other times, whose run
     folders are gone) into one summary of the same schema, and a Markdown table: every variant's final
     validation loss over all its seeds, and its gap to ``reference`` paired over the seeds both share.
@@ -683,23 +736,31 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
     same file or content as seen from here), with a printed note. A variant must agree on its preset and
     learning rate; a seed that two files both report must have the same value (else they are different
     runs: refused). ``reference`` defaults, as in :func:`compare`, to the BF16 variant with the lowest mean.
+    A variant must also agree on the recipe overrides it records (a file that records none is read with
+    :data:`LEGACY_METHOD_OVERRIDES`). Gaps pair two runs only where their numerics fingerprints agree
+    (:func:`check_pairs`): a run recorded without one cannot be shown to, and is paired only with
+    ``allow_mixed_numerics``, which the table then says.
     """
     if not paths:
         raise UsageError("give at least one summary.json")
     joined: dict = {}
     seeds_of: dict[str, dict[int, float]] = {}
+    numerics_of: dict[str, dict[int, dict | None]] = {}
     first_set: tuple[dict, Path] | None = None  # the first file's run_set, and that file
     for path in map(Path, paths):
         head, variants, run_set = _read_summary(path)
         joined = joined or {**head, "variants": {}}
         first_set = _check_run_set(path, joined, head, run_set, first_set)
         _add_seeds(path, joined, seeds_of, variants)
+        for name, v in variants.items():
+            numerics_of.setdefault(name, {}).update(zip(v["seeds"], v["numerics"]))
     if first_set is not None:
         joined["run_set"] = first_set[0]
     for name, got in seeds_of.items():
         seeds = sorted(got)
         s = spread([got[k] for k in seeds])
-        joined["variants"][name].update(seeds=seeds, final_val_loss=s["values"], mean=s["mean"], std=s["std"])
+        joined["variants"][name].update(seeds=seeds, final_val_loss=s["values"], mean=s["mean"], std=s["std"],
+                                        numerics=[numerics_of[name].get(k) for k in seeds])
     names = list(joined["variants"])
     if reference is None:
         reference = _default_reference({n: joined["variants"][n]["mean"] for n in names},
@@ -707,7 +768,7 @@ def join_summaries(paths: list[Path], reference: str | None = None) -> tuple[dic
     elif reference not in names:
         raise UsageError(f"--reference {reference!r} is not one of the variants {names}")
     joined["reference"] = reference
-    return joined, _joined_table(joined, seeds_of, reference)
+    return joined, _joined_table(joined, seeds_of, numerics_of, reference, allow_mixed_numerics)
 
 
 def _read_summary(path: Path) -> tuple[dict, dict, dict | None]:
@@ -721,6 +782,10 @@ def _read_summary(path: Path) -> tuple[dict, dict, dict | None]:
         head = {k: doc[k] for k in ("recipe", "steps", "tokens")}
         variants = {name: {k: v[k] for k in ("preset", "lr", "seeds", "final_val_loss")}
                     for name, v in doc["variants"].items()}
+        for name, v in variants.items():
+            rec = doc["variants"][name]
+            v["overrides"] = list(rec["overrides"]) if "overrides" in rec else _legacy_overrides(name)
+            v["numerics"] = list(rec.get("numerics") or [None] * len(v["seeds"]))
         run_set = doc.get("run_set")
         if run_set is not None and not isinstance(run_set, dict):
             raise TypeError(f"run_set is a {type(run_set).__name__}, not a mapping")
@@ -757,10 +822,14 @@ def _add_seeds(path: Path, joined: dict, seeds_of: dict[str, dict[int, float]], 
     """Add one file's variants and per-seed final validation losses; refuse a variant at another preset
     or lr, or a seed reported twice with different values."""
     for name, v in variants.items():
-        mine = joined["variants"].setdefault(name, {"preset": v["preset"], "lr": v["lr"]})
+        mine = joined["variants"].setdefault(name, {"preset": v["preset"], "lr": v["lr"], "overrides": v["overrides"]})
         if (mine["preset"], mine["lr"]) != (v["preset"], v["lr"]):
             raise UsageError(f"variant {name!r} is preset {v['preset']} at lr {v['lr']} in {path} "
                              f"but preset {mine['preset']} at lr {mine['lr']} before")
+        if sorted(mine["overrides"]) != sorted(v["overrides"]):
+            raise UsageError(f"variant {name!r} trained with {' '.join(v['overrides'])} in {path} but with "
+                             f"{' '.join(mine['overrides'])} before (a summary that records no overrides "
+                             "predates the current meaning of the method variants): join one meaning only")
         got = seeds_of.setdefault(name, {})
         for seed, val in zip(v["seeds"], v["final_val_loss"]):
             if seed in got and got[seed] != val:
@@ -769,22 +838,39 @@ def _add_seeds(path: Path, joined: dict, seeds_of: dict[str, dict[int, float]], 
             got[seed] = val
 
 
-def _joined_table(joined: dict, seeds_of: dict[str, dict[int, float]], reference: str) -> str:
+def _legacy_overrides(name: str) -> list[str]:
+    """The overrides a variant trained with in a summary.json that records none."""
+    if name in LEGACY_METHOD_OVERRIDES:
+        return ["trainer.precision=fp4", "fp4.preset=paper",
+                *(f"{k}={v}" for k, v in LEGACY_METHOD_OVERRIDES[name].items())]
+    try:
+        return parse_variant(name).overrides()
+    except UsageError:  # a variant name of an older version: its preset and lr are still checked
+        return []
+
+
+def _joined_table(joined: dict, seeds_of: dict[str, dict[int, float]], numerics_of: dict[str, dict],
+                  reference: str, allow_mixed: bool) -> str:
     """Markdown: every variant's final validation loss over its seeds, the gap to ``reference`` paired over
-    the seeds both have (recorded in ``joined`` as ``val_gap_vs_reference``)."""
+    the seeds both have, its 95% interval and paired t-test (recorded in ``joined`` as
+    ``val_gap_vs_reference``); pairs must have the same numerics (:func:`check_pairs`)."""
     ref = seeds_of[reference]
     lines = [f"| variant | lr | seeds | final val loss | val vs {reference} (paired) | per seed vs {reference} "
-             "| resolved (>2 SE) |", "|---|---|---|---|---|---|---|"]
+             "| 95% interval | paired t-test | numerics |", "|---|---|---|---|---|---|---|---|---|"]
     for name, v in joined["variants"].items():
         got = seeds_of[name]
         shared = [k for k in v["seeds"] if k in ref]
-        gap_cell = per_seed = resolved = "-"
+        gap_cell = per_seed = ci = resolved = numerics = "-"
         if name != reference and shared:
+            numerics = check_pairs(name, reference, {k: numerics_of[name].get(k) for k in shared},
+                                   {k: numerics_of[reference].get(k) for k in shared}, allow_mixed)
             g = paired_gap([got[k] for k in shared], [ref[k] for k in shared])
             gap_cell = _pm(g, "+.2f", 100) + f"% ({len(shared)} seed{'s' if len(shared) > 1 else ''})"
             per_seed = ", ".join(f"{100 * x:+.2f}%" for x in g["values"])
-            resolved = _resolved(g)
-            v["val_gap_vs_reference"] = {"seeds": shared, "mean": g["mean"], "std": g["std"], "values": g["values"]}
+            ci, resolved = _interval(g), _resolved(g)
+            v["val_gap_vs_reference"] = {"seeds": shared, **{k: g[k] for k in ("mean", "std", "values", "t", "p",
+                                                                                 "ci95")}, "numerics": numerics}
         lines.append(f"| {name} | {v['lr']:g} | {', '.join(map(str, v['seeds']))} | "
-                     f"{_pm({'mean': v['mean'], 'std': v['std']})} | {gap_cell} | {per_seed} | {resolved} |")
+                     f"{_pm({'mean': v['mean'], 'std': v['std']})} | {gap_cell} | {per_seed} | {ci} | {resolved} "
+                     f"| {numerics} |")
     return "\n".join(lines)

@@ -44,6 +44,7 @@ from fp4lightning.lightning.strategy import FP4DDPStrategy, FP4FSDPStrategy, is_
 from fp4lightning.lightning.trainer import Trainer
 from fp4lightning.train.callbacks import run_callbacks
 from fp4lightning.train.checkpoint import AtomicCheckpointIO
+from fp4lightning.train.fingerprint import record_fingerprint
 from fp4lightning.train.loss_log import make_loggers, plot_losses
 from fp4lightning.train.module import LlamaLightningModule
 from fp4lightning.train.recipe import WIRE_FORMAT, RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
@@ -305,6 +306,8 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
     try:
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
+        if trainer.is_global_zero:  # at the run's thread count, before its first step
+            record_fingerprint(cfg, trainer.strategy.root_device, out)
         # weights_only: a checkpoint never runs code when it is loaded (the resume checks,
         # fp4lightning.train.resume, load it the same way)
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
