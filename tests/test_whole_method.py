@@ -138,9 +138,12 @@ def test_round_trip_keeps_nonfinite_and_zero_gradients():
         round_trip_(g, "fp8")
 
 
-#: one model, three roles: ``ddp`` trains one SGD step over 2 gloo processes (the script; Lightning starts
-#: rank 1) with FP4DDPStrategy(grad_format=FMT); ``sim`` / ``plain`` train it on one device (in the test's
-#: process) with / without the simulation. Every rank reads the same batch (no distributed sampler).
+#: one model, the roles: ``ddp`` trains one SGD step over 2 gloo processes (the script; Lightning starts
+#: rank 1) with FP4DDPStrategy(grad_format=FMT), every rank on the same batch (no distributed sampler);
+#: ``ddp-split`` the same with each rank on its half of the batch (rank r the samples r, r + 2, ...);
+#: ``sim`` / ``plain`` train it on one device on the whole batch (in the test's process) with / without
+#: the simulation; ``half0`` / ``half1`` on one device on one rank's half, unrounded.
+#: Each writes its first update (ROLE.json) and the gradient the optimizer stepped with (ROLE.grad.json).
 ONE_STEP = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, {root!r})
@@ -167,21 +170,32 @@ ONE_STEP = textwrap.dedent("""
             return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+    class Grads(L.Callback):  # after the simulation's callback: the gradient the optimizer steps with
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads = [p.grad.detach().clone() for p in pl_module.parameters()]
+
+
     def run(out, role, fmt):
         g = torch.Generator().manual_seed(1)
-        data = DataLoader(TensorDataset(torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)),
-                          batch_size=32)
+        x, y = torch.randn(32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        if role.startswith("half") or role == "ddp-split":  # Lightning starts rank 1 with LOCAL_RANK=1
+            k = int(role[-1]) if role.startswith("half") else int(os.environ.get("LOCAL_RANK", 0))
+            x, y = x[k::2], y[k::2]
+        data = DataLoader(TensorDataset(x, y), batch_size=len(x))
         model = M()
         before = [p.detach().clone() for p in model.parameters()]
-        trainer = L.Trainer(accelerator="cpu", devices=2 if role == "ddp" else 1, max_steps=1, logger=False,
-                            strategy=FP4DDPStrategy(grad_format=fmt) if role == "ddp" else "auto",
-                            callbacks=[GradCommSimulation(fmt)] if role == "sim" else [],
+        ddp = role.startswith("ddp")
+        grads = Grads()
+        trainer = L.Trainer(accelerator="cpu", devices=2 if ddp else 1, max_steps=1, logger=False,
+                            strategy=FP4DDPStrategy(grad_format=fmt) if ddp else "auto",
+                            callbacks=[GradCommSimulation(fmt)] * (role == "sim") + [grads],
                             use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
         trainer.fit(model, data)
         if trainer.is_global_zero:
             update = [(p.detach() - b).tolist() for p, b in zip(model.parameters(), before)]
             json.dump(update, open(os.path.join(out, role + ".json"), "w"))
+            json.dump([t.tolist() for t in grads.grads], open(os.path.join(out, role + ".grad.json"), "w"))
 
 
     if __name__ == "__main__":
@@ -198,6 +212,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ddp_env() -> dict:
+    leaked = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR"}
+    env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith(("PL_", "TORCHELASTIC"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    return env
+
+
+def _e4m3_error_bound(g: torch.Tensor) -> torch.Tensor:
+    """Per element, the most the exchange's E4M3 round trip of ``g`` (one power-of-two scale for the tensor)
+    can move it: half a step, 2^-4 of the value for normals, 2^-10 / scale in the subnormal range."""
+    from fp4lightning.distributed.fp8_codec import pow2_scales, tensor_amax
+
+    scale = pow2_scales(tensor_amax(g.reshape(-1)).view(1), 448.0)[0]
+    return torch.maximum(g.abs() * 2.0**-4, torch.full_like(g, 2.0**-10) / scale)
+
+
+@pytest.mark.slow
+def test_one_device_simulation_against_ddp_with_different_data_per_rank(tmp_path):
+    """What the one-device simulation models and what it does not, with each rank on its own half of the batch
+    (real DDP: 2 gloo processes, FP8 E4M3 on the wire).
+
+    The 2-rank exchange returns the mean of the two ranks' rounded gradients, (Q(g0) + Q(g1)) / 2, with g0, g1
+    the gradients of the halves (each rank its own power-of-two scale): checked to fp32 rounding. The
+    one-device simulation rounds the mean gradient once, Q((g0 + g1) / 2): another rounding of the same
+    scheme, not the same bits. Both stay within the exchange's error bound of the exact mean gradient (half
+    an E4M3 step per element, per rank for DDP); the two differ from each other by about as much as each
+    differs from the exact gradient (the relative norms are printed)."""
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP.format(root=str(ROOT)))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "ddp-split", "e4m3"], env=_ddp_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    here: dict = {}
+    exec(compile(script.read_text(), str(script), "exec"), here)
+    for role in ("sim", "plain", "half0", "half1"):
+        here["run"](str(tmp_path), role, "e4m3")
+    grads = {r: [torch.tensor(t) for t in json.loads((tmp_path / f"{r}.grad.json").read_text())]
+             for r in ("ddp-split", "sim", "plain", "half0", "half1")}
+    diff = {"ddp-sim": 0.0, "sim-exact": 0.0, "ddp-exact": 0.0}
+    norm = 0.0
+    for ddp, sim, exact, g0, g1 in zip(*(grads[r] for r in ("ddp-split", "sim", "plain", "half0", "half1"))):
+        per_rank = (round_trip_(g0.clone(), "e4m3") + round_trip_(g1.clone(), "e4m3")) / 2
+        torch.testing.assert_close(ddp, per_rank, rtol=1e-6, atol=1e-9)  # what DDP computes
+        torch.testing.assert_close((g0 + g1) / 2, exact, rtol=1e-5, atol=1e-8)  # the halves make the batch
+        assert bool(((sim - exact).abs() <= _e4m3_error_bound(exact) * 1.0001 + 1e-9).all())
+        bound = (_e4m3_error_bound(g0) + _e4m3_error_bound(g1)) / 2
+        assert bool(((ddp - exact).abs() <= bound * 1.0001 + 1e-6 * exact.abs() + 1e-9).all())
+        diff["ddp-sim"] += float((ddp - sim).pow(2).sum())
+        diff["sim-exact"] += float((sim - exact).pow(2).sum())
+        diff["ddp-exact"] += float((ddp - exact).pow(2).sum())
+        norm += float(exact.pow(2).sum())
+    rel = {k: (v / norm) ** 0.5 for k, v in diff.items()}
+    print("relative gradient differences (norm):", {k: f"{100 * v:.2f}%" for k, v in rel.items()})
+    assert rel["ddp-sim"] > 0  # not the same bits: the simulation rounds the mean, DDP each rank's part
+    assert rel["ddp-sim"] <= rel["sim-exact"] + rel["ddp-exact"] + 1e-9
+
+
 @pytest.mark.slow
 def test_one_device_rounds_as_the_two_process_exchange(tmp_path):
     """The first update of a 2-process gloo run (FP4DDPStrategy, FP8 E4M3 on the wire) and of a one-device
@@ -211,10 +282,7 @@ def test_one_device_rounds_as_the_two_process_exchange(tmp_path):
     of the rounded halves against the rounded mean): the same error bound, half an E4M3 step per element."""
     script = tmp_path / "one_step.py"
     script.write_text(ONE_STEP.format(root=str(ROOT)))
-    leaked = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR"}
-    env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith(("PL_", "TORCHELASTIC"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "ddp", "e4m3"], env=env,
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "ddp", "e4m3"], env=_ddp_env(),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one_device: dict = {}
