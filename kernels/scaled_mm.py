@@ -152,41 +152,51 @@ def _unit_cols(n: int, device: torch.device) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the three GeMMs
 def scaled_fp4_gemm(a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                    out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
+                    mm_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Forward ``Y = (A8 W8^T) / (s_a s_w^T) + bias``: ``a8`` (M, K) and ``w8`` (N, K) E4M3 row-major
-    (the FP4 values, or the folded-OCC operand for ``a8``), ``a_scale`` (M,), ``w_scale`` (N,) fp32."""
+    (the FP4 values, or the folded-OCC operand for ``a8``), ``a_scale`` (M,), ``w_scale`` (N,) fp32.
+    ``mm_dtype``: the dtype ``_scaled_mm`` writes where the device refuses ``out_dtype``
+    (``ops.capability``): its output is cast to fp32, the bias added, then cast to ``out_dtype``."""
     _check_one_device(a8=a8, w8=w8, a_scale=a_scale, w_scale=w_scale, bias=bias)
-    fused_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
-    y = _scaled(a8, w8.t(), _row_scale(a_scale), _row_scale(w_scale).reshape(1, -1), out_dtype,
+    mm = out_dtype if mm_dtype is None else mm_dtype
+    fused_bias = bias is not None and mm == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    y = _scaled(a8, w8.t(), _row_scale(a_scale), _row_scale(w_scale).reshape(1, -1), mm,
                 bias.to(out_dtype) if fused_bias else None)
+    if mm != out_dtype:
+        y = y.float()
     if bias is not None and not fused_bias:  # fp32 output: _scaled_mm takes no bias there
         y = y.add_(bias.to(y.dtype))
-    return y
+    return y.to(out_dtype)
 
 
 def scaled_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w8t: torch.Tensor,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, mm_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``dA = (G W_q) / s_g[:, None]``: ``g`` (M, N) FP8 (one scale per row), ``w8t`` (K, N) E4M3
-    row-major, W's values transposed (``e4m3_cols`` of W's codes)."""
+    row-major, W's values transposed (``e4m3_cols`` of W's codes). ``mm_dtype``: as in
+    ``scaled_fp4_gemm``."""
     _check_one_device(g=g, g_scale=g_scale, w8t=w8t)
     if g.stride(1) != 1 or (g.shape[0] > 1 and g.stride(0) % ALIGN):
         g = g.contiguous()
-    return _scaled(g, w8t.t(), _row_scale(g_scale), _unit_cols(w8t.shape[0], g.device), out_dtype)
+    mm = out_dtype if mm_dtype is None else mm_dtype
+    return _scaled(g, w8t.t(), _row_scale(g_scale), _unit_cols(w8t.shape[0], g.device), mm).to(out_dtype)
 
 
 def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                      dge_weight: torch.Tensor | None = None, dge_weight_scale: torch.Tensor | None = None,
-                     dge_k: float = 5.0, dge_clamp: float = 3.0, addend: torch.Tensor | None = None) -> torch.Tensor:
+                     dge_k: float = 5.0, dge_clamp: float = 3.0, addend: torch.Tensor | None = None,
+                     mm_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``dW = ((G^T A) / s_g[:, None] + addend) * f'(W s_w)``: ``g`` (M, N) FP8, one scale per column,
     row- or column-major; ``a8t`` (K, M16) E4M3 row-major, A's values transposed with zeros past M
-    (``e4m3_cols`` / ``fp8_cols``). The GeMM's output is fp32; the addend and the DGE factor follow in
-    one elementwise pass (the Triton kernel below on CUDA, ``cpu_fused.wgrad_epilogue`` on CPU)."""
+    (``e4m3_cols`` / ``fp8_cols``). The GeMM's output is fp32 (``mm_dtype``, bf16 where the device
+    refuses fp32, then cast to fp32); the addend and the DGE factor follow in one elementwise pass
+    (the Triton kernel below on CUDA, ``cpu_fused.wgrad_epilogue`` on CPU)."""
     _check_one_device(g=g, g_scale=g_scale, a8t=a8t, addend=addend, dge_weight=dge_weight)
     gt = _tokens_contiguous(g)
     if gt.shape[1] != a8t.shape[1]:
         raise ValueError(f"wgrad: dY has {g.shape[0]} tokens but the activation operand {a8t.shape[1]} columns")
     k = a8t.shape[0]
-    dw = _scaled(gt, a8t.t(), _row_scale(g_scale), _unit_cols(k, g.device), torch.float32)
+    dw = _scaled(gt, a8t.t(), _row_scale(g_scale), _unit_cols(k, g.device), mm_dtype or torch.float32).float()
     if addend is None and dge_weight is None:
         return dw.to(out_dtype)
     if dw.is_cuda:

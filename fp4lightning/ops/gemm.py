@@ -17,7 +17,9 @@ device and is what CPU training uses, and a Triton twin (``fp4lightning.kernels`
 ``triton_*``); the plain name (``fp4_gemm``, ``quantize_fp8``, ...) picks between them. ``FP4LIGHTNING_BACKEND`` selects:
 
 * ``auto`` (default) - on CUDA the vendor FP8 GeMM (``scaled_mm``) where the GPU has FP8 tensor
-  cores (sm_89+), else the Triton kernels when they are importable; on CPU the reference;
+  cores (sm_89+) and its ``torch._scaled_mm`` runs row-wise scaled GeMMs (a tiny call of each kind on
+  first use, ``ops.capability``; a kind it refuses goes through another output dtype or to the Triton
+  GeMM, with one line saying so), else the Triton kernels when they are importable; on CPU the reference;
 * ``reference``      - always PyTorch;
 * ``triton``         - always Triton (on CPU this needs ``TRITON_INTERPRET=1`` set
   before import, and is only meant for testing the kernels);
@@ -42,6 +44,7 @@ from fp4lightning.numerics.absmax import quantize_rows_reference
 from fp4lightning.numerics.block_formats import block_gemm_reference
 from fp4lightning.numerics.formats import decode_packed_fp4
 from fp4lightning.numerics.occ import fold_e4m3, occ_clamp
+from fp4lightning.ops import capability
 
 __all__ = [
     "backend_for",
@@ -60,6 +63,8 @@ __all__ = [
     "block_gemm",
     "triton_quantizers",
     "scaled_mm_unavailable",
+    "scaled_mm_routes",
+    "forget_scaled_mm_probe",
     "quantize_fp4_refold",
     "refold_operand",
     "fp4_gemm_reference",
@@ -112,7 +117,45 @@ def scaled_mm_unavailable(device: torch.device) -> str | None:
         return f"torch._scaled_mm is not used on {device.type} devices here"
     if _scaled_mm_kernels() is None:
         return "fp4lightning.kernels cannot be imported (is triton installed?)"
+    if scaled_mm_routes(device).backend != "scaled_mm":
+        first = next(iter(scaled_mm_routes(device).refused.values()))
+        return f"torch._scaled_mm on {_device_name(device)} runs no row-wise scaled FP8 GeMM ({first})"
     return None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    cap = torch.cuda.get_device_capability(device)
+    return f"{device} ({torch.cuda.get_device_name(device)}, sm_{cap[0]}{cap[1]})"
+
+
+@functools.lru_cache(maxsize=None)
+def _routes(device: torch.device) -> capability.GemmRoutes:
+    sm = _scaled_mm_kernels()
+    results = capability.probe(device, sm.FP8_FAST_ACCUM if sm is not None else False) \
+        if hasattr(torch, "_scaled_mm") else None
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    routes = capability.choose_gemm_route(cap, results, device.type == "cuda" and _triton_kernels() is not None)
+    line = capability.describe(_device_name(device), routes)
+    if line:  # once per device (cached): a GPU whose torch refuses some kinds still trains, a little slower
+        warnings.warn(f"fp4lightning: {line}", RuntimeWarning, stacklevel=4)
+    return routes
+
+
+def forget_scaled_mm_probe() -> None:
+    """Probe every device again on its next use (the probe's results are cached per device)."""
+    _routes.cache_clear()
+    scaled_mm_unavailable.cache_clear()
+
+
+def scaled_mm_routes(device: torch.device) -> capability.GemmRoutes:
+    """Where each ``torch._scaled_mm`` call of the scaled_mm backend goes on ``device``
+    (``ops.capability``): probed on first use per device, then cached."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _routes(device)
 
 
 def backend_for(device: torch.device) -> str:
@@ -151,14 +194,24 @@ def triton_quantizers(device: torch.device) -> bool:
                                    and _triton_kernels() is not None)
 
 
-def _gemm_backend(device: torch.device, fits_scaled_mm: bool) -> str:
-    """The backend of one GeMM: the scaled_mm backend's GeMMs whose operands do not suit
-    ``_scaled_mm`` (feature sizes not multiples of 16, a bf16 dY) run the Triton GeMM on CUDA and the
-    reference on CPU."""
+def _gemm_backend(device: torch.device, fits_scaled_mm: bool,
+                  kind: tuple | None = None) -> tuple[str, torch.dtype | None]:
+    """``(backend, dtype _scaled_mm writes)`` of one GeMM: the scaled_mm backend's GeMMs whose operands
+    do not suit ``_scaled_mm`` (feature sizes not multiples of 16, a bf16 dY), or whose ``kind``
+    ((first operand's dtype, output dtype, bias fused)) the device refuses and no other output dtype
+    stands in for (``ops.capability``), run the Triton GeMM on CUDA and the reference on CPU."""
     backend = backend_for(device)
-    if backend == "scaled_mm" and not fits_scaled_mm:
-        return "triton" if device.type == "cuda" and _triton_kernels() is not None else "reference"
-    return backend
+    if backend != "scaled_mm":
+        return backend, None
+    fallback = "triton" if device.type == "cuda" and _triton_kernels() is not None else "reference"
+    if not fits_scaled_mm:
+        return fallback, None
+    return scaled_mm_routes(device).routes.get(kind, (fallback, None))
+
+
+def _bias_fused(bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
+    # kernels/scaled_mm.py fuses a bias into bf16 / fp16 outputs only
+    return bias is not None and out_dtype in (torch.bfloat16, torch.float16)
 
 
 def _fits(*dims: int) -> bool:
@@ -468,22 +521,24 @@ def fp4_wgrad_reference(
 # wrote (kernels/scaled_mm.py expands the packed codes when they are not given).
 def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, a_values=None,
              w_values=None):
-    backend = _gemm_backend(a_packed.device, _fits(k, w_packed.shape[0]))
+    backend, mm_dtype = _gemm_backend(a_packed.device, _fits(k, w_packed.shape[0]),
+                                      (torch.float8_e4m3fn, out_dtype, _bias_fused(bias, out_dtype)))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         a8 = a_values if _is_e4m3(a_values) else sm.e4m3_rows(a_packed, k)
         w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
-        return sm.scaled_fp4_gemm(a8, a_scale, w8, w_scale, out_dtype, bias)
+        return sm.scaled_fp4_gemm(a8, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype)
     if backend == "triton":
         return _triton_kernels().triton_fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
     return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values, w_values)
 
 
 def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
-    backend = _gemm_backend(g.device, _is_fp8(g) and _fits(k, w_packed.shape[0]))
+    backend, mm_dtype = _gemm_backend(g.device, _is_fp8(g) and _fits(k, w_packed.shape[0]),
+                                      (g.dtype, out_dtype, False))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
-        return sm.scaled_fp4_dgrad(g, g_scale, sm.e4m3_cols(w_packed, k), out_dtype)
+        return sm.scaled_fp4_dgrad(g, g_scale, sm.e4m3_cols(w_packed, k), out_dtype, mm_dtype=mm_dtype)
     if backend == "triton":
         return _triton_kernels().triton_fp4_dgrad(g, g_scale, w_packed, k, out_dtype=out_dtype)
     return fp4_dgrad_reference(g, g_scale, w_packed, k, out_dtype)
@@ -495,11 +550,12 @@ def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float
 
     ``values_dtype`` (reference path): the dtype the reference GeMM reads E in (E4M3 values are
     exact in bf16 and fp32); default the compute dtype of ``out_dtype``."""
-    backend = _gemm_backend(a_fold.device, _fits(k, w_packed.shape[0]))
+    backend, mm_dtype = _gemm_backend(a_fold.device, _fits(k, w_packed.shape[0]),
+                                      (torch.float8_e4m3fn, out_dtype, _bias_fused(bias, out_dtype)))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
-        return sm.scaled_fp4_gemm(a_fold, a_scale, w8, w_scale, out_dtype, bias)
+        return sm.scaled_fp4_gemm(a_fold, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype)
     if backend == "triton":
         return _triton_kernels().triton_folded_gemm(a_fold, a_scale, w_packed, w_scale, k, out_dtype=out_dtype,
                                                     bias=bias)
@@ -510,12 +566,14 @@ def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
               dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None):
-    backend = _gemm_backend(g.device, _is_fp8(g) and _fits(k, g.shape[1]))
+    backend, mm_dtype = _gemm_backend(g.device, _is_fp8(g) and _fits(k, g.shape[1]),
+                                      (g.dtype, torch.float32, False))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         # A's values transposed (tokens contiguous): from its packed codes, or the folded E4M3 operand
         a8t = sm.fp8_cols(a_values) if a_values is not None else sm.e4m3_cols(a_packed, k)
-        return sm.scaled_fp4_wgrad(g, g_scale, a8t, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp, addend)
+        return sm.scaled_fp4_wgrad(g, g_scale, a8t, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp, addend,
+                                   mm_dtype=mm_dtype)
     if a_values is not None:  # the E4M3-folded activation operand (FP4Config.occ_fold_e4m3)
         # the Triton GeMM needs an FP8 dY (it says so in one line on the Triton backend); the
         # scaled_mm backend's bf16 dY takes the reference
