@@ -1,0 +1,144 @@
+"""The roofline model of the CUDA path (benchmarks/roofline.py) and the launch budget of issue 47.
+
+The trace runs FP4Linear's CUDA path (the ``scaled_mm`` backend) on meta tensors: nothing is allocated
+or computed, so the 7B shapes themselves trace in well under a second, on any machine.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("roofline", ROOT / "benchmarks" / "roofline.py")
+roofline = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("roofline", roofline)  # dataclasses look their module up
+_spec.loader.exec_module(roofline)
+
+#: one 7B layer: 8192 tokens, 4096 -> 4096, with a bias (issue 47 counted FP4Linear's default)
+M, K, N = 8192, 4096, 4096
+
+#: issue 47, item 2: forward + backward of one FP4Linear, weight quantized in it, at most this many launches
+LAUNCH_BUDGET = {"w4a4-direct": 12, "paper": 16}
+#: ... and at most these bytes outside the GeMMs, per element of A (M x K, bf16), W (N x K, fp32) and
+#: dY (M x N, bf16), 10% over what the issue's kernel set moves:
+#:   A: read once by its quantizer (2 B), which writes the packed codes (0.5 B) and the forward's E4M3
+#:      operand (1 B); wgrad's operand written transposed from the codes (0.5 B read, 1 B written): 5 B.
+#:      `paper` adds the compact OCC residual, written by the fold kernel and read by the refold
+#:      (2 x 6 B per slot, slots 1.5 x 2% of A): 0.5 B with the sample quantile.
+#:   W: read once (4 B), codes and both E4M3 layouts written in the same pass (2.5 B): 6.5 B.
+#:      `paper` adds the wgrad finish (DGE): dW read and written (8 B), W read (4 B): 18.5 B.
+#:   dY: the row pass (2 B read, 1 B FP8 written; the column amax and the bias gradient ride in it) and
+#:      the column pass (2 B, 1 B): 6 B.
+NON_GEMM_BYTES_PER_ELEMENT = {"w4a4-direct": (5.0, 6.5, 6.0), "paper": (5.5, 18.5, 6.0)}
+BUDGET_MARGIN = 1.10
+
+#: what the code traces to today at (M, K, N) (launches, bytes outside the GeMMs): a change that adds
+#: launches or traffic fails `test_launches_do_not_grow`; lower these when the kernels are reduced
+CURRENT = {"w4a4-direct": (21, 621_355_008), "paper": (60, 1_411_198_816)}
+
+
+def _bytes_budget(preset: str) -> float:
+    a, w, g = NON_GEMM_BYTES_PER_ELEMENT[preset]
+    return BUDGET_MARGIN * (a * M * K + w * N * K + g * M * N)
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return {p: roofline.trace_layer(p, M, K, N) for p in ("bf16", "w4a4-direct", "paper")}
+
+
+def test_json_schema():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "roofline.py"), "--json"], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert list(out) == ["shapes"]
+    assert list(out["shapes"]) == ["4096x4096", "4096x11008", "11008x4096"]
+    for shape, row in out["shapes"].items():
+        assert list(row) == ["bf16", "w4a4-direct", "paper", "torchao-float8"], shape
+        for preset, entry in row.items():
+            assert isinstance(entry["launches"], int) and entry["launches"] >= 4, (shape, preset)
+            assert isinstance(entry["pred_ms"], float) and entry["pred_ms"] > 0, (shape, preset)
+            assert entry["gemms"] == 3, (shape, preset)
+            assert entry["x_bf16"] == pytest.approx(entry["pred_ms"] / row["bf16"]["pred_ms"], abs=2e-3)
+
+
+def test_bf16_linear_is_three_gemms(traces):
+    launches = traces["bf16"]
+    gemms = [x for x in launches if x.kind == "gemm"]
+    assert [x.name for x in gemms] == ["aten.mm"] * 3 or [x.name for x in gemms] == ["aten.addmm", "aten.mm", "aten.mm"]
+    assert all(x.flops == 2 * M * K * N and x.rate == roofline.BF16_RATE for x in gemms)
+    assert roofline.count_host_syncs(launches) == 0
+    # autocast's casts of W and b to bf16, autograd's casts of their gradients to fp32, the bias gradient
+    assert roofline.count_launches(launches) == 8
+    assert roofline.count_launches(roofline.trace_layer("bf16", M, K, N, bias=False)) == 5
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_trace_takes_the_cuda_path(traces, preset):
+    launches = traces[preset]
+    gemms = [x for x in launches if x.kind == "gemm"]
+    assert [x.name for x in gemms] == ["aten._scaled_mm"] * 3  # no reference GeMM, no Triton GeMM fallback
+    assert all(x.rate == roofline.FP8_RATE and x.flops == 2 * M * K * N for x in gemms)
+    assert any(x.name.startswith("triton.") for x in launches)  # the CUDA quantizers
+
+
+def test_host_sync_is_detected():
+    # the "no host sync" checks below can fail: a value read on the host is one
+    with roofline.modelled_h200() as rec, rec:
+        x = torch.empty(64, device="cuda")
+        x.sum().item()
+        torch.nonzero(x)
+    assert roofline.count_host_syncs(rec.launches) == 2
+
+
+@pytest.mark.xfail(strict=True, reason="launch budget of issue 47 not reached yet: 21 / 60 launches "
+                                       "(w4a4-direct / paper; budget 12 / 16)")
+def test_launch_budget(traces):
+    failures = []
+    for preset, budget in LAUNCH_BUDGET.items():
+        launches = traces[preset]
+        n, syncs, moved = (roofline.count_launches(launches), roofline.count_host_syncs(launches),
+                           roofline.non_gemm_bytes(launches))
+        if n > budget or syncs or moved > _bytes_budget(preset):
+            failures.append(f"{preset}: {n} launches (budget {budget}), {syncs} host syncs, {moved / 1e6:.0f} MB "
+                            f"outside the GeMMs (budget {_bytes_budget(preset) / 1e6:.0f} MB)")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_launches_do_not_grow(traces, preset):
+    launches = traces[preset]
+    n_max, bytes_max = CURRENT[preset]
+    assert roofline.count_launches(launches) <= n_max, roofline.launch_table(launches)
+    assert roofline.count_host_syncs(launches) == 0, roofline.launch_table(launches)
+    assert roofline.non_gemm_bytes(launches) <= 1.01 * bytes_max, roofline.launch_table(launches)
+
+
+def test_trace_leaves_the_process_as_it_was(monkeypatch):
+    from fp4lightning.config import FP4Config
+    from fp4lightning.nn.linear import FP4Linear
+    from fp4lightning.numerics import occ
+    from fp4lightning.ops import gemm
+
+    monkeypatch.delenv("FP4LIGHTNING_BACKEND", raising=False)
+    torch.manual_seed(0)
+    layer = FP4Linear(256, 128, config=FP4Config.from_preset("paper"))
+    x = torch.randn(512, 256)  # OCC samples its quantile above 65,536 elements
+    before = layer(x).detach()
+    cuda = torch.cuda.is_available()
+    roofline.trace_layer("paper", 512, 256, 128)
+    assert "device" not in torch.Tensor.__dict__ and "is_cuda" not in torch.Tensor.__dict__
+    assert torch.cuda.is_available() == cuda
+    assert "FP4LIGHTNING_BACKEND" not in os.environ
+    assert gemm.backend_for(torch.device("cpu")) == "reference"
+    assert not any(t.is_meta for t in getattr(occ, "_SAMPLE_INDEX", {}).values())
+    assert torch.equal(layer(x).detach(), before)
