@@ -150,6 +150,9 @@ def probe(device: torch.device, fast_accum: bool = False) -> dict:
         try:
             y = probe_call(a.to(device, a_dtype), b.to(device, E4M3).t(), sa.to(device), sb.to(device), out,
                            bias.to(device, out) if has_bias else None, fast_accum)
+            if y.is_meta:  # a trace on meta tensors (benchmarks/roofline.py): shapes only, nothing to check
+                results[kind] = None
+                continue
             want = exact + bias if has_bias else exact
             ok = y.dtype == out and tuple(y.shape) == tuple(want.shape) and torch.equal(y.float().cpu(), want)
             results[kind] = None if ok else "wrong result"
