@@ -32,11 +32,14 @@ after ``import fp4lightning.eval.lm``; or ``fp4lightning eval CKPT``; or
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import logging
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -57,7 +60,7 @@ from fp4lightning.nn.linear import FP4Linear
 from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 from fp4lightning.train.checkpoint import load_checkpoint
 
-__all__ = ["FP4LightningLM", "LINEAR_MODES", "to_high_precision", "load_model_and_tokenizer"]
+__all__ = ["FP4LightningLM", "LINEAR_MODES", "to_high_precision", "load_model_and_tokenizer", "quiet_git_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -502,6 +505,39 @@ def _right_padded(rows: list[list[int]]) -> torch.Tensor:
     for i, r in enumerate(rows):
         batch[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return batch
+
+
+def _git_hash() -> str | None:
+    """lm-eval's ``get_git_commit_hash`` with git's complaints kept off the terminal: ``git describe
+    --always`` in the working directory, else lm-eval's reading of a ``.git`` folder there."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        proc = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True)
+    except OSError:  # no git on this machine
+        proc = None
+    if proc is not None and proc.returncode == 0:
+        return proc.stdout.strip()
+    return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """Inside the block, ``lm_eval.simple_evaluate`` records the working directory's git commit
+    without printing git's "fatal: not a git repository" when it is not in one.
+
+    lm-eval runs ``git describe`` with git's stderr left on the terminal, so every evaluation
+    outside a git checkout printed that line. Its evaluator looks the function up by name, which
+    is what is swapped here, and put back on leaving the block.
+    """
+    import lm_eval.evaluator as evaluator
+
+    original = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = _git_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
 
 
 def _pick_device(device: str | None) -> torch.device:

@@ -51,6 +51,7 @@ __all__ = [
     "metric_kind",
     "results_table",
     "compare_table",
+    "AVERAGED_GROUPS",
     "prepare_hf_environment",
 ]
 
@@ -270,33 +271,56 @@ def _fmt(value: float | None, kind: str) -> str:
     return f"{value:.2f}" if value < 1e6 else f"{value:.3g}"
 
 
-def _averages(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The paper's averages, one per metric name: ``acc`` and each perplexity metric, each over the
-    tasks that report that same metric. lambada's ``perplexity`` (per target word) and wikitext's
-    ``word_perplexity`` are different units, so they never share an average."""
-    groups: dict[str, list[float]] = {}
-    for task, ms in metrics.items():
-        for metric, value in ms.items():
-            if metric == "acc" or metric_kind(task, metric) == "ppl":
-                groups.setdefault(metric, []).append(value)
-    return {metric: sum(vs) / len(vs) for metric, vs in groups.items()}
+#: The task groups whose scores the paper averages, one average per metric over the group's tasks
+#: that report it: accuracy (``acc``) over its zero-shot tasks, each perplexity metric over its
+#: perplexity tasks (LAMBADA's ``perplexity`` per target word and WikiText's or Pile-10k's
+#: ``word_perplexity`` are different units, so each has its own average). Any other tasks (the
+#: offline ones, a user's own) measure unrelated things: no average mixes them, and a metric only
+#: one task of a group reports gets no average row either.
+AVERAGED_GROUPS = (("paper", PAPER_TASKS, "acc"), ("paper-ppl", PAPER_PPL_TASKS, "ppl"))
+
+
+def _averaged(task: str, metric: str, kind: str) -> bool:
+    return metric == "acc" if kind == "acc" else metric_kind(task, metric) == "ppl"
+
+
+def _averages(metrics: dict[str, dict[str, float]]) -> dict[tuple[str, str], tuple[int, float]]:
+    """``{(group, metric): (tasks, mean)}``: the paper's averages (:data:`AVERAGED_GROUPS`) over the
+    tasks of ``metrics`` in each group, for every metric at least two of them report."""
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for group, tasks, kind in AVERAGED_GROUPS:
+        values: dict[str, list[float]] = {}
+        for task in (t for t in tasks if t in metrics):
+            for metric, value in metrics[task].items():
+                if _averaged(task, metric, kind):
+                    values.setdefault(metric, []).append(value)
+        out.update({(group, m): (len(vs), sum(vs) / len(vs)) for m, vs in values.items() if len(vs) > 1})
+    return out
+
+
+def _average_label(group: str, n: int) -> str:
+    return f"**Average** ({group}, {n} tasks)"
+
+
+def _average_kind(metric: str) -> str:
+    return "acc" if metric == "acc" else "ppl"
 
 
 def results_table(metrics: dict[str, dict[str, float]]) -> str:
-    """Markdown table of one evaluation (accuracy in %, perplexity, bits per byte) with averages."""
+    """Markdown table of one evaluation (accuracy in %, perplexity, bits per byte), with the paper's
+    averages where its task groups are evaluated (:data:`AVERAGED_GROUPS`)."""
     lines = ["| Task | Metric | Value |", "|---|---|---:|"]
     for task, ms in metrics.items():
         for metric, value in ms.items():
             lines.append(f"| {task} | {metric} | {_fmt(value, metric_kind(task, metric))} |")
-    for metric, value in _averages(metrics).items():
-        kind = "acc" if metric == "acc" else "ppl"
-        lines.append(f"| **Average** | {metric} | {_fmt(value, kind)} |")
+    for (group, metric), (n, value) in _averages(metrics).items():
+        lines.append(f"| {_average_label(group, n)} | {metric} | {_fmt(value, _average_kind(metric))} |")
     return "\n".join(lines)
 
 
 def compare_table(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]],
                   label_a: str = "A", label_b: str = "B") -> str:
-    """Side-by-side markdown table (per task and metric, plus the averages over tasks both have)."""
+    """Side-by-side markdown table (per task and metric, plus the paper's averages over the tasks both have)."""
     tasks = [t for t in a if t in b] + [t for t in a if t not in b] + [t for t in b if t not in a]
     lines = [f"| Task | Metric | {label_a} | {label_b} | {label_a} - {label_b} |", "|---|---|---:|---:|---:|"]
     for task in tasks:
@@ -309,10 +333,11 @@ def compare_table(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]
     common = [t for t in a if t in b]
     avg_a = _averages({t: a[t] for t in common})
     avg_b = _averages({t: b[t] for t in common})
-    for metric in [m for m in avg_a if m in avg_b]:
-        kind = "acc" if metric == "acc" else "ppl"
-        lines.append(f"| **Average** | {metric} | {_fmt(avg_a[metric], kind)} | {_fmt(avg_b[metric], kind)} | "
-                     f"{_fmt_delta(avg_a[metric] - avg_b[metric], kind)} |")
+    for key in [k for k in avg_a if k in avg_b and avg_a[k][0] == avg_b[k][0]]:
+        (group, metric), kind = key, _average_kind(key[1])
+        (n, va), (_, vb) = avg_a[key], avg_b[key]
+        lines.append(f"| {_average_label(group, n)} | {metric} | {_fmt(va, kind)} | {_fmt(vb, kind)} | "
+                     f"{_fmt_delta(va - vb, kind)} |")
     return "\n".join(lines)
 
 
@@ -409,6 +434,7 @@ def _run_lm_eval(lm, task_objs: list, limit: int | float | None, bootstrap_iters
     """``lm_eval.simple_evaluate`` of the loaded tasks on ``lm``, every random seed set to ``seed``."""
     import lm_eval
 
+    from fp4lightning.eval.lm import quiet_git_hash
     from fp4lightning.numerics.cpu_fused import compile_enabled
 
     if not sys.stderr.isatty():  # a log: lm-eval calls the request loops without their switch for the bars
@@ -416,12 +442,13 @@ def _run_lm_eval(lm, task_objs: list, limit: int | float | None, bootstrap_iters
             setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
     if lm.linear == "fp4" and lm.device.type == "cpu" and compile_enabled(lm.device):
         print("[eval] compiling the CPU kernels (first batch only; a minute or more)", file=sys.stderr, flush=True)
-    return lm_eval.simple_evaluate(
-        model=lm, tasks=task_objs, task_manager=_TASK_MANAGERS.pop(),
-        limit=limit, bootstrap_iters=bootstrap_iters,
-        log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    with quiet_git_hash():
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=task_objs, task_manager=_TASK_MANAGERS.pop(),
+            limit=limit, bootstrap_iters=bootstrap_iters,
+            log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
 
 
 def _write_results(results: dict, out_dir: str | Path | None, verbose: bool) -> None:

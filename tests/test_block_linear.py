@@ -185,8 +185,10 @@ def test_keep_first_and_last_blocks_in_high_precision(caplog):
     names = fp4_modules(model)
     assert names and all(n.startswith(("layers.1.", "layers.2.")) for n in names)
     assert any(n.startswith("layers.1.") for n in names) and any(n.startswith("layers.2.") for n in names)
-    with pytest.raises(ValueError, match="no nn.ModuleList"):
-        positional_keep(nn.Sequential(nn.Linear(16, 16)), 1, 0)
+    # no list of blocks (an MLP): its Linear layers count as the blocks
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    assert positional_keep(mlp, 1, 0) == ["0."] and positional_keep(mlp, 0, 1) == ["4."]
+    assert positional_keep(mlp, 1, 1) == ["0.", "4."] and positional_keep(mlp, 9, 0) == ["0.", "2.", "4."]
 
 
 def test_repr_names_the_block_recipe():

@@ -124,6 +124,9 @@ class _FolderLock:
     """An exclusive lock on ``out_dir`` (a sibling ``.<name>.lock`` file): one ``prepare`` at a time.
 
     A second ``prepare`` into the same folder waits for the first, then finds the data up to date.
+    The holder deletes the file before it lets go, so a finished ``prepare`` leaves none behind; a
+    waiter that then holds the lock of a deleted file opens the path again (whoever locks the file
+    that is at the path holds the lock).
     """
 
     def __init__(self, out_dir: Path):
@@ -131,9 +134,19 @@ class _FolderLock:
         self._f = None
 
     def __enter__(self) -> "_FolderLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while not self._lock_current_file():
+            pass
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(str(os.getpid()))
+        self._f.flush()
+        return self
+
+    def _lock_current_file(self) -> bool:
+        """Open and lock the file at ``self.path``; False (unlocked, closed) if it was deleted meanwhile."""
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a+")
         try:
             fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -141,17 +154,21 @@ class _FolderLock:
             self._f.seek(0)
             holder = self._f.read().strip() or "?"
             progress(f"another `data prepare` (pid {holder}) is writing {self.path.parent / self.path.name[1:-5]}; "
-                 "waiting for it to finish")
+                     "waiting for it to finish")
             fcntl.flock(self._f, fcntl.LOCK_EX)
-        self._f.seek(0)
-        self._f.truncate()
-        self._f.write(str(os.getpid()))
-        self._f.flush()
-        return self
+        try:
+            current = os.stat(self.path).st_ino == os.fstat(self._f.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if not current:
+            self._f.close()
+        return current
 
     def __exit__(self, *exc) -> None:
         import fcntl
 
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # still held: a waiter finds the file gone and opens the path again
         fcntl.flock(self._f, fcntl.LOCK_UN)
         self._f.close()
 

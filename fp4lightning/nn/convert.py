@@ -83,7 +83,9 @@ def positional_keep(module: nn.Module, keep_first_n: int, keep_last_n: int) -> l
     (``FP4Config.keep_first_n`` / ``keep_last_n``).
 
     The blocks are the children of the longest ``nn.ModuleList`` that holds Linear layers
-    (``layers`` in ``fp4lightning.models.llama``, ``model.layers`` in Hugging Face LLaMA).
+    (``layers`` in ``fp4lightning.models.llama``, ``model.layers`` in Hugging Face LLaMA). A model
+    without one (an MLP, an ``nn.Sequential``) has its Linear layers for blocks, in model order:
+    ``keep_last_n=1`` keeps its last Linear layer.
     """
     if keep_first_n <= 0 and keep_last_n <= 0:
         return []
@@ -93,12 +95,13 @@ def positional_keep(module: nn.Module, keep_first_n: int, keep_last_n: int) -> l
             if best is None or len(m) > len(best):
                 best, best_name = m, name
     if best is None:
-        raise ValueError("keep_first_n / keep_last_n: found no nn.ModuleList of transformer blocks in the model; "
-                         "set both to 0 and list the layers in skip_modules instead")
-    n = len(best)
+        blocks = [f"{name}." for name, m in module.named_modules() if isinstance(m, nn.Linear) and name]
+    else:
+        prefix = f"{best_name}." if best_name else ""
+        blocks = [f"{prefix}{i}." for i in range(len(best))]
+    n = len(blocks)
     idx = sorted(set(range(min(keep_first_n, n))) | set(range(max(0, n - keep_last_n), n)))
-    prefix = f"{best_name}." if best_name else ""
-    return [f"{prefix}{i}." for i in idx]
+    return [blocks[i] for i in idx]
 
 
 def _children(module: nn.Module):
@@ -123,7 +126,7 @@ def _why_high_precision(fqn: str, linear: nn.Linear, config: FP4Config, module_f
         head = _head_reason(embeddings, linear)
         if head:
             return True, head
-    if any(fqn.startswith(p) for p in by_position):
+    if any(f"{fqn}.".startswith(p) for p in by_position):
         return True, "keep_first_n/keep_last_n"
     why = check_fp4_shape(linear.in_features, linear.out_features)
     return None if why is None else (False, why)

@@ -66,11 +66,23 @@ def emulate_bf16_gemm(device: torch.device | str = "cpu") -> bool:
 _noticed = False
 
 
+def _rank() -> int:
+    """This process's rank among data-parallel ranks (0 outside of them): every rank converts the same
+    model, so rank 0 alone says so."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    rank = os.environ.get("RANK", "0")  # torchrun sets it before the process group exists
+    return int(rank) if rank.isdigit() else 0
+
+
 def notice_once() -> None:
-    """One line on stderr the first time emulation is switched on in this process."""
+    """One line on stderr the first time emulation is switched on in this process (rank 0 only)."""
     global _noticed
     if not _noticed:
         _noticed = True
+        if _rank() != 0:
+            return
         print(f"[fp4lightning] this CPU has no native bf16 GeMM kernel (torch would run a scalar loop, "
               f"tens of times slower than fp32): bf16 GeMMs run as fp32 GeMMs of bf16-rounded operands, "
               f"output rounded to bf16 (same rounding points; {_ENV}=native to turn this off)", file=sys.stderr)

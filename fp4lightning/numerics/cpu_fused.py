@@ -10,8 +10,9 @@ function give the same bits (every operation is exact or an IEEE fp32 operation 
 same order; ``tests/test_linear.py`` checks it bitwise), so compiling changes speed only.
 
 ``FP4LIGHTNING_COMPILE`` selects: ``auto`` (default: compile on CPU), ``1`` (compile on any
-device), ``0`` (eager). Where compiling fails - typically no C++ compiler on the machine -
-a one-line warning says so once and everything runs eagerly with the same numerics.
+device), ``0`` (eager). Where compiling fails - no C++ compiler on the machine, a full disk under
+Inductor's cache, ... - a one-line warning says why once and everything runs eagerly with the same
+numerics.
 Set ``TORCHINDUCTOR_CACHE_DIR`` to keep compiled kernels between processes.
 """
 from __future__ import annotations
@@ -66,11 +67,11 @@ def fused_pass(fn):
         nonlocal compiled, too_many_variants
         if not compile_enabled(x.device) or too_many_variants or _dispatch_mode_active():
             return fn(x, *args, **kwargs)
-        if compiled is None:
-            # emulate_precision_casts: keep every cast eager makes (a .to(bf16).float() round
-            # trip is a rounding here, e.g. cpu_bf16.gemm_plan's; Inductor would drop it)
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
         try:
+            if compiled is None:
+                # emulate_precision_casts: keep every cast eager makes (a .to(bf16).float() round
+                # trip is a rounding here, e.g. cpu_bf16.gemm_plan's; Inductor would drop it)
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return compiled(x, *args, **kwargs)
         except Exception as e:
@@ -96,11 +97,41 @@ def _compile_failed(fn, e: Exception) -> bool:
                       "running it eagerly from now on (same numerics, slower)", RuntimeWarning, stacklevel=3)
         return True
     if not _FAILED:  # no C++ compiler, or Inductor cannot build: same math eagerly
-        _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-        warnings.warn(f"fp4lightning: torch.compile unavailable ({_FAILED[0][:200]}); running the "
-                      "FP4 CPU path eagerly (same numerics, slower). Install a C++ compiler (gcc) "
-                      "to fuse it, or set FP4LIGHTNING_COMPILE=0 to silence this.", RuntimeWarning, stacklevel=3)
+        _FAILED.append(_failure_cause(e))
+        if _no_compiler(e):
+            fix = "Install a C++ compiler (g++, or name one in CXX) to fuse it"
+        else:
+            fix = f"Fix that to fuse it (Inductor builds its kernels in {_inductor_cache_dir()})"
+        warnings.warn(f"fp4lightning: torch.compile unavailable ({_FAILED[0][:300]}); running the FP4 CPU path "
+                      f"eagerly (same numerics, slower). {fix}, or set FP4LIGHTNING_COMPILE=0 to silence this.",
+                      RuntimeWarning, stacklevel=3)
     return False
+
+
+def _failure_cause(e: BaseException) -> str:
+    """The line of a failed compile that says why: an OS error (``[Errno 28] No space left on device``)
+    or the compiler's ``error:`` line where the exception's text has one, else its first line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    why = (next((line for line in lines if "[Errno" in line), None)
+           or next((line for line in lines if "error:" in line.lower()), None)
+           or (lines[0] if lines else ""))
+    return f"{type(e).__name__}: {why}"
+
+
+def _no_compiler(e: BaseException) -> bool:
+    """Whether Inductor failed for want of a C++ compiler (not a compiler that ran and failed, a full
+    disk, a cache folder it cannot write, ...)."""
+    text = f"{type(e).__name__} {e}"
+    return "InvalidCxxCompiler" in text or "No working C++ compiler" in text
+
+
+def _inductor_cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:  # noqa: BLE001 - only for the message
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR)")
 
 
 def scale_from_amax(amax: torch.Tensor, fmax: float, eps: float, pow2: bool) -> torch.Tensor:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
+from fp4lightning.lightning.precision_names import FP4_PRECISIONS
 from fp4lightning.train.recipe import RecipeConfig
 
-__all__ = ["make_loggers", "read_losses", "plot_losses"]
+__all__ = ["make_loggers", "read_losses", "plot_losses", "run_title"]
 
 
 class _StepsFromOne:
@@ -85,9 +86,20 @@ def read_losses(run_dir: Path) -> dict[str, dict[int, float]]:
     return _read_csv_losses(Path(run_dir) / "logs" / "csv")
 
 
-def plot_losses(log_dir: Path, png: Path) -> Path | None:
+def run_title(cfg: RecipeConfig) -> str:
+    """What a run's plots are titled: its folder, precision and, for FP4, the preset and the keys
+    overridden (``tiny: fp4, preset paper``; ``tiny-bf16: bf16-mixed``)."""
+    title = f"{Path(cfg.out_dir).name}: {cfg.trainer.precision}"
+    if cfg.trainer.precision not in FP4_PRECISIONS:
+        return title
+    changed = cfg.fp4.changes()
+    return title + f", preset {cfg.fp4.preset}" + (f" + {', '.join(sorted(changed))}" if changed else "")
+
+
+def plot_losses(log_dir: Path, png: Path, title: str | None = None) -> Path | None:
     """Train and validation loss against step from every CSV log version (the run and its resumes);
-    None if no data."""
+    None if no data. ``title`` (default: the run folder's name; :func:`run_title` names the
+    precision and preset) heads the plot and is the PNG's ``Title`` metadata."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,10 +118,11 @@ def plot_losses(log_dir: Path, png: Path) -> Path | None:
         ax.plot(xs, [val[s] for s in xs], "o-", label="validation loss", lw=1.5)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title(png.parent.name)
+    title = title or png.parent.name
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, metadata={"Title": title})
     plt.close(fig)
     return png

@@ -99,6 +99,7 @@ class LlamaLightningModule(L.LightningModule):
         self._step_batches = 0
         self._step_tokens = 0
         self._t_last: float | None = None
+        self._val_t0 = 0.0  # when the validation running now started (on_validation_start)
 
     #: ``torch.compile`` backend of ``compile`` (tests set ``"aot_eager"``: the same graphs, nothing built)
     compile_backend: str | Callable[..., Any] = "inductor"
@@ -175,8 +176,15 @@ class LlamaLightningModule(L.LightningModule):
     def on_train_epoch_start(self) -> None:
         self._t_last = None
 
-    def on_validation_epoch_start(self) -> None:
-        self._t_last = None  # validation time must not count against throughput
+    def on_validation_start(self) -> None:
+        self._val_t0 = time.perf_counter()
+
+    def on_validation_end(self) -> None:
+        # validation time must not count against throughput: the step after a validation is timed
+        # from the end of the step before it with the validation taken out (it used to log nothing,
+        # and the CSV logger then repeated the previous step's value)
+        if self._t_last is not None:
+            self._t_last += time.perf_counter() - self._val_t0
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:

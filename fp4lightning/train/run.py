@@ -19,13 +19,10 @@ Run folder ``<out_dir>`` (``runs/<name>``)::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import os
 import shutil
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +38,11 @@ from fp4lightning.lightning.nonfinite import NonFiniteError
 from fp4lightning.lightning.precision import FP4Precision
 from fp4lightning.lightning.precision_names import FP4_PRECISIONS, MIXED_PRECISION
 from fp4lightning.lightning.strategy import FP4DDPStrategy, FP4FSDPStrategy, is_fsdp
-from fp4lightning.lightning.trainer import Trainer
+from fp4lightning.lightning.trainer import Trainer, quiet_lightning
 from fp4lightning.train.callbacks import run_callbacks
 from fp4lightning.train.checkpoint import AtomicCheckpointIO
 from fp4lightning.train.fingerprint import record_fingerprint
-from fp4lightning.train.loss_log import make_loggers, plot_losses
+from fp4lightning.train.loss_log import make_loggers, plot_losses, run_title
 from fp4lightning.train.module import LlamaLightningModule
 from fp4lightning.train.recipe import WIRE_FORMAT, RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
 from fp4lightning.train.resume import clear_for_start, describe_resume, latest_checkpoint, plan_start, resume_command
@@ -230,35 +227,18 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     return trainer, module, dm, ckpt_path
 
 
-#: Messages Lightning and torch print on every run of this trainer that say nothing actionable to
-#: its users: the model summary cannot size mixed precisions (it warns for Lightning's own
-#: "bf16-mixed" too), torch 2.13 deprecates a pytree class Lightning still builds, and an
-#: advertisement for a cloud logger. Silenced only inside ``train`` (a library does not change
-#: its caller's warning filters).
-_QUIET_WARNINGS = (r"Precision .* is not supported by the model summary",
-                   r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-_QUIET_LOG_SUBSTRINGS = ("litlogger",)
+#: Messages Lightning prints on every run of this trainer that say nothing actionable to its users,
+#: besides those fp4lightning.Trainer hides wherever it is used (``quiet_lightning``: a deprecated
+#: pytree class, cloud-service tips, the checkpoint folder of a resume): the model summary cannot
+#: size mixed precisions (it warns for Lightning's own "bf16-mixed" too). Silenced only inside
+#: ``train`` (a library does not change its caller's warning filters).
+_QUIET_WARNINGS = (r"Precision .* is not supported by the model summary",)
 
 
-class _DropMessages(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not any(s in msg for s in _QUIET_LOG_SUBSTRINGS)
-
-
-@contextlib.contextmanager
 def _quiet_lightning():
-    """Hide ``_QUIET_WARNINGS`` and ``_QUIET_LOG_SUBSTRINGS`` while ``train`` runs."""
-    drop = _DropMessages()
-    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    log.addFilter(drop)
-    try:
-        with warnings.catch_warnings():
-            for pattern in _QUIET_WARNINGS:
-                warnings.filterwarnings("ignore", message=pattern)
-            yield
-    finally:
-        log.removeFilter(drop)
+    """Hide Lightning's noise (:func:`~fp4lightning.lightning.trainer.quiet_lightning`) and
+    ``_QUIET_WARNINGS`` while ``train`` runs."""
+    return quiet_lightning(extra_warnings=_QUIET_WARNINGS)
 
 
 def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None,
@@ -330,7 +310,7 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
     finally:
         torch.set_num_threads(threads)
         if trainer.is_global_zero and status != "peer lost":  # its one line names the checkpoint
-            result = _report(trainer, out, status, stopped_at, resume_command(cfg, argv))
+            result = _report(trainer, out, status, stopped_at, resume_command(cfg, argv), run_title(cfg))
     return result
 
 
@@ -368,10 +348,10 @@ def _validate_at_end(trainer, module, dm, cfg: RecipeConfig) -> None:
             loop._batches_that_stepped += 1
 
 
-def _report(trainer, out: Path, status: str, stopped_at: int | None, resume: str) -> TrainResult:
+def _report(trainer, out: Path, status: str, stopped_at: int | None, resume: str, title: str) -> TrainResult:
     """The closing banner on success; on failure what was saved and the command that resumes (stderr).
     ``stopped_at``: the step that stopped the run (non-finite), else it names the steps completed."""
-    png = plot_losses(out / "logs" / "csv", out / "loss.png")
+    png = plot_losses(out / "logs" / "csv", out / "loss.png", title)
     val = trainer.callback_metrics.get("val/loss")
     val_loss = float(val) if val is not None else None
     logs = [out / "logs" / "csv", out / "logs" / "tensorboard"]

@@ -61,6 +61,7 @@ class ThroughputMetrics(L.Callback):
         self.peak = peak
         self._tokens = 0
         self._t_last: float | None = None
+        self._val_t0 = 0.0
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.peak is None:
@@ -68,6 +69,14 @@ class ThroughputMetrics(L.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._t_last, self._tokens = None, 0
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._val_t0 = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # the step after a validation is timed without it (as train/tokens_per_sec)
+        if self._t_last is not None:
+            self._t_last += time.perf_counter() - self._val_t0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._tokens += batch[:, 1:].numel()  # this rank's trained tokens
