@@ -7,7 +7,19 @@ reached through its submodule (``fp4lightning.numerics.formats``, ``fp4lightning
 
 Every name is imported lazily, on first use, so ``import fp4lightning`` (and with it
 ``fp4lightning --help``) loads neither torch nor Lightning nor omegaconf nor lm-eval.
+
+Imported before torch, it sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets
+it: OpenMP threads that spin while they wait make a CPU step several times slower on a machine
+shared with other work (torch's OpenMP runtime reads the variable once, when torch is imported, so
+after ``import torch`` it is too late and nothing is changed; export it in the shell then).
 """
+import os as _os
+import sys as _sys
+
+if "torch" not in _sys.modules:
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+del _os, _sys
+
 __version__ = "0.1.0"
 
 __all__ = [
