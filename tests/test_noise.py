@@ -34,9 +34,9 @@ from tests.test_train import tiny_overrides
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-#: seconds each validation of the training run is held up: against the tiny model's ~0.1 s steps,
-#: a step timed across a validation would show a tenth of its throughput or less
-VALIDATION_DELAY_S = 1.0
+#: seconds each validation of the training run is held up: the tiny model's steps take ~0.1 s, so
+#: a step timed across a validation shows this much time or more
+VALIDATION_DELAY_S = 1.5
 #: Lightning's per-run messages that are noise to fp4lightning's users (tips for Lightning's cloud
 #: services, a deprecation inside Lightning, the checkpoint folder of a resume)
 LIGHTNING_NOISE = ("litlogger", "litmodels", "LeafSpec", "exists and is not empty")
@@ -63,15 +63,16 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def run(corpus, tmp_path_factory):
     """A 3-step FP4 run validating at step 2 (so step 3 comes after a validation), then its resume to
-    step 4 through the CLI; returns (run folder, the resume's output)."""
+    step 4 through the CLI; returns (run folder, the resume's output, the first run's recipe)."""
     out = tmp_path_factory.mktemp("noise") / "run"
     args = tiny_overrides(corpus, out, "model.max_seq_len=128", "trainer.val_every_n_steps=2",
                           "trainer.checkpoint_every_n_steps=2")
-    train(load_recipe(None, [*args, "schedule.max_steps=3"]), callbacks=[SlowValidation()])
+    cfg = load_recipe(None, [*args, "schedule.max_steps=3"])
+    train(cfg, callbacks=[SlowValidation()])
     proc = subprocess.run([sys.executable, "-m", "fp4lightning.cli", "train", *args, "schedule.max_steps=4",
                            "--resume"], capture_output=True, text=True, env=_env(), cwd=out.parent, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stdout + proc.stderr
+    return out, proc.stdout + proc.stderr, cfg
 
 
 def _csv(run_dir: Path, version: int) -> list[dict]:
@@ -83,7 +84,7 @@ def _csv(run_dir: Path, version: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------- training and resume
 def test_resume_prints_no_lightning_noise(run):
-    _, output = run
+    _, output, _ = run
     assert "resuming from" in output and "finished after 4 steps" in output, output[-3000:]
     noise = [line for line in output.splitlines() if any(s in line for s in LIGHTNING_NOISE)]
     assert not noise, noise
@@ -92,21 +93,26 @@ def test_resume_prints_no_lightning_noise(run):
 def test_step_after_validation_measures_its_own_time(run):
     """The step after a validation logs its own throughput, without the validation's time (the CSV
     used to repeat the step before's ``tokens_per_sec``, and ``tflops`` counted the validation)."""
-    out, _ = run
+    from fp4lightning.train.throughput import flops_per_token
+
+    out, _, cfg = run
     rows = {int(r["step"]): r for r in _csv(out, 0) if r["train/loss"]}
     assert sorted(rows) == [1, 2, 3]
     tps = {s: float(r["train/tokens_per_sec"]) for s, r in rows.items() if r["train/tokens_per_sec"]}
     tflops = {s: float(r["train/tflops"]) for s, r in rows.items() if r["train/tflops"]}
     assert sorted(tps) == sorted(tflops) == [2, 3]
     assert tps[3] != tps[2], "step 3 repeats step 2's tokens_per_sec"
-    # a second of validation inside step 3 would leave it a tenth of step 2's throughput or less
-    assert tps[3] > tps[2] / 4 and tflops[3] > tflops[2] / 4, (tps, tflops)
+    # the step's time as each metric implies it (at most this many tokens a step): not the validation's
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    seconds = {"tokens_per_sec": tokens / tps[3],
+               "tflops": tokens * flops_per_token(cfg.llama_config(), cfg.data.seq_len) / (tflops[3] * 1e12)}
+    assert max(seconds.values()) < VALIDATION_DELAY_S, (seconds, tps, tflops)
 
 
 def test_loss_plot_names_precision_and_preset(run):
     from PIL import Image
 
-    out, _ = run
+    out, _, _ = run
     with Image.open(out / "loss.png") as png:
         title = png.text.get("Title", "")
     assert title == "run: fp4, preset paper", title
@@ -117,8 +123,9 @@ def test_eval_outside_a_git_checkout_prints_no_git_error(run, tmp_path, monkeypa
     """lm-eval records the working folder's git commit with ``git describe``; outside a checkout git
     printed "fatal: not a git repository" on every ``fp4lightning eval``. The offline tasks measure
     unrelated things, so the table averages none of them."""
-    out, _ = run
-    assert subprocess.run(["git", "rev-parse"], cwd=tmp_path, capture_output=True).returncode != 0
+    out, _, _ = run
+    if shutil.which("git"):
+        assert subprocess.run(["git", "rev-parse"], cwd=tmp_path, capture_output=True).returncode != 0
     monkeypatch.chdir(tmp_path)
     assert cli_main(["eval", str(out / "checkpoints" / "last.ckpt"), "--limit", "2", "--out",
                      str(tmp_path / "eval")]) == 0
@@ -288,29 +295,23 @@ def _fill(disk: Path, leave: int) -> None:
 
 
 def test_compile_failure_names_its_cause(tmp_path):
-    """Inductor's cache on a full disk (a C++ compiler is there): the warning says the disk is full and
-    does not ask for a compiler; with no compiler (CXX names none) it still asks for one."""
+    """Inductor's cache on a full disk, in a fresh process (a C++ compiler is there): one warning that
+    says the disk is full and where, and does not ask for a compiler (test_linear's
+    ``test_compile_failure_falls_back_to_eager_with_one_notice``: without one it still does)."""
     disk = tmp_path / "disk"
     _mount_tmpfs(disk)
     try:
         _fill(disk, 8 * 1024)
         script = tmp_path / "compile.py"
         script.write_text(_COMPILE_SCRIPT)
-        cases = {"full disk": _env(FP4LIGHTNING_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(disk / "inductor")),
-                 "no compiler": _env(FP4LIGHTNING_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-                                     CXX=str(tmp_path / "no-such-g++"))}
-        procs = {k: subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True) for k, env in cases.items()}
-        said = {}
-        for k, p in procs.items():
-            out, err = p.communicate(timeout=300)
-            assert p.returncode == 0, err[-3000:]
-            said[k] = out.strip()
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env=_env(FP4LIGHTNING_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(disk / "inductor")))
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=False)
-    assert said["full disk"].count("\n") == 0 and "No space left on device" in said["full disk"], said
-    assert "compiler" not in said["full disk"] and str(disk / "inductor") in said["full disk"], said
-    assert "Install a C++ compiler" in said["no compiler"] and "no-such-g++" in said["no compiler"], said
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout.strip()
+    assert said.count("\n") == 0 and "No space left on device" in said, said
+    assert "compiler" not in said and str(disk / "inductor") in said, said
 
 
 # ----------------------------------------------------------------------------- data
@@ -327,12 +328,30 @@ def test_prepare_leaves_no_lock_file(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "src"]
 
 
+#: an in-tree PEP 517 build backend: pip reads the sdist's metadata with it and needs no setuptools
+_BACKEND = """import os
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    info = "{dist}-{version}.dist-info"
+    os.makedirs(os.path.join(metadata_directory, info))
+    with open(os.path.join(metadata_directory, info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\\nName: {name}\\nVersion: {version}\\n")
+    return info
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    raise NotImplementedError("download only")
+"""
+
+
 def _sdist(folder: Path, name: str, version: str, payload: int) -> Path:
     """A real source distribution ``name-version.tar.gz`` holding ``payload`` incompressible bytes."""
     buf = io.BytesIO()
-    files = {"setup.py": f"from setuptools import setup\nsetup(name={name!r}, version={version!r})\n".encode(),
-             "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             "payload.bin": os.urandom(payload)}
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    files = {"pyproject.toml": b'[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n',
+             "backend.py": _BACKEND.format(dist=name.replace("-", "_"), name=name, version=version).encode(),
+             "PKG-INFO": meta.encode(), "payload.bin": os.urandom(payload)}
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for fname, data in files.items():
             info = tarfile.TarInfo(f"{name}-{version}/{fname}")
