@@ -1,4 +1,4 @@
-"""A whole training step of a recipe's model: BF16, torchao float8 and FP4, side by side in one run.
+"""A whole training step of a recipe's model: bf16, fp32, torchao float8 and FP4, side by side in one run.
 
 For the recipe's model (``model.*``), optimizer (``optimizer.*``: the LightningModule's own AdamW
 groups, the same for every row) and sequence length, one training step as ``fp4lightning train``
@@ -6,47 +6,66 @@ runs it, outside Lightning: forward and loss under the precision's autocast, bac
 non-finite check, gradient clipping (``optimizer.grad_clip``), the optimizer and LR-scheduler step.
 Rows (``--precisions``):
 
-* ``bf16-mixed``: Lightning's bf16 autocast (``trainer.precision=bf16-mixed``);
+* ``bf16-mixed``: Lightning's bf16 autocast (``trainer.precision=bf16-mixed``); on a CPU without
+  native bf16 GeMMs its linear layers run as training runs them there
+  (``fp4lightning.numerics.cpu_bf16.emulate_bf16_linears``: fp32 kernels on bf16-rounded operands);
 * ``torchao-float8``: torchao's ``convert_to_float8_training`` with the ``rowwise`` recipe (CUDA,
   sm_89+ only; the output head stays bf16, as FP4's); eager like the other rows, or with
   ``--compile-torchao`` the whole model under ``torch.compile`` as torchao recommends (that row then
   has no time split);
 * ``fp4``: the recipe's FP4 configuration (``fp4.preset`` + overrides; ``paper`` in the recipes),
   converted and autocast by ``FP4Precision`` as in training;
-* ``w4a4-direct``: the ``w4a4-direct`` preset (no DGE, no OCC).
+* ``w4a4-direct``: the ``w4a4-direct`` preset (no DGE, no OCC);
+* ``fp32``: no autocast, fp32 weights and GeMMs (last by default: on CUDA the micro-batch search
+  then starts from what the other rows fitted).
+
+**The baseline.** ``bf16-mixed`` and ``fp32`` are the high-precision rows; the ``x baseline``
+column and the closing ratio line divide every row's tokens/s by the faster of the two (by median
+tokens/s), named in the header with why: whether bf16 GeMMs are native on this device (the CPU's
+features as torch and ``/proc/cpuinfo`` see them) or emulated. Where bf16 is slow (a CPU without
+bf16 kernels), fp32 is the fair baseline, not a slow bf16.
 
 ``--compile`` compiles each decoder block of every row, as the recipe key ``trainer.compile`` does
 (``fp4lightning.models.llama.compile_blocks``: RMSNorm, RoPE, SwiGLU and the residual adds fuse, each
-FP4Linear is one graph break), bf16-mixed included so that the rows stay comparable; the torchao row
-with ``--compile-torchao`` keeps its whole-model compile. The two warm-up steps include the compile.
-A compiled row has no time split and no attention-kernel probe (their hooks would break its graphs).
-The recipe's own ``trainer.compile`` is not read here: without ``--compile`` every row runs eagerly.
+FP4Linear is one graph break), the baselines included so that the rows stay comparable; the torchao
+row with ``--compile-torchao`` keeps its whole-model compile. The two warm-up steps include the
+compile. A compiled row has no time split and no attention-kernel probe (their hooks would break its
+graphs). The recipe's own ``trainer.compile`` is not read here: without ``--compile`` every row runs
+eagerly.
 
 Each row starts from the same initial weights (the recipe's seed) and batch: random tokens, or the
-first windows of the recipe's prepared data folder when there is one. Printed per row: step time
-(median of ``--steps`` timed steps after two warm-up steps), tokens/s, MFU (model FLOPs per step,
-the PaLM count of ``fp4lightning.train.throughput.flops_per_token``, over the step time and the device's
-dense bf16 peak; FP4 is simulated, so bf16's peak is the yardstick for every row), peak memory
-(on CUDA ``torch.cuda.max_memory_allocated``; on CPU the analytic sum of parameters, gradients,
-optimizer state and the bytes autograd saves for backward), and where one step's time goes: the
-decoder's linear layers (FP4Linear in the fp4 rows, Float8Linear in torchao's, bf16 Linear in
-bf16's), attention (RoPE + ``scaled_dot_product_attention``), the rest of forward and backward
-(embedding, norms, MLP activation, output head, loss), and the optimizer (non-finite check,
-clipping, AdamW). The split comes from one extra step with forward and backward hooks on those
-modules (on CUDA each hook synchronises the device, so that step is slower than the timed ones).
+first windows of the recipe's prepared data folder when there is one. On CPU the rows' timed steps
+interleave (one step of each row in turn), so machine noise hits all rows alike. Printed per row:
+step time (min / median / max of ``--steps`` timed steps after two warm-up steps; the median is the
+lower median for an even count, a step that was measured), tokens/s and MFU of the median step
+(model FLOPs per step, the PaLM count of ``fp4lightning.train.throughput.flops_per_token``, over the
+step time and the device's dense bf16 peak; FP4 is simulated, so bf16's peak is the yardstick for
+every row), peak memory (on CUDA ``torch.cuda.max_memory_allocated``; on CPU the analytic sum of
+parameters, gradients, optimizer state and the bytes autograd saves for backward), and where the
+median step's time goes: the decoder's linear layers (FP4Linear in the fp4 rows, Float8Linear in
+torchao's, Linear in the baselines), attention (RoPE + ``scaled_dot_product_attention``), the rest of
+forward and backward (embedding, norms, MLP activation, output head, loss), the optimizer
+(non-finite check, clipping, AdamW) and what none of them covers (``unattributed``), so that the
+parts sum to the step. The split is measured inside the timed steps themselves, by forward and
+backward hooks on those modules: on CPU they read the clock (everything is attributed), on CUDA they
+record CUDA events read after the step (no synchronisation inside the step; ``unattributed`` is then
+the step's wall time the device's events do not span, e.g. the first launch).
 
 Micro-batch: ``--micro-batch``; by default on CUDA the largest that fits, halving from
 ``--start-micro-batch`` on out-of-memory (a row that needs a smaller one than the rows before it says
 so), and on CPU the recipe's ``data.micro_batch_size`` capped at 4096 tokens per step.
 
     .venv/bin/python benchmarks/bench_train.py [--recipe recipes/tiny.yaml] [--steps 5] [--micro-batch B]
-        [--seq T] [--precisions bf16-mixed,fp4] [--peak-tflops X] [--compile] [--json PATH] [key=value ...]
+        [--seq T] [--precisions bf16-mixed,fp32,fp4] [--peak-tflops X] [--compile] [--json PATH] [key=value ...]
 
 ``key=value`` arguments override the recipe as on ``fp4lightning train`` (e.g. ``optimizer.states=fp32``).
+``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` here, as for every user of the package (``import
+fp4lightning`` sets it before torch is imported; a value already set is kept).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -55,10 +74,11 @@ import statistics
 import sys
 import time
 
-import torch
-from torch import nn
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fp4lightning  # noqa: E402,F401  # before torch: sets OMP_WAIT_POLICY's default (fp4lightning/__init__.py)
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from fp4lightning.config import FP4Config  # noqa: E402
 from fp4lightning.numerics.cpu_bf16 import emulate_bf16_gemm, emulate_bf16_linears  # noqa: E402
@@ -70,8 +90,13 @@ from fp4lightning.lightning.nonfinite import detect_nonfinite  # noqa: E402
 from fp4lightning.lightning.optim import state_bytes_per_param  # noqa: E402
 from fp4lightning.train.recipe import load_recipe  # noqa: E402
 
-ROWS = ("bf16-mixed", "torchao-float8", "fp4", "w4a4-direct")
-SPLIT = ("linears", "attention", "other", "optimizer")
+ROWS = ("bf16-mixed", "torchao-float8", "fp4", "w4a4-direct", "fp32")
+#: the rows every ratio is taken against: the faster of the two (by median tokens/s)
+HIGH_PRECISION = ("bf16-mixed", "fp32")
+#: where a step's time goes, measured inside the timed steps by module hooks
+PARTS = ("linears", "attention", "other_fwd_bwd", "optimizer")
+#: the parts plus what none of them covers: they sum to the step time
+SPLIT = PARTS + ("unattributed",)
 #: CPU default: at most this many tokens per micro-batch (a step of the 1.3B model takes minutes on CPU)
 CPU_TOKENS = 4096
 WARMUP = 2  # the first step creates the optimizer state (and compiles: --compile, and the CPU path's passes)
@@ -129,6 +154,9 @@ class Row:
             plugin.convert_module(model)  # FP4Linear in place; the head stays bf16 (emulated on CPU where needed)
             self.autocast = plugin.forward_context
             self.preset = cfg.fp4.preset if name == "fp4" else "w4a4-direct"
+        elif name == "fp32":
+            self.autocast = contextlib.nullcontext  # fp32 weights, activations and GeMMs
+            self.preset = None
         else:
             if name == "torchao-float8":
                 import logging
@@ -158,7 +186,9 @@ class Row:
         self.clip = cfg.optimizer.grad_clip
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.n_params = model.num_params()
-        self.times: list[float] = []
+        self.times: list[float] = []  # seconds of each timed step
+        self.splits: list[dict[str, float]] = []  # ms per part of each timed step (eager rows)
+        self.last_split: dict[str, float] | None = None
         self.x = None
 
     def forward_backward(self) -> None:
@@ -177,11 +207,34 @@ class Row:
         self.opt.zero_grad(set_to_none=True)
 
     def step(self) -> float:
-        t = time.perf_counter()
-        self.forward_backward()
-        self.optimizer_step()
-        _sync(self.dev)
-        return time.perf_counter() - t
+        """One training step; seconds. An eager row also splits this step's time (``last_split``)."""
+        tl = None if self.compiled else _Timeline(self.dev)  # hooks would break a compiled graph
+        handles = _hook_parts(self.model, tl) if tl else []
+        try:
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            if tl:
+                tl.start(t0)
+            self.forward_backward()
+            if tl:
+                tl.push("optimizer")
+            self.optimizer_step()
+            if tl:
+                tl.pop("optimizer")
+                tl.end()
+            _sync(self.dev)
+            t1 = time.perf_counter()
+        finally:
+            for h in handles:
+                h.remove()
+        self.last_split = tl.split_ms(t1) if tl else None
+        return t1 - t0
+
+    def timed_step(self) -> None:
+        """A step whose time (and split) count towards the row's figures."""
+        self.times.append(self.step())
+        if self.last_split is not None:
+            self.splits.append(self.last_split)
 
     def free(self) -> None:
         self.opt.state.clear()
@@ -197,58 +250,83 @@ def _sync(dev: torch.device) -> None:
 
 
 class _Timeline:
-    """Wall clock between hook events, charged to the innermost open category (nested modules:
-    an ``Attention`` is charged its own time, its projections go to ``linears``)."""
+    """Time between hook events inside one step, charged to the innermost open part (nested modules:
+    an ``Attention`` is charged its own time, its projections go to ``linears``).
+
+    On CPU each event reads the clock: the parts cover the step from its start to its end. On CUDA
+    each event records a CUDA event (no synchronisation inside the step) and the intervals between
+    them are read once the step has synchronised; ``unattributed`` is the wall time they do not span.
+    """
 
     def __init__(self, dev: torch.device):
-        self.dev = dev
-        self.acc = dict.fromkeys(SPLIT, 0.0)
-        self.stack = ["other"]
-        self.t = time.perf_counter()
+        self.cuda = dev.type == "cuda"
+        self.acc = dict.fromkeys(PARTS, 0.0)
+        self.stack = ["other_fwd_bwd"]
+        self.t0 = self.t = 0.0
+        self.events: list[tuple[str | None, torch.cuda.Event]] = []  # (part of the interval ending here, event)
+
+    def start(self, t0: float) -> None:
+        self.t0 = self.t = t0
+        if self.cuda:
+            self._record(None)
+
+    def _record(self, part: str | None) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.events.append((part, ev))
 
     def _mark(self) -> None:
-        _sync(self.dev)
+        if self.cuda:
+            self._record(self.stack[-1])
+            return
         now = time.perf_counter()
         self.acc[self.stack[-1]] += now - self.t
         self.t = now
 
-    def push(self, cat: str) -> None:
+    def push(self, part: str) -> None:
         self._mark()
-        self.stack.append(cat)
+        self.stack.append(part)
 
-    def pop(self, cat: str) -> None:
+    def pop(self, part: str) -> None:
         self._mark()
         for i in range(len(self.stack) - 1, 0, -1):  # the last open one (backward may interleave siblings)
-            if self.stack[i] == cat:
+            if self.stack[i] == part:
                 del self.stack[i]
                 break
 
+    def end(self) -> None:
+        """The step's last event (before its final synchronisation)."""
+        if self.cuda:
+            self._record(self.stack[-1])
 
-def time_split(row: Row) -> dict[str, float]:
-    """Milliseconds of one step per category (module forward/backward hooks; see the docstring)."""
-    tl = _Timeline(row.dev)
+    def split_ms(self, t1: float) -> dict[str, float]:
+        """Milliseconds per part of the step that ended (synchronised) at ``t1``, summing to ``t1 - t0``."""
+        if self.cuda:
+            for (_, a), (part, b) in zip(self.events, self.events[1:]):
+                self.acc[part] += a.elapsed_time(b) / 1e3
+        else:
+            self.acc[self.stack[-1]] += t1 - self.t  # the final synchronisation (a no-op on CPU)
+            self.t = t1
+        out = {k: 1e3 * v for k, v in self.acc.items()}
+        out["unattributed"] = 1e3 * (t1 - self.t0) - sum(out.values())
+        return out
+
+
+def _hook_parts(model: nn.Module, tl: _Timeline) -> list:
+    """Forward and backward hooks that tell ``tl`` when a decoder linear layer or an attention starts
+    and ends; the handles, to remove after the step."""
     handles = []
-    for fqn, m in row.model.named_modules():
-        cat = "linears" if _is_decoder_linear(m, fqn) else "attention" if isinstance(m, Attention) else None
-        if cat is None:
+    for fqn, m in model.named_modules():
+        part = "linears" if _is_decoder_linear(m, fqn) else "attention" if isinstance(m, Attention) else None
+        if part is None:
             continue
         handles += [
-            m.register_forward_pre_hook(lambda *a, c=cat: tl.push(c)),
-            m.register_forward_hook(lambda *a, c=cat: tl.pop(c)),
-            m.register_full_backward_pre_hook(lambda *a, c=cat: tl.push(c)),
-            m.register_full_backward_hook(lambda *a, c=cat: tl.pop(c)),
+            m.register_forward_pre_hook(lambda *a, p=part: tl.push(p)),
+            m.register_forward_hook(lambda *a, p=part: tl.pop(p)),
+            m.register_full_backward_pre_hook(lambda *a, p=part: tl.push(p)),
+            m.register_full_backward_hook(lambda *a, p=part: tl.pop(p)),
         ]
-    try:
-        _sync(row.dev)
-        tl.t = time.perf_counter()
-        row.forward_backward()
-        tl.push("optimizer")
-        row.optimizer_step()
-        tl.pop("optimizer")
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: 1e3 * v for k, v in tl.acc.items()}
+    return handles
 
 
 def attention_op(row: Row) -> str:
@@ -310,7 +388,73 @@ def _fmt(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
-def main(argv=None) -> int:
+def cpu_features() -> str:
+    """This CPU as the bf16 question sees it: its name, torch's ATen kernel level and the ISA flags
+    that decide native bf16 GeMMs (``/proc/cpuinfo``; flags omitted where it is not readable)."""
+    import platform
+
+    name, flags = "", None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    out = f"{name or platform.processor() or 'CPU'}, ATen {torch.backends.cpu.get_cpu_capability()}"
+    if flags is not None:
+        out += ", " + " ".join(f"{f}{'' if f in flags else ' absent'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    return out
+
+
+def bf16_gemms(dev: torch.device) -> str:
+    """How the bf16-mixed row's GeMMs run on ``dev``, and why."""
+    if dev.type == "cuda":
+        return f"native ({torch.cuda.get_device_name(dev)})"
+    mode = os.environ.get("FP4LIGHTNING_CPU_BF16_GEMM", "auto") or "auto"
+    if emulate_bf16_gemm(dev):
+        how = ("emulated: emulate_bf16_linears, fp32 kernels on bf16-rounded operands, as training runs them "
+               f"here (FP4LIGHTNING_CPU_BF16_GEMM={mode}")
+        how += "; torch has no native bf16 GeMM on this CPU)" if mode == "auto" else ")"
+    else:
+        how = f"native: oneDNN bf16 kernels (FP4LIGHTNING_CPU_BF16_GEMM={mode})"
+    return f"{how}; CPU: {cpu_features()}"
+
+
+def choose_baseline(results: dict[str, dict]) -> tuple[str | None, str]:
+    """(the row every ratio is taken against, why): the fastest high-precision row by median tokens/s."""
+    have = {n: results[n]["tokens_per_s"] for n in HIGH_PRECISION if "tokens_per_s" in results.get(n, {})}
+    if not have:
+        return None, f"none: no high-precision row ({' or '.join(HIGH_PRECISION)}) in --precisions, so no ratios"
+    base = max(have, key=have.get)
+    if len(have) == 1:
+        other = next(n for n in HIGH_PRECISION if n != base)
+        return base, f"{base}, the only high-precision row run (add {other} to --precisions to take the faster)"
+    figures = ", ".join(f"{n} {v:.0f}" for n, v in have.items())
+    return base, f"{base}, the faster high-precision row (median tokens/s: {figures})"
+
+
+def add_ratios(results: dict[str, dict], base: str | None) -> None:
+    """Each measured row's tokens/s over the baseline's (``vs_baseline``: medians), and the range of
+    the per-step ratios (``vs_baseline_steps``: step i of the row against step i of the baseline)."""
+    if base is None:
+        return
+    b = results[base]
+    b_tps = [b["micro_batch"] * b["seq_len"] / (ms / 1e3) for ms in b["steps_ms"]]
+    for r in results.values():
+        if "tokens_per_s" not in r:
+            continue
+        r["vs_baseline"] = r["tokens_per_s"] / b["tokens_per_s"]
+        tps = [r["micro_batch"] * r["seq_len"] / (ms / 1e3) for ms in r["steps_ms"]]
+        per_step = [x / y for x, y in zip(tps, b_tps)]
+        r["vs_baseline_steps"] = [min(per_step), max(per_step)]
+
+
+def _parse(argv) -> tuple[argparse.Namespace, object, list[str], int]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="recipes/tiny.yaml", help="the recipe whose model and optimizer to time")
     ap.add_argument("--steps", "--iters", type=int, default=5, help="timed steps per row (after 2 warm-up steps)")
@@ -329,30 +473,27 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_recipe(args.recipe, args.overrides)
-        rows = [r.strip() for r in args.precisions.split(",") if r.strip()]
-        bad = [r for r in rows if r not in ROWS]
-        if bad or not rows:
-            raise UsageError(f"--precisions: {bad or 'none given'} not among {', '.join(ROWS)}")
-        llama = cfg.llama_config()
-        seq = args.seq or cfg.data.seq_len
-        if not 0 < seq <= llama.max_seq_len:
-            raise UsageError(f"--seq {seq} must be between 1 and the model's max_seq_len {llama.max_seq_len}")
-        for k, v in (("--steps", args.steps), ("--micro-batch", args.micro_batch or 1),
-                     ("--start-micro-batch", args.start_micro_batch)):
-            if v < 1:
-                raise UsageError(f"{k} must be >= 1, got {v}")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    dev = torch.device(args.device)
+    cfg = load_recipe(args.recipe, args.overrides)
+    rows = [r.strip() for r in args.precisions.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        raise UsageError(f"--precisions: {bad or 'none given'} not among {', '.join(ROWS)}")
+    llama = cfg.llama_config()
+    seq = args.seq or cfg.data.seq_len
+    if not 0 < seq <= llama.max_seq_len:
+        raise UsageError(f"--seq {seq} must be between 1 and the model's max_seq_len {llama.max_seq_len}")
+    for k, v in (("--steps", args.steps), ("--micro-batch", args.micro_batch or 1),
+                 ("--start-micro-batch", args.start_micro_batch)):
+        if v < 1:
+            raise UsageError(f"{k} must be >= 1, got {v}")
+    return args, cfg, rows, seq
+
+
+def _run_rows(args, cfg, rows: list[str], dev: torch.device, seq: int, fpt: float, peak) -> dict[str, dict]:
+    """Every row built, warmed up and timed; its figures by name, in ``rows`` order."""
     search = dev.type == "cuda" and args.micro_batch is None
     micro_batch = args.micro_batch or (args.start_micro_batch if dev.type == "cuda"
                                        else max(1, min(cfg.data.micro_batch_size, CPU_TOKENS // seq)))
-    peak = args.peak_tflops or peak_tflops(dev)
-    fpt = flops_per_token(llama, seq)
-
     results: dict[str, dict] = {}
     built: dict[str, Row] = {}
     # CPU: every row is built first and the timed steps interleave, so machine noise hits all rows
@@ -370,16 +511,20 @@ def main(argv=None) -> int:
             built[name] = row
             continue
         for _ in range(args.steps):
-            row.times.append(row.step())
+            row.timed_step()
         results[name] = _measure(row, fpt, peak)
         row.free()
     for _ in range(args.steps if interleave else 0):
         for row in built.values():
-            row.times.append(row.step())
+            row.timed_step()
     for name, row in built.items():
         results[name] = _measure(row, fpt, peak)
-    results = {name: results[name] for name in rows}
+    return {name: results[name] for name in rows}
 
+
+def _print_header(args, cfg, dev, seq: int, fpt: float, peak, results: dict, why: str) -> str:
+    """The lines above the table; returns the peak-memory kind."""
+    llama = cfg.llama_config()
     measured = [r for r in results.values() if "skipped" not in r]
     mem_kind = "CUDA max_memory_allocated" if dev.type == "cuda" else \
         "analytic: params + grads + optimizer state + saved activations"
@@ -388,37 +533,68 @@ def main(argv=None) -> int:
           f"params) seq={seq} optimizer.states={cfg.optimizer.states} grad_clip={cfg.optimizer.grad_clip} "
           f"fp4.preset={cfg.fp4.preset} data={src}")
     print(f"# device={dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}) torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} steps={args.steps} (median, after {WARMUP} warm-up) "
+          f"threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+          f"steps={args.steps} (min / median / max, after {WARMUP} warm-up"
+          + ("; rows interleaved step by step" if dev.type != "cuda" else "") + ") "
           f"bf16_gemm={'emulated (fp32 kernels)' if emulate_bf16_gemm(dev) else 'native'}")
+    print(f"# bf16-mixed's GeMMs: {bf16_gemms(dev)}")
+    print(f"# baseline: {why}")
     print(f"# MFU: model FLOPs per token {fpt / 1e9:.3f} GFLOP (PaLM count, fp4lightning.train.throughput) x tokens / step time / "
           + (f"peak {peak:g} TFLOP/s (dense bf16)" if peak else "no peak known for this device (--peak-tflops)"))
     print(f"# peak memory: {mem_kind}")
-    print("# time split: one extra step with module hooks"
-          + (" (each synchronising the device)" if dev.type == "cuda" else "") + "; attention = RoPE + SDPA")
+    print("# time split: the median step's, measured inside the timed steps by module hooks ("
+          + ("CUDA events, no synchronisation" if dev.type == "cuda" else "the clock")
+          + "); attention = RoPE + SDPA; the parts and unattributed sum to the step")
+    return mem_kind
+
+
+def _print_table(results: dict[str, dict], base: str | None) -> None:
     print()
-    print("| precision | micro-batch | step ms | tokens/s | MFU % | peak mem GB | linears ms | attention ms | "
-          "other fwd+bwd ms | optimizer ms | saved activations MiB | attention kernel |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| precision | micro-batch | step ms min / median / max | tokens/s | x baseline | MFU % | peak mem GB | "
+          "linears ms | attention ms | other fwd+bwd ms | optimizer ms | unattributed ms | saved activations MiB | "
+          "attention kernel |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         notes = [r["preset"]] if name == "fp4" and "preset" in r else []
+        notes += ["baseline"] if name == base else []
         notes += {"model": ["compiled"], "blocks": ["blocks compiled"]}.get(r.get("compiled"), [])
         label = f"{name} ({', '.join(notes)})" if notes else name
         if "skipped" in r:
-            print(f"| {label} | skipped: {r['skipped']} |" + " |" * 10)
+            print(f"| {label} | skipped: {r['skipped']} |" + " |" * 12)
             continue
         s = r["split_ms"] or dict.fromkeys(SPLIT)
-        print(f"| {label} | {r['micro_batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+        steps = " / ".join(f"{r[k]:.1f}" for k in ("step_ms_min", "step_ms", "step_ms_max"))
+        print(f"| {label} | {r['micro_batch']} | {steps} | {r['tokens_per_s']:.0f} | "
+              f"{_fmt(r.get('vs_baseline'), '.2f')} | "
               f"{_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.3g')} | {r['peak_mem_gb']:.3f} | "
               f"{' | '.join(_fmt(s[k], '.1f') for k in SPLIT)} | {_mb(r['saved_activation_bytes'])} | {r['attention_op']} |")
-    base = results.get("bf16-mixed", {})
-    if "tokens_per_s" in base:
-        ratios = ", ".join(f"{n} {r['tokens_per_s'] / base['tokens_per_s']:.2f}x" for n, r in results.items()
-                           if n != "bf16-mixed" and "tokens_per_s" in r)
+    if base is not None:
+        ratios = ", ".join(f"{n} {r['vs_baseline']:.2f}x (per step {r['vs_baseline_steps'][0]:.2f}-"
+                           f"{r['vs_baseline_steps'][1]:.2f}x)" for n, r in results.items()
+                           if n != base and "vs_baseline" in r)
         if ratios:
-            print(f"\ntokens/s over bf16-mixed: {ratios}")
+            print(f"\ntokens/s over the baseline {base} ({results[base]['tokens_per_s']:.0f} tokens/s): {ratios}")
+
+
+def main(argv=None) -> int:
+    try:
+        args, cfg, rows, seq = _parse(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dev = torch.device(args.device)
+    peak = args.peak_tflops or peak_tflops(dev)
+    fpt = flops_per_token(cfg.llama_config(), seq)
+    results = _run_rows(args, cfg, rows, dev, seq, fpt, peak)
+    base, why = choose_baseline(results)
+    add_ratios(results, base)
+    mem_kind = _print_header(args, cfg, dev, seq, fpt, peak, results, why)
+    _print_table(results, base)
     if args.json:
         setup = {"recipe": args.recipe, "overrides": list(args.overrides), "device": str(dev),
                  "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "cpu": cpu_features() if dev.type == "cpu" else None, "bf16_gemms": bf16_gemms(dev),
+                 "baseline": base, "baseline_why": why,
                  "torch": torch.__version__, "seq_len": seq, "steps": args.steps, "peak_tflops": peak,
                  "flops_per_token": fpt, "peak_mem_kind": mem_kind, "optimizer_states": cfg.optimizer.states,
                  "compile_blocks": args.compile, "compile_torchao": args.compile_torchao}
@@ -434,9 +610,14 @@ def _mb(b) -> str:
 
 
 def _measure(row: Row, fpt: float, peak: float | None) -> dict:
-    step_s = statistics.median(row.times)
+    """The row's figures: the median timed step (the lower median for an even count: a measured step,
+    whose split is reported), the min and max, memory, the attention kernel."""
+    step_s = statistics.median_low(row.times)
+    i = row.times.index(step_s)
     tokens = row.micro_batch * row.seq
     out = {"micro_batch": row.micro_batch, "seq_len": row.seq, "step_ms": 1e3 * step_s,
+           "step_ms_min": 1e3 * min(row.times), "step_ms_max": 1e3 * max(row.times),
+           "steps_ms": [1e3 * t for t in row.times],
            "tokens_per_s": tokens / step_s, "tflops": fpt * tokens / step_s / 1e12}
     out["mfu"] = out["tflops"] / peak if peak else None
     if row.preset:
@@ -446,7 +627,7 @@ def _measure(row: Row, fpt: float, peak: float | None) -> dict:
         out["saved_activation_bytes"] = None
     if row.compiled:  # hooks and the dispatch probe would break the compiled graphs
         out["compiled"] = row.compiled
-    out["split_ms"] = None if row.compiled else time_split(row)
+    out["split_ms"] = row.splits[i] if len(row.splits) == len(row.times) else None
     out["attention_op"] = "n/a (compiled)" if row.compiled else attention_op(row)
     if row.dev.type != "cuda":
         total, saved, _ = _analytic_memory(row)
