@@ -154,12 +154,12 @@ def _scaled_mm_cases():
              consts=dict(BLOCK=blk), num_warps=4, num_stages=1, options=dict(enable_fp_fusion=False), block_m=None,
              block_n=None, block_k=None, mma_dtype=None, is_default=True, elements_per_thread=blk // 128),
     ]
-    return refold + [dict(name="scaled_mm wgrad epilogue + addend * DGE", arch=90, kind="quantize",
+    return refold + [dict(name="scaled_mm wgrad epilogue + addend * DGE, overflow NaN", arch=90, kind="quantize",
                  fn=scaled_mm._wgrad_finish_kernel,
                  types=dict(y_ptr="*fp32", c_ptr="*fp32", w_ptr="*fp32", sw_ptr="*fp32", N=_I, K=_I, stride_y=_I,
-                            stride_cn=_I, stride_ck=_I, stride_w=_I),
-                 consts=dict(HAS_ADDEND=True, HAS_DGE=True, DGE_INV_K=0.2, DGE_POW=-0.8, DGE_CLAMP=3.0, BLOCK_N=bn,
-                             BLOCK_K=bk),
+                            stride_cn=_I, stride_ck=_I, stride_w=_I, flag_ptr="*i1"),
+                 consts=dict(HAS_ADDEND=True, HAS_DGE=True, HAS_FLAG=True, DGE_INV_K=0.2, DGE_POW=-0.8,
+                             DGE_CLAMP=3.0, BLOCK_N=bn, BLOCK_K=bk),
                  num_warps=4, num_stages=1, block_m=None, block_n=None, block_k=None, mma_dtype=None,
                  is_default=True, elements_per_thread=bn * bk // 128)]
 

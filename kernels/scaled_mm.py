@@ -53,7 +53,7 @@ from ._common import (F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, check_same_device
 from .fp8_gemm import triton_expand_fp4, triton_transpose_fp8
 
 __all__ = ["ALIGN", "fits", "e4m3_rows", "e4m3_cols", "fp8_cols", "scaled_fp4_gemm", "scaled_fp4_dgrad",
-           "scaled_fp4_wgrad", "triton_wgrad_finish", "triton_refold"]
+           "scaled_fp4_wgrad", "triton_wgrad_finish", "triton_refold", "nan_where"]
 
 #: cuBLASLt's FP8 GeMM reads rows whose length and stride are multiples of 16 elements (bytes)
 ALIGN = 16
@@ -185,25 +185,35 @@ def scaled_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w8t: torch.Tensor,
 def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                      dge_weight: torch.Tensor | None = None, dge_weight_scale: torch.Tensor | None = None,
                      dge_k: float = 5.0, dge_clamp: float = 3.0, addend: torch.Tensor | None = None,
-                     mm_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     mm_dtype: torch.dtype | None = None, nan_if: torch.Tensor | None = None) -> torch.Tensor:
     """``dW = ((G^T A) / s_g[:, None] + addend) * f'(W s_w)``: ``g`` (M, N) FP8, one scale per column,
     row- or column-major; ``a8t`` (K, M16) E4M3 row-major, A's values transposed with zeros past M
     (``e4m3_cols`` / ``fp8_cols``). The GeMM's output is fp32 (``mm_dtype``, bf16 where the device
     refuses fp32, then cast to fp32); the addend and the DGE factor follow in one elementwise pass
-    (the Triton kernel below on CUDA, ``cpu_fused.wgrad_epilogue`` on CPU)."""
+    (the Triton kernel below on CUDA, ``cpu_fused.wgrad_epilogue`` on CPU). ``nan_if`` (a 0-dim bool
+    on the device): where it is set, dW is all NaN (``torch.where(nan_if, nan, dW)``; on CUDA inside
+    the same pass)."""
     _check_one_device(g=g, g_scale=g_scale, a8t=a8t, addend=addend, dge_weight=dge_weight)
     gt = _tokens_contiguous(g)
     if gt.shape[1] != a8t.shape[1]:
         raise ValueError(f"wgrad: dY has {g.shape[0]} tokens but the activation operand {a8t.shape[1]} columns")
     k = a8t.shape[0]
     dw = _scaled(gt, a8t.t(), _row_scale(g_scale), _unit_cols(k, g.device), mm_dtype or torch.float32).float()
-    if addend is None and dge_weight is None:
-        return dw.to(out_dtype)
-    if dw.is_cuda:
-        return triton_wgrad_finish(dw, addend, dge_weight, dge_weight_scale, dge_k, dge_clamp).to(out_dtype)
-    ones = torch.ones(dw.shape[0], dtype=torch.float32, device=dw.device)  # the scales are applied already
-    return cpu_fused.wgrad_epilogue(dw, ones, addend, dge_weight,
-                                    dge_weight_scale if dge_weight is not None else None, dge_k, dge_clamp, out_dtype)
+    if dw.is_cuda and (addend is not None or dge_weight is not None or nan_if is not None):
+        return triton_wgrad_finish(dw, addend, dge_weight, dge_weight_scale, dge_k, dge_clamp,
+                                   nan_if=nan_if).to(out_dtype)
+    if addend is not None or dge_weight is not None:
+        ones = torch.ones(dw.shape[0], dtype=torch.float32, device=dw.device)  # the scales are applied already
+        dw = cpu_fused.wgrad_epilogue(dw, ones, addend, dge_weight, dge_weight_scale if dge_weight is not None
+                                      else None, dge_k, dge_clamp, out_dtype)
+    return nan_where(nan_if, dw.to(out_dtype))
+
+
+def nan_where(flag: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """``t``, or all NaN where the 0-dim bool ``flag`` is set (no host sync); ``t`` when ``flag`` is None."""
+    if flag is None:
+        return t
+    return torch.where(flag, torch.full((), float("nan"), device=t.device), t)
 
 
 # --------------------------------------------------------------------------- `paper`'s folded operand, rebuilt
@@ -288,13 +298,18 @@ def triton_refold(codes: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, idx
 # --------------------------------------------------------------------------- wgrad's epilogue on a GPU
 @triton.jit
 def _wgrad_finish_kernel(y_ptr, c_ptr, w_ptr, sw_ptr, N, K, stride_y, stride_cn, stride_ck, stride_w,
-                         HAS_ADDEND: tl.constexpr, HAS_DGE: tl.constexpr, DGE_INV_K: tl.constexpr,
-                         DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         flag_ptr, HAS_ADDEND: tl.constexpr, HAS_DGE: tl.constexpr, HAS_FLAG: tl.constexpr,
+                         DGE_INV_K: tl.constexpr, DGE_POW: tl.constexpr, DGE_CLAMP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     finish_tile(y_ptr, stride_y, c_ptr, stride_cn, stride_ck, w_ptr, stride_w, sw_ptr, offs_n, offs_k, offs_n < N,
                 offs_k < K, HAS_ADDEND, HAS_DGE, DGE_INV_K, DGE_POW, DGE_CLAMP)
+    if HAS_FLAG:  # the compact residual overflowed: the whole gradient is NaN (rare; overwrites this tile)
+        if tl.load(flag_ptr).to(tl.int32) != 0:
+            ptrs = y_ptr + offs_n.to(tl.int64)[:, None] * stride_y + offs_k[None, :]
+            nan = tl.full([BLOCK_N, BLOCK_K], float("nan"), tl.float32)
+            tl.store(ptrs, nan, mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
 
 
 #: tile of the epilogue kernel (elementwise, bandwidth-bound: 4K elements per program)
@@ -303,9 +318,10 @@ FINISH_BLOCK = (32, 128)
 
 def triton_wgrad_finish(dw: torch.Tensor, addend: torch.Tensor | None = None, dge_weight: torch.Tensor | None = None,
                         dge_weight_scale: torch.Tensor | None = None, dge_k: float = 5.0,
-                        dge_clamp: float = 3.0) -> torch.Tensor:
+                        dge_clamp: float = 3.0, nan_if: torch.Tensor | None = None) -> torch.Tensor:
     """In place on the fp32 (N, K) ``dw``: ``(dw + addend) * f'(W s_w)``, with the DGE factor of the
-    Triton wgrad epilogue (``_common.dge_factor``, so ``triton_dge_factor`` bit for bit)."""
+    Triton wgrad epilogue (``_common.dge_factor``, so ``triton_dge_factor`` bit for bit); all NaN
+    where the 0-dim bool ``nan_if`` is set (``nan_where``, bit for bit)."""
     if dw.dtype != torch.float32 or dw.dim() != 2 or dw.stride(1) != 1:
         raise ValueError(f"dw must be a row-major fp32 matrix, got {dw.dtype} with strides {dw.stride()}")
     n, k = dw.shape
@@ -314,13 +330,16 @@ def triton_wgrad_finish(dw: torch.Tensor, addend: torch.Tensor | None = None, dg
             raise ValueError("dge_weight_scale (W's per-row FP4 scale) is required with dge_weight")
         if dge_weight.stride(1) != 1:
             dge_weight = dge_weight.contiguous()
-    check_same_device(dw=dw, addend=addend, dge_weight=dge_weight, dge_weight_scale=dge_weight_scale)
+    if nan_if is not None and (nan_if.dtype != torch.bool or nan_if.numel() != 1):
+        raise ValueError(f"nan_if must be a one-element bool tensor, got {nan_if.dtype} of shape {tuple(nan_if.shape)}")
+    check_same_device(dw=dw, addend=addend, dge_weight=dge_weight, dge_weight_scale=dge_weight_scale, nan_if=nan_if)
     c = addend if addend is not None else dw
     w = dge_weight if dge_weight is not None else dw
     sw = dge_weight_scale if dge_weight is not None else dw
     bn, bk = FINISH_BLOCK
     _wgrad_finish_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
-        dw, c, w, sw, n, k, dw.stride(0), c.stride(0), c.stride(1), w.stride(0),
-        HAS_ADDEND=addend is not None, HAS_DGE=dge_weight is not None, DGE_INV_K=1.0 / float(dge_k),
+        dw, c, w, sw, n, k, dw.stride(0), c.stride(0), c.stride(1), w.stride(0), nan_if if nan_if is not None else dw,
+        HAS_ADDEND=addend is not None, HAS_DGE=dge_weight is not None, HAS_FLAG=nan_if is not None,
+        DGE_INV_K=1.0 / float(dge_k),
         DGE_POW=1.0 / float(dge_k) - 1.0, DGE_CLAMP=float(dge_clamp), BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return dw

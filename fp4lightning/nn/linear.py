@@ -227,9 +227,9 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
         dge_weight=weight if cfg.dge else None, dge_weight_scale=w_scale,
         dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
         a_values=a_vals,
+        # more outliers than the compact residual holds: a NaN step, never a wrong one
+        nan_if=resid[2] if ctx.refold else None,
     )
-    if ctx.refold:  # more outliers than the compact residual holds: a NaN step, never a wrong one
-        grad_w = torch.where(resid[2], torch.full((), float("nan"), device=grad_w.device), grad_w)
     if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.experiments.dge_probe
         grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)
     return grad_w

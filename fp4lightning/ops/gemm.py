@@ -565,7 +565,9 @@ def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
-              dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None):
+              dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None, nan_if=None):
+    """``nan_if`` (a 0-dim bool on the device): where set, the gradient is all NaN (no host sync; on
+    the scaled_mm backend on CUDA inside the wgrad's epilogue pass)."""
     backend, mm_dtype = _gemm_backend(g.device, _is_fp8(g) and _fits(k, g.shape[1]),
                                       (g.dtype, torch.float32, False))
     if backend == "scaled_mm":
@@ -573,7 +575,15 @@ def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None,
         # A's values transposed (tokens contiguous): from its packed codes, or the folded E4M3 operand
         a8t = sm.fp8_cols(a_values) if a_values is not None else sm.e4m3_cols(a_packed, k)
         return sm.scaled_fp4_wgrad(g, g_scale, a8t, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp, addend,
-                                   mm_dtype=mm_dtype)
+                                   mm_dtype=mm_dtype, nan_if=nan_if)
+    dw = _fp4_wgrad_other(backend, g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp,
+                          addend, gemm_dtype, a_values)
+    return dw if nan_if is None else torch.where(nan_if, torch.full((), float("nan"), device=dw.device), dw)
+
+
+def _fp4_wgrad_other(backend, g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp,
+                     addend, gemm_dtype, a_values):
+    """``fp4_wgrad`` on the Triton and reference backends."""
     if a_values is not None:  # the E4M3-folded activation operand (FP4Config.occ_fold_e4m3)
         # the Triton GeMM needs an FP8 dY (it says so in one line on the Triton backend); the
         # scaled_mm backend's bf16 dY takes the reference
