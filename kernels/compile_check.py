@@ -139,19 +139,19 @@ def _scaled_mm_cases():
     """The Triton kernels around the scaled_mm backend's ``torch._scaled_mm`` GeMMs
     (kernels/scaled_mm.py): the weight gradient's epilogue (addend, DGE factor)."""
     bn, bk = scaled_mm.FINISH_BLOCK
-    bm, bkh = scaled_mm.REFOLD_BLOCK
+    bm, bkh = scaled_mm.REFOLD_T_BLOCK
     blk = scaled_mm.REFOLD_OUTLIER_BLOCK
     refold = [
-        dict(name="scaled_mm paper: refold codes * 2^-shift -> E4M3", arch=90, kind="quantize",
+        dict(name="scaled_mm paper: refold codes * 2^-shift -> E4M3^T", arch=90, kind="quantize",
              fn=scaled_mm._refold_codes_kernel,
              types=dict(q_ptr="*u8", p_ptr="*fp32", e_ptr="*u8", M=_I, KH=_I, stride_q=_I, stride_e=_I),
-             consts=dict(BLOCK_M=bm, BLOCK_KH=bkh), num_warps=4, num_stages=1, block_m=None, block_n=None,
+             consts=dict(BLOCK_M=bm, BLOCK_KH=bkh, TRANSPOSED=True), num_warps=4, num_stages=1, block_m=None, block_n=None,
              block_k=None, mma_dtype=None, is_default=True, elements_per_thread=bm * 2 * bkh // 128),
-        dict(name="scaled_mm paper: refold the compact residual's outliers", arch=90, kind="quantize",
+        dict(name="scaled_mm paper: refold the compact residual's outliers^T", arch=90, kind="quantize",
              fn=scaled_mm._refold_outliers_kernel,
              types=dict(idx_ptr="*i32", v_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", p_ptr="*fp32", e_ptr="*u8",
                         N_SLOTS=_I, MK=_I, K=_I, stride_q=_I, stride_e=_I),
-             consts=dict(BLOCK=blk), num_warps=4, num_stages=1, options=dict(enable_fp_fusion=False), block_m=None,
+             consts=dict(BLOCK=blk, TRANSPOSED=True), num_warps=4, num_stages=1, options=dict(enable_fp_fusion=False), block_m=None,
              block_n=None, block_k=None, mma_dtype=None, is_default=True, elements_per_thread=blk // 128),
     ]
     return refold + [dict(name="scaled_mm wgrad epilogue + addend * DGE, overflow NaN", arch=90, kind="quantize",

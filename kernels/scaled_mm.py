@@ -107,7 +107,10 @@ def e4m3_cols(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 def fp8_cols(x: torch.Tensor) -> torch.Tensor:
     """An (R, C) FP8 tensor transposed, (C, R16) row-major with zeros past R (the folded-OCC E4M3
-    operand as wgrad's second operand)."""
+    operand as wgrad's second operand). A column-major ``x`` (``triton_refold(transposed=True)``)
+    is read as it is: no copy when R is a multiple of 16, else one into a zero-padded buffer."""
+    if x.shape[0] > 1 and x.stride(0) == 1:
+        return _pad_cols(x.t())
     if x.is_cuda:
         t = triton_transpose_fp8(x)  # its pad is not written: padded here when R is not a multiple of 16
         return t if x.shape[0] % ALIGN == 0 else _pad_cols(t)
@@ -237,7 +240,7 @@ def _e4m3_bits(v):
 
 @triton.jit
 def _refold_codes_kernel(q_ptr, p_ptr, e_ptr, M, KH, stride_q, stride_e, BLOCK_M: tl.constexpr,
-                         BLOCK_KH: tl.constexpr):
+                         BLOCK_KH: tl.constexpr, TRANSPOSED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1) * BLOCK_KH + tl.arange(0, BLOCK_KH)
     row_ok = rows < M
@@ -248,13 +251,16 @@ def _refold_codes_kernel(q_ptr, p_ptr, e_ptr, M, KH, stride_q, stride_e, BLOCK_M
     # rows folded to NaN: zeros; the negative zero code gives +0, as A_q + s_a R = -0.0 + 0.0 does
     e = tl.where((p == p) & (q != 0.0), _e4m3_bits(q * p), 0)
     ke = tl.program_id(1) * 2 * BLOCK_KH + tl.arange(0, 2 * BLOCK_KH)
-    tl.store(e_ptr + rows.to(tl.int64)[:, None] * stride_e + ke[None, :], e.to(tl.uint8),
-             mask=row_ok[:, None] & (ke < 2 * KH)[None, :])
+    if TRANSPOSED:  # e is (K, M16): wgrad's second operand, written without a transpose pass
+        dst = e_ptr + ke.to(tl.int64)[None, :] * stride_e + rows[:, None]
+    else:
+        dst = e_ptr + rows.to(tl.int64)[:, None] * stride_e + ke[None, :]
+    tl.store(dst, e.to(tl.uint8), mask=row_ok[:, None] & (ke < 2 * KH)[None, :])
 
 
 @triton.jit
 def _refold_outliers_kernel(idx_ptr, v_ptr, q_ptr, s_ptr, p_ptr, e_ptr, N_SLOTS, MK, K, stride_q, stride_e,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     idx = tl.load(idx_ptr + j, mask=j < N_SLOTS, other=MK).to(tl.int64)
     ok = idx < MK  # padding slots hold M K
@@ -267,32 +273,39 @@ def _refold_outliers_kernel(idx_ptr, v_ptr, q_ptr, s_ptr, p_ptr, e_ptr, N_SLOTS,
     p = tl.load(p_ptr + m, mask=ok, other=1.0)
     v = q + r * s  # A_q + s_a R, product and sum rounded apart (launched without FMA contraction)
     e = tl.where(p == p, _e4m3_bits(v * p), 0)
-    tl.store(e_ptr + m * stride_e + k, e.to(tl.uint8), mask=ok)
+    dst = e_ptr + k * stride_e + m if TRANSPOSED else e_ptr + m * stride_e + k
+    tl.store(dst, e.to(tl.uint8), mask=ok)
 
 
-#: tiles of the two refold kernels (bandwidth-bound: 4K codes, 1K residual slots per program)
+#: tiles of the two refold kernels (bandwidth-bound: 4K codes, 1K residual slots per program); the
+#: transposed form takes 64 rows per tile, so each column's store is 64 contiguous bytes
 REFOLD_BLOCK = (32, 64)
+REFOLD_T_BLOCK = (64, 32)
 REFOLD_OUTLIER_BLOCK = 1024
 
 
 def triton_refold(codes: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
-                  k: int) -> torch.Tensor:
+                  k: int, transposed: bool = False) -> torch.Tensor:
     """The folded E4M3 operand (M, k) (row stride padded to 16 bytes) from the packed codes (M, k/2),
     the clamped activation's scale ``s_a``, the per-row ``2^-shift`` (NaN for rows folded to NaN) and
-    the compact residual's flat indices and values; ``ops.gemm.refold_operand`` bit for bit."""
+    the compact residual's flat indices and values; ``ops.gemm.refold_operand`` bit for bit.
+    ``transposed``: the same values written column-major, the (M, k) transposed view of a (k, M16)
+    buffer (its columns past M unwritten), which ``fp8_cols`` hands to wgrad without a transpose."""
     m, kh = codes.shape
     check_same_device(codes=codes, scale=scale, p=p, idx=idx, vals=vals)
-    e = torch.empty(m, round_up(k, ALIGN), dtype=torch.uint8, device=codes.device)
-    bm, bkh = (16, 32) if INTERPRET else REFOLD_BLOCK
+    shape = (k, round_up(m, ALIGN)) if transposed else (m, round_up(k, ALIGN))
+    e = torch.empty(shape, dtype=torch.uint8, device=codes.device)
+    bm, bkh = (16, 32) if INTERPRET else REFOLD_T_BLOCK if transposed else REFOLD_BLOCK
     _refold_codes_kernel[(triton.cdiv(m, bm), triton.cdiv(kh, bkh))](
-        codes, p, e, m, kh, codes.stride(0), e.stride(0), BLOCK_M=bm, BLOCK_KH=bkh, num_warps=4)
+        codes, p, e, m, kh, codes.stride(0), e.stride(0), BLOCK_M=bm, BLOCK_KH=bkh, TRANSPOSED=transposed,
+        num_warps=4)
     n = idx.numel()
     if n:
         block = 256 if INTERPRET else REFOLD_OUTLIER_BLOCK
         _refold_outliers_kernel[(triton.cdiv(n, block),)](
-            idx, vals, codes, scale, p, e, n, m * k, k, codes.stride(0), e.stride(0), BLOCK=block, num_warps=4,
-            enable_fp_fusion=False)
-    return e.view(E4M3)[:, :k]
+            idx, vals, codes, scale, p, e, n, m * k, k, codes.stride(0), e.stride(0), BLOCK=block,
+            TRANSPOSED=transposed, num_warps=4, enable_fp_fusion=False)
+    return e.view(E4M3)[:, :m].t() if transposed else e.view(E4M3)[:, :k]
 
 
 # --------------------------------------------------------------------------- wgrad's epilogue on a GPU

@@ -92,14 +92,14 @@ QUANTIZER_SASS_PER_ELEMENT_MAX = {
     "transpose e4m3 (folded wgrad operand)": 12.0,
     # the scaled_mm backend's one-pass quantizers (kernels/quantize.py) and backward's kernels
     # (kernels/scaled_mm.py), measured 36.0 / 40.2 (codes + E4M3 operand: 3.5 B per element, budget
-    # ~42), 48.5 / 56.5 (paper: the folded operand + codes + residual, 5.5 B, budget ~66), 27.8 (the
-    # refold of the codes, 1.5 B: over the expansion's ~18), 70.8 (wgrad's DGE epilogue and the
-    # overflow NaN, 12 B; 67.2 without the NaN)
+    # ~42), 48.5 / 56.5 (paper: the folded operand + codes + residual, 5.5 B, budget ~66), 33.0 (the
+    # refold of the codes written transposed, 1.5 B: was 27.8 row-major plus the 8.8 of a separate
+    # transpose), 70.8 (wgrad's DGE epilogue and the overflow NaN, 12 B; 67.2 without the NaN)
     "quantize_fp4 rows + E4M3 operand (scaled_mm), K=4096": 39.0,
     "quantize_fp4 rows + E4M3 operand (scaled_mm), K=11008 (two passes)": 44.0,
     "quantize_fp4 folded e4m3 (OCC) + codes + residual (scaled_mm paper), K=4096": 52.0,
     "quantize_fp4 folded e4m3 (OCC) + codes + residual (scaled_mm paper), K=11008 (two passes)": 60.0,
-    "scaled_mm paper: refold codes * 2^-shift -> E4M3": 31.0,
+    "scaled_mm paper: refold codes * 2^-shift -> E4M3^T": 36.0,
     "scaled_mm wgrad epilogue + addend * DGE, overflow NaN": 75.0,
 }
 # bf16 activations: the reference rounds its bf16 matmul's accumulator to bf16 before the

@@ -368,7 +368,8 @@ def refold_operand(codes: torch.Tensor, scale: torch.Tensor, fold_scale: torch.T
     """``quantize_fp4_folded``'s E4M3 operand, bit for bit, rebuilt from what the scaled_mm backend's
     FP4Linear saves instead of it: the packed E2M1 codes and scale ``s_a`` of the clamped activation,
     the folded scale ``s_a 2^-shift`` and the compact residual ``(flat indices, values in x's dtype,
-    overflow)`` (``linear._compact_residual``). Returns (M, K) ``float8_e4m3fn``.
+    overflow)`` (``linear._compact_residual``). Returns (M, K) ``float8_e4m3fn``: row-major from the
+    PyTorch form, column-major from the Triton kernels (written as wgrad reads it, its only user).
 
     The same arithmetic as ``cpu_fused.fp4_rows_folded``: ``v = A_q + R s_a`` in fp32, times ``2^-shift``,
     saturated to E4M3's 448 and rounded; rows with a NaN folded scale are zeros. (Past the compact
@@ -379,7 +380,7 @@ def refold_operand(codes: torch.Tensor, scale: torch.Tensor, fold_scale: torch.T
     # the shift, from the two scales: 2^-shift exactly (0 <= shift <= 8), NaN for rows folded to NaN
     p = torch.exp2(torch.round(torch.log2(fold_scale / scale)))
     if triton_quantizers(codes.device):  # two bandwidth-bound kernels (kernels/scaled_mm.py)
-        return _scaled_mm_kernels().triton_refold(codes, scale, p, idx, vals, k)
+        return _scaled_mm_kernels().triton_refold(codes, scale, p, idx, vals, k, transposed=True)
     r = torch.zeros(m * k + 1, dtype=vals.dtype, device=vals.device)
     r.scatter_(0, idx.long(), vals)  # unique indices; the padding slots land in the spare element
     v = decode_packed_fp4(codes, k, torch.float32) + r[:m * k].view(m, k).float() * scale[:, None]
