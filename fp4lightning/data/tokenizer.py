@@ -23,10 +23,17 @@ __all__ = ["Tokenizer", "BOS_TOKEN", "EOS_TOKEN", "TOKENIZER_FILE", "bounded_pie
 
 #: longest text handed to the BPE trainer or encoder at once; longer texts are cut at whitespace (:func:`token_pieces`)
 MAX_PIECE_CHARS = 1 << 16
-#: longest run without whitespace kept whole; longer runs are cut (as BPE trainers cap word length).
-#: The trainer's merge counting grows with word length squared: a 1 MB "word" did not finish in 290 s.
+#: longest pre-token (a "word" of the byte-level pre-tokenizer: a run of letters, of digits, of other
+#: symbols or of whitespace) the trainer sees; a longer one reaches it as its first ``MAX_RUN_CHARS``
+#: characters only, and the rest of it is not trained on. SentencePiece caps its pieces the same way
+#: (``max_sentencepiece_length``). The trainer's memory grows with the length of every distinct
+#: pre-token and its merge counting with the square of it, so without the cap one line of letters
+#: costs memory in proportion to its length. BPE tokens never span pre-tokens, so the cap changes
+#: nothing for text without such runs.
 MAX_RUN_CHARS = 64
-_LONG_RUN = re.compile(r"\S{%d}" % MAX_RUN_CHARS)
+#: a run that may hold a pre-token longer than ``MAX_RUN_CHARS`` (a pre-token never mixes whitespace
+#: and other characters, apart from one leading space)
+_LONG_RUN = re.compile(r"\S{%d}|\s{%d}" % (MAX_RUN_CHARS, MAX_RUN_CHARS + 1))
 _PROGRESS_CHARS = 10_000_000
 
 
@@ -51,16 +58,14 @@ def token_pieces(text: str, limit: int = MAX_PIECE_CHARS) -> Iterator[str]:
 
 
 def bounded_pieces(texts: Iterable[str], progress: Callable[[str], None] | None = None) -> Iterator[str]:
-    """``texts`` as pieces of at most ``MAX_PIECE_CHARS`` characters with no whitespace-free run
-    longer than ``MAX_RUN_CHARS`` (such runs are split into separate pieces, so no merge spans the cut)."""
+    """``texts`` as pieces of at most ``MAX_PIECE_CHARS`` characters with no pre-token longer than
+    ``MAX_RUN_CHARS``: a longer one is replaced by its first ``MAX_RUN_CHARS`` characters, a piece of its
+    own (so no merge spans the cut). A long line without whitespace costs the trainer what its first
+    characters do, not its length."""
     seen, next_report, t0 = 0, _PROGRESS_CHARS, time.perf_counter()
     for text in texts:
         for piece in token_pieces(text):
-            if _LONG_RUN.search(piece):
-                parts = re.split(r"(\S{%d})" % MAX_RUN_CHARS, piece)
-                yield from (p for p in parts if p)
-            else:
-                yield piece
+            yield from (_capped_pre_tokens(piece) if _LONG_RUN.search(piece) else (piece,))
         seen += len(text)
         if progress is not None and seen >= next_report:
             next_report = seen + _PROGRESS_CHARS
@@ -68,6 +73,28 @@ def bounded_pieces(texts: Iterable[str], progress: Callable[[str], None] | None 
     if progress is not None:
         progress(f"tokenizer training: read {seen / 1e6:.1f}M characters in all ({time.perf_counter() - t0:.0f}s); "
                  "computing merges")
+
+
+def _capped_pre_tokens(piece: str) -> Iterator[str]:
+    """``piece`` cut around each pre-token longer than ``MAX_RUN_CHARS``, which becomes its first
+    ``MAX_RUN_CHARS`` characters; the text between such pre-tokens is kept whole."""
+    start = 0
+    for _, (a, b) in _pre_tokenizer().pre_tokenize_str(piece):  # offsets in characters of ``piece``
+        if b - a > MAX_RUN_CHARS:
+            if a > start:
+                yield piece[start:a]
+            yield piece[a:a + MAX_RUN_CHARS]
+            start = b
+    if start < len(piece):
+        yield piece[start:]
+
+
+def _pre_tokenizer():
+    """The byte-level pre-tokenizer (GPT-2's pattern) of every tokenizer trained here."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
+
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -98,14 +125,15 @@ class Tokenizer:
               progress: Callable[[str], None] | None = None) -> "Tokenizer":
         """Train a byte-level BPE with ``vocab_size`` entries (special tokens included).
 
-        The texts reach the trainer in bounded pieces (:func:`bounded_pieces`), so one huge
-        line or an unbroken run of characters (base64, a minified file) costs time and memory
-        in proportion to its length; ``progress(message)`` is called every ~10 MB.
+        The texts reach the trainer in bounded pieces (:func:`bounded_pieces`): one huge line costs
+        time in proportion to its length, and a pre-token longer than ``MAX_RUN_CHARS`` (a line of
+        letters without whitespace) only what its first ``MAX_RUN_CHARS`` characters cost;
+        ``progress(message)`` is called every ~10 MB.
         """
         from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
 
         tok = _Tok(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.pre_tokenizer = _pre_tokenizer()
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
