@@ -88,8 +88,8 @@ def _cases(all_configs: bool = False):
     ``gemm._prune_to_family`` picks them with autotuning off), or every row with ``all_configs``."""
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
                    e_ptr="*u8", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
-    f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", M=_I, N=_I, stride_xm=_I,
-                    stride_qm=_I, stride_qn=_I)
+    f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", i_ptr="*fp32", M=_I,
+                    N=_I, stride_xm=_I, stride_qm=_I, stride_qn=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                    M=_I, M_BUCKET=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
     d_types = dict(g_ptr="*fp8e5", w_ptr="*u8", sg_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I,
@@ -190,11 +190,13 @@ def _quantizer_cases(q_types, f8_types):
     fp4("quantize_fp4 rows + E4M3 operand (scaled_mm)", QUANT_DIM, False, e4m3=True)
     fp4("quantize_fp4 rows + E4M3 operand (scaled_mm)", QUANT_FFN, False, e4m3=True)
     e5 = dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN)
+    # STORE_INV: the scaled_mm backend's launches also write 1 / scale
     for n in (QUANT_DIM, QUANT_FFN):  # dgrad's operand dY / s_w, one scale per row
         bm, bn, single, warps = quantize.fp8_rows_launch_params(n)
         cases.append(dict(name=f"quantize_fp8 rows e5m2 / divisor, N={n}" + ("" if single else " (two passes)"),
                           arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
-                          consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single), num_warps=warps,
+                          consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single, STORE_INV=True),
+                          num_warps=warps,
                           num_stages=1, elements_per_thread=bm * bn // (32 * warps)))
     # OCC folded into an E4M3 activation operand (FP4Config.occ_fold_e4m3), launched without FMA
     # contraction as FP4Linear launches it
@@ -219,7 +221,7 @@ def _quantizer_cases(q_types, f8_types):
                       elements_per_thread=am * an // (32 * aw)))
     cases.append(dict(name="quantize_fp8 columns e5m2 / divisor, column-major", arch=90, kind="quantize",
                       fn=quantize._quantize_fp8_cols_kernel, types=f8_types,
-                      consts=dict(e5, DIV=2, BLOCK_M=bm, BLOCK_N=bn), num_warps=warps, num_stages=1,
+                      consts=dict(e5, DIV=2, BLOCK_M=bm, BLOCK_N=bn, STORE_INV=True), num_warps=warps, num_stages=1,
                       elements_per_thread=bm * bn // (32 * warps)))
     return cases
 

@@ -573,16 +573,25 @@ def _fp8_scale(amax, FMAX: tl.constexpr):
 
 
 @triton.jit
+def _store_scale(s_ptr, i_ptr, idx, scale, mask, STORE_INV: tl.constexpr):
+    """The scales, and with STORE_INV their IEEE reciprocals (``div_rn``: torch.reciprocal's bits),
+    which ``_scaled_mm`` multiplies by: no separate reciprocal launch."""
+    tl.store(s_ptr + idx, scale, mask=mask)
+    if STORE_INV:
+        tl.store(i_ptr + idx, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=mask)
+
+
+@triton.jit
 def _quantize_fp8_rows_kernel(
-    # pointers (q_ptr is a uint8 view of the FP8 output)
-    x_ptr, d_ptr, q_ptr, s_ptr,
+    # pointers (q_ptr is a uint8 view of the FP8 output; i_ptr takes 1 / scale with STORE_INV)
+    x_ptr, d_ptr, q_ptr, s_ptr, i_ptr,
     # sizes
     M, N,
     # strides
     stride_xm, stride_qm,
     # meta-parameters
     FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr = False, STORE_INV: tl.constexpr = False,
 ):
     # One scale per row: a program owns BLOCK_M rows. SINGLE_PASS (BLOCK_N >= N): the rows sit
     # in registers, read and divided once; otherwise it walks along N twice (absmax, encode).
@@ -592,7 +601,7 @@ def _quantize_fp8_rows_kernel(
         x, mask = _fp8_tile(x_ptr, stride_xm, rows, c, M, N, d_ptr, DIV)
         scale = _fp8_scale(_line_amax(x, 1), FMAX)
         _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, c, mask, 1, FMAX, MANT, EMIN)
-        tl.store(s_ptr + rows, scale, mask=rows < M)
+        _store_scale(s_ptr, i_ptr, rows, scale, rows < M, STORE_INV)
         return
     # --- pass 1: absmax
     amax = tl.zeros([BLOCK_M], tl.float32)
@@ -606,7 +615,7 @@ def _quantize_fp8_rows_kernel(
     for n0 in range(0, N, BLOCK_N):
         x, mask = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N, d_ptr, DIV)
         _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, n0 + c, mask, 1, FMAX, MANT, EMIN)
-    tl.store(s_ptr + rows, scale, mask=rows < M)
+    _store_scale(s_ptr, i_ptr, rows, scale, rows < M, STORE_INV)
 
 
 @triton.jit
@@ -625,11 +634,11 @@ def _col_amax_kernel(x_ptr, d_ptr, amax_ptr, M, N, stride_xm, DIV: tl.constexpr,
 
 @triton.jit
 def _quantize_fp8_cols_kernel(
-    x_ptr, d_ptr, q_ptr, s_ptr, amax_ptr,
+    x_ptr, d_ptr, q_ptr, s_ptr, amax_ptr, i_ptr,
     M, N,
     stride_xm, stride_qm, stride_qn,
     FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_INV: tl.constexpr = False,
 ):
     # One scale per column, from the column absmax of _col_amax_kernel; fully parallel tiles.
     pid_m = tl.program_id(0)
@@ -639,11 +648,11 @@ def _quantize_fp8_cols_kernel(
     scale = _fp8_scale(amax, FMAX)
     x, mask = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV)
     _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, 0, FMAX, MANT, EMIN)
-    tl.store(s_ptr + cols, scale, mask=(cols < N) & (pid_m == 0))
+    _store_scale(s_ptr, i_ptr, cols, scale, (cols < N) & (pid_m == 0), STORE_INV)
 
 
 def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
-                 divide_by: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 divide_by: torch.Tensor | None = None, inverse: bool = False) -> tuple[torch.Tensor, ...]:
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
@@ -655,7 +664,8 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     column for ``dim=1``, per row for ``dim=0``) quantizes ``x2d * (1 / divide_by)`` without
     materialising it (the FP4 scale of the GeMM's reduction dimension folded into dY): one IEEE
     reciprocal per divisor, then one fp32 multiply per element, as ``fp4lightning.numerics.cpu_fused.fp8_scaled``
-    computes it, so bit-identical to it.
+    computes it, so bit-identical to it. ``inverse=True`` returns ``(x_fp8, scale, 1 / scale)``, the
+    reciprocals written by the same kernel (IEEE, so ``torch.reciprocal(scale)`` bit for bit).
     """
     x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
     check_same_device(x2d=x2d)
@@ -680,22 +690,22 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     qb = q.view(torch.uint8)  # the kernels write FP8 bit patterns
     meta = dict(FMAX=fmax, MANT=mant, EMIN=emin)
     d = divide_by if divide_by is not None else x2d  # placeholder pointer when unused
+    scale = torch.empty(m if dim == 1 else n, dtype=torch.float32, device=x2d.device)
+    inv = torch.empty_like(scale) if inverse else scale  # placeholder pointer when unused
     if dim == 1:
-        scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
         block_m, block_n, single, warps = fp8_rows_launch_params(n)
         _quantize_fp8_rows_kernel[(triton.cdiv(m, block_m),)](
-            x2d, d, qb, scale, m, n, x2d.stride(0), q.stride(0), **meta, DIV=div, BLOCK_M=block_m, BLOCK_N=block_n,
-            SINGLE_PASS=single, num_warps=warps)
+            x2d, d, qb, scale, inv, m, n, x2d.stride(0), q.stride(0), **meta, DIV=div, BLOCK_M=block_m,
+            BLOCK_N=block_n, SINGLE_PASS=single, STORE_INV=inverse, num_warps=warps)
     else:
-        scale = torch.empty(n, dtype=torch.float32, device=x2d.device)
         amax_bits = torch.zeros(n, dtype=torch.int32, device=x2d.device)
         (am, an, aw), (block_m, block_n, warps) = fp8_cols_launch_params(m, n, column_major)
         _col_amax_kernel[(triton.cdiv(m, am), triton.cdiv(n, an))](
             x2d, d, amax_bits, m, n, x2d.stride(0), DIV=div, BLOCK_M=am, BLOCK_N=an, num_warps=aw)
         _quantize_fp8_cols_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            x2d, d, qb, scale, amax_bits, m, n, x2d.stride(0), qb.stride(0), qb.stride(1), **meta, DIV=div,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-    return q, scale
+            x2d, d, qb, scale, amax_bits, inv, m, n, x2d.stride(0), qb.stride(0), qb.stride(1), **meta, DIV=div,
+            BLOCK_M=block_m, BLOCK_N=block_n, STORE_INV=inverse, num_warps=warps)
+    return (q, scale, inv) if inverse else (q, scale)
 
 
 def fp8_rows_launch_params(n: int) -> tuple[int, int, bool, int]:

@@ -143,14 +143,28 @@ def _scaled(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: to
                             use_fast_accum=FP8_FAST_ACCUM)
 
 
-def _row_scale(s: torch.Tensor) -> torch.Tensor:
-    """(n, 1) fp32 reciprocals: ``_scaled_mm`` multiplies, the references divide by ``s``."""
-    return torch.reciprocal(s.float()).reshape(-1, 1)
+def _row_scale(s: torch.Tensor, inv: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, 1) fp32 reciprocals: ``_scaled_mm`` multiplies, the references divide by ``s``. ``inv``:
+    the reciprocals already written by ``s``'s quantizer (the same IEEE bits, no launch)."""
+    return (torch.reciprocal(s.float()) if inv is None else inv).reshape(-1, 1)
 
 
-def _unit_cols(n: int, device: torch.device) -> torch.Tensor:
-    # row-wise scaling takes no tensor-wise partner: a row of ones
-    return torch.ones(1, n, dtype=torch.float32, device=device)
+#: rows of ones per (device, is_meta): read-only, allocated once and grown when a wider one is asked for
+_ONES: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def _unit_cols(n: int, like: torch.Tensor) -> torch.Tensor:
+    """A (1, n) fp32 row of ones on ``like``'s device: row-wise scaling takes no tensor-wise partner.
+    Kept between calls (a fill launch per GeMM otherwise), except while a CUDA graph is captured
+    (its memory would belong to the graph). Keyed with ``is_meta`` as well as the device: the
+    roofline's trace shows meta tensors as CUDA ones (benchmarks/roofline.py)."""
+    if like.is_cuda and not like.is_meta and torch.cuda.is_current_stream_capturing():
+        return torch.ones(1, n, dtype=torch.float32, device=like.device)
+    key = (str(like.device), like.is_meta)
+    buf = _ONES.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _ONES[key] = torch.ones(max(n, 1024), dtype=torch.float32, device=like.device)
+    return buf[:n].reshape(1, n)
 
 
 # --------------------------------------------------------------------------- the three GeMMs
@@ -174,34 +188,36 @@ def scaled_fp4_gemm(a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w
 
 
 def scaled_fp4_dgrad(g: torch.Tensor, g_scale: torch.Tensor, w8t: torch.Tensor,
-                     out_dtype: torch.dtype = torch.float32, mm_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.float32, mm_dtype: torch.dtype | None = None,
+                     g_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
     """``dA = (G W_q) / s_g[:, None]``: ``g`` (M, N) FP8 (one scale per row), ``w8t`` (K, N) E4M3
     row-major, W's values transposed (``e4m3_cols`` of W's codes). ``mm_dtype``: as in
-    ``scaled_fp4_gemm``."""
+    ``scaled_fp4_gemm``. ``g_scale_inv``: ``1 / g_scale`` where the quantizer wrote it."""
     _check_one_device(g=g, g_scale=g_scale, w8t=w8t)
     if g.stride(1) != 1 or (g.shape[0] > 1 and g.stride(0) % ALIGN):
         g = g.contiguous()
     mm = out_dtype if mm_dtype is None else mm_dtype
-    return _scaled(g, w8t.t(), _row_scale(g_scale), _unit_cols(w8t.shape[0], g.device), mm).to(out_dtype)
+    return _scaled(g, w8t.t(), _row_scale(g_scale, g_scale_inv), _unit_cols(w8t.shape[0], g), mm).to(out_dtype)
 
 
 def scaled_fp4_wgrad(g: torch.Tensor, g_scale: torch.Tensor, a8t: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                      dge_weight: torch.Tensor | None = None, dge_weight_scale: torch.Tensor | None = None,
                      dge_k: float = 5.0, dge_clamp: float = 3.0, addend: torch.Tensor | None = None,
-                     mm_dtype: torch.dtype | None = None, nan_if: torch.Tensor | None = None) -> torch.Tensor:
+                     mm_dtype: torch.dtype | None = None, nan_if: torch.Tensor | None = None,
+                     g_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
     """``dW = ((G^T A) / s_g[:, None] + addend) * f'(W s_w)``: ``g`` (M, N) FP8, one scale per column,
     row- or column-major; ``a8t`` (K, M16) E4M3 row-major, A's values transposed with zeros past M
     (``e4m3_cols`` / ``fp8_cols``). The GeMM's output is fp32 (``mm_dtype``, bf16 where the device
     refuses fp32, then cast to fp32); the addend and the DGE factor follow in one elementwise pass
     (the Triton kernel below on CUDA, ``cpu_fused.wgrad_epilogue`` on CPU). ``nan_if`` (a 0-dim bool
     on the device): where it is set, dW is all NaN (``torch.where(nan_if, nan, dW)``; on CUDA inside
-    the same pass)."""
+    the same pass). ``g_scale_inv``: ``1 / g_scale`` where the quantizer wrote it."""
     _check_one_device(g=g, g_scale=g_scale, a8t=a8t, addend=addend, dge_weight=dge_weight)
     gt = _tokens_contiguous(g)
     if gt.shape[1] != a8t.shape[1]:
         raise ValueError(f"wgrad: dY has {g.shape[0]} tokens but the activation operand {a8t.shape[1]} columns")
     k = a8t.shape[0]
-    dw = _scaled(gt, a8t.t(), _row_scale(g_scale), _unit_cols(k, g.device), mm_dtype or torch.float32).float()
+    dw = _scaled(gt, a8t.t(), _row_scale(g_scale, g_scale_inv), _unit_cols(k, g), mm_dtype or torch.float32).float()
     if dw.is_cuda and (addend is not None or dge_weight is not None or nan_if is not None):
         return triton_wgrad_finish(dw, addend, dge_weight, dge_weight_scale, dge_k, dge_clamp,
                                    nan_if=nan_if).to(out_dtype)

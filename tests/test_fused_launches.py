@@ -2,7 +2,9 @@
 launches they replace: under the Triton interpreter on CPU, compiled on a GPU.
 
 * the compact residual's overflow (``where(overflow, nan, dW)``) inside the wgrad finish kernel;
-* the refold writing wgrad's operand transposed (no ``_transpose_kernel``).
+* the refold writing wgrad's operand transposed (no ``_transpose_kernel``);
+* the FP8 dY quantizers writing ``1 / scale`` (no ``torch.reciprocal`` before each backward GeMM), and
+  the row of ones ``_scaled_mm`` takes as the unused scale kept between calls.
 """
 import pytest
 import torch
@@ -81,3 +83,86 @@ def test_refold_writes_the_wgrad_operand_transposed_bit_for_bit(m, monkeypatch):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     if m % 16 == 0:  # read in place: no copy
         assert got.data_ptr() == cols.data_ptr()
+
+
+def _edge_gradient(m, n, dtype):
+    """dY with rows / columns of zeros, subnormals, huge and tiny values, inf and NaN: every branch
+    of the scale (the amax floor, the reciprocal of a huge scale going subnormal, NaN scales)."""
+    x = torch.randn(m, n, device=DEV) * torch.exp(4 * torch.randn(m, 1, device=DEV))
+    x[0] = 0.0  # amax 0: the scale of the FP8_AMAX_EPS floor
+    x[1] = 1e-40  # subnormal
+    x[2, :3] = torch.tensor([3e38, -3e38, 1e-30])  # huge: a tiny scale
+    x[3] = 1e-37  # tiny: a scale whose reciprocal is subnormal
+    x[4, 5], x[5, 6] = float("nan"), float("inf")
+    x[:, 7] = 0.0
+    x[:, 9] = 2e-38
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [1, 0])
+@pytest.mark.parametrize("n", [40, 300], ids=["one-pass", "two-pass"])  # 300 > the interpreter's one-pass rows
+def test_fp8_quantizer_writes_the_reciprocal_of_its_scale(dtype, dim, n):
+    from fp4lightning.kernels import fp4_triton as kt
+    torch.manual_seed(n + dim)
+    x = _edge_gradient(37, n, dtype)
+    div = torch.rand(n if dim == 1 else 37, device=DEV) * 8 + 0.25
+    div[1] = 1e-30  # a tiny divisor: its column's values grow by 1e30 (some to inf)
+    q0, s0 = kt.triton_quantize_fp8(x, dim=dim, fmt="e5m2", divide_by=div, column_major=dim == 0)
+    q, s, inv = kt.triton_quantize_fp8(x, dim=dim, fmt="e5m2", divide_by=div, column_major=dim == 0, inverse=True)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(_bits(s), _bits(s0))
+    assert torch.equal(_bits(inv), _bits(torch.reciprocal(s)))  # what the GeMM took before: IEEE, bit for bit
+    assert torch.isnan(s).any() and (inv[torch.isfinite(inv)] != 0).all()
+    # the amax floor (FP8_AMAX_EPS = 2^-110) gives the largest scale, 57344 * 2^110 < 2^126: its reciprocal,
+    # the smallest, is still a normal number (so flushing subnormals could not change a bit here)
+    assert inv[torch.isfinite(inv)].min() < 2.0 ** -125
+    # many random scales, not only the edge rows
+    r = torch.exp(20 * torch.randn(4096, 1, device=DEV)) * torch.randn(4096, 16, device=DEV)
+    _, s2, inv2 = kt.triton_quantize_fp8(r, dim=1, fmt="e4m3", inverse=True)
+    assert torch.equal(_bits(inv2), _bits(torch.reciprocal(s2)))
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_backward_takes_the_quantizers_reciprocals(preset, monkeypatch):
+    # the scaled_mm path with the Triton quantizers (interpreted on CPU): dY's FP8 quantizers write 1 / s
+    # and both backward GeMMs take it; the gradients are those of the same path taking torch.reciprocal
+    # of the scales (what it did before), bit for bit, on a dY with every edge case of the scales
+    from fp4lightning import FP4Config, FP4Linear
+    from fp4lightning.ops import gemm
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
+    monkeypatch.setattr(gemm, "triton_quantizers", lambda device: True)
+    torch.manual_seed(0)
+    lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset, occ_quantile="exact")).to(DEV)
+    x = torch.randn(40, 96, device=DEV).bfloat16()
+    dy = _edge_gradient(40, 48, torch.bfloat16)
+    dy[4, 5] = dy[5, 6] = 1.0  # finite gradients: compare values
+
+    def run(use_inv):
+        taken = []
+        real = sm._row_scale
+        monkeypatch.setattr(sm, "_row_scale", lambda s, inv=None: taken.append(inv is not None)
+                            or real(s, inv if use_inv else None))
+        xx = x.clone().requires_grad_(True)
+        lin.zero_grad()
+        with torch.autocast(DEV.type, dtype=torch.bfloat16):
+            y = lin(xx)
+        y.backward(dy)
+        monkeypatch.setattr(sm, "_row_scale", real)
+        assert taken[-2:] == [True, True]  # dgrad's and wgrad's row scales came with their reciprocals
+        return xx.grad, lin.weight.grad.clone()
+
+    for t, r in zip(run(True), run(False)):
+        assert torch.equal(t.view(torch.int16) if t.dtype == torch.bfloat16 else _bits(t),
+                           r.view(torch.int16) if r.dtype == torch.bfloat16 else _bits(r))
+
+
+def test_ones_row_is_kept_between_calls():
+    a = sm._unit_cols(48, torch.empty(1, device=DEV))
+    b = sm._unit_cols(16, torch.empty(1, device=DEV))
+    assert a.shape == (1, 48) and b.shape == (1, 16) and a.is_contiguous() and b.is_contiguous()
+    assert (a == 1).all() and (b == 1).all() and a.dtype == torch.float32
+    assert a.data_ptr() == b.data_ptr()  # one buffer: no fill launch per GeMM
+    big = sm._unit_cols(5000, torch.empty(1, device=DEV))
+    assert big.shape == (1, 5000) and (big == 1).all()
+    meta = sm._unit_cols(16, torch.empty(1, device="meta"))
+    assert meta.is_meta and not sm._unit_cols(16, torch.empty(1, device=DEV)).is_meta

@@ -189,9 +189,9 @@ class _FP4LinearFn(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 # dA = dY diag(1/s_w) W_q : fold the reduction-dim scale into dY first
-                g1, s_g1 = gemm.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
-                                                     carrier=gemm.operand_dtype(cd, dy.device)[0])
-                grad_x = gemm.fp4_dgrad(g1, s_g1, w_codes, k, cd).reshape(*dy.shape[:-1], k)
+                g1, s_g1, inv_g1 = gemm.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
+                                                             carrier=gemm.operand_dtype(cd, dy.device)[0], inverse=True)
+                grad_x = gemm.fp4_dgrad(g1, s_g1, w_codes, k, cd, g_scale_inv=inv_g1).reshape(*dy.shape[:-1], k)
             if ctx.needs_input_grad[1]:
                 grad_w = _weight_grad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -210,8 +210,8 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
     if ctx.refold:  # the forward's folded E4M3 operand, bit for bit, and its row scales
         a_vals = gemm.refold_operand(a_codes, a_scale, fold_scale, resid, ctx.compact_shape)
         a_scale = fold_scale
-    g2, s_g2 = gemm.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
-                                         carrier=gemm.operand_dtype(gemm_dtype, dy2d.device)[0])
+    g2, s_g2, inv_g2 = gemm.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
+                                                 carrier=gemm.operand_dtype(gemm_dtype, dy2d.device)[0], inverse=True)
     # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
     # factor: DGE multiplies the whole dL/dW_q
     comp = None
@@ -228,7 +228,7 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
         dge_k=cfg.dge_k, dge_clamp=cfg.dge_clamp, addend=comp, gemm_dtype=gemm_dtype,
         a_values=a_vals,
         # more outliers than the compact residual holds: a NaN step, never a wrong one
-        nan_if=resid[2] if ctx.refold else None,
+        nan_if=resid[2] if ctx.refold else None, g_scale_inv=inv_g2,
     )
     if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.experiments.dge_probe
         grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)

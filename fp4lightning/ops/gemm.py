@@ -404,19 +404,28 @@ def quantize_fp8_reference(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 
 def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: str = "e5m2",
-                         carrier: torch.dtype | None = None):
+                         carrier: torch.dtype | None = None, inverse: bool = False):
     """``quantize_fp8(x2d.float() * (1 / div), dim, fmt)`` with the fold fused in (both paths).
 
     ``div`` (fp32) divides every row for ``dim=1`` (one value per column) and every column
     for ``dim=0`` (one value per row): the FP4 scale of the next GeMM's reduction dimension.
     ``carrier`` (reference path only): return the FP8 values held exactly in this dtype (the
     reference GeMM's), saving it a conversion pass; the Triton path returns FP8 tensors.
+    ``inverse``: return ``(values, scale, 1 / scale or None)``, the reciprocals the Triton
+    quantizers write in the same pass (``fp4_dgrad`` / ``fp4_wgrad``'s ``g_scale_inv``); None
+    where they are not written (the GeMM then takes ``torch.reciprocal(scale)``, the same bits).
     """
     if triton_quantizers(x2d.device) and fmt != "bf16":
         # the fold (one multiply by 1/div per element) happens in the kernel's registers, as the
         # reference computes it: no fp32 copy of dY is written and read back
         return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0,
-                                                     divide_by=div.float())
+                                                     divide_by=div.float(), inverse=inverse)
+    out = _quantize_fp8_divided_torch(x2d, div, dim, fmt, carrier)
+    return (*out, None) if inverse else out
+
+
+def _quantize_fp8_divided_torch(x2d, div, dim, fmt, carrier):
+    """``quantize_fp8_divided`` without the Triton quantizers."""
     if backend_for(x2d.device) == "scaled_mm":
         carrier = None  # _scaled_mm reads the FP8 tensor itself
     if fmt == "bf16":
@@ -534,12 +543,14 @@ def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, b
     return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values, w_values)
 
 
-def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32):
+def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32, g_scale_inv=None):
+    """``g_scale_inv``: ``1 / g_scale`` where the quantizer wrote it (``quantize_fp8_divided(inverse=True)``)."""
     backend, mm_dtype = _gemm_backend(g.device, _is_fp8(g) and _fits(k, w_packed.shape[0]),
                                       (g.dtype, out_dtype, False))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
-        return sm.scaled_fp4_dgrad(g, g_scale, sm.e4m3_cols(w_packed, k), out_dtype, mm_dtype=mm_dtype)
+        return sm.scaled_fp4_dgrad(g, g_scale, sm.e4m3_cols(w_packed, k), out_dtype, mm_dtype=mm_dtype,
+                                   g_scale_inv=g_scale_inv)
     if backend == "triton":
         return _triton_kernels().triton_fp4_dgrad(g, g_scale, w_packed, k, out_dtype=out_dtype)
     return fp4_dgrad_reference(g, g_scale, w_packed, k, out_dtype)
@@ -566,9 +577,9 @@ def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float
 
 
 def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None, dge_weight_scale=None,
-              dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None, nan_if=None):
+              dge_k=5.0, dge_clamp=3.0, addend=None, gemm_dtype=None, a_values=None, nan_if=None, g_scale_inv=None):
     """``nan_if`` (a 0-dim bool on the device): where set, the gradient is all NaN (no host sync; on
-    the scaled_mm backend on CUDA inside the wgrad's epilogue pass)."""
+    the scaled_mm backend on CUDA inside the wgrad's epilogue pass). ``g_scale_inv``: as in ``fp4_dgrad``."""
     backend, mm_dtype = _gemm_backend(g.device, _is_fp8(g) and _fits(k, g.shape[1]),
                                       (g.dtype, torch.float32, False))
     if backend == "scaled_mm":
@@ -576,7 +587,7 @@ def fp4_wgrad(g, g_scale, a_packed, k, out_dtype=torch.float32, dge_weight=None,
         # A's values transposed (tokens contiguous): from its packed codes, or the folded E4M3 operand
         a8t = sm.fp8_cols(a_values) if a_values is not None else sm.e4m3_cols(a_packed, k)
         return sm.scaled_fp4_wgrad(g, g_scale, a8t, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp, addend,
-                                   mm_dtype=mm_dtype, nan_if=nan_if)
+                                   mm_dtype=mm_dtype, nan_if=nan_if, g_scale_inv=g_scale_inv)
     dw = _fp4_wgrad_other(backend, g, g_scale, a_packed, k, out_dtype, dge_weight, dge_weight_scale, dge_k, dge_clamp,
                           addend, gemm_dtype, a_values)
     return dw if nan_if is None else torch.where(nan_if, torch.full((), float("nan"), device=dw.device), dw)
