@@ -59,6 +59,7 @@ from fp4lightning.nn.convert import convert_to_fp4
 from fp4lightning.nn.linear import FP4Linear
 from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
 from fp4lightning.train.checkpoint import load_checkpoint
+from fp4lightning.train.preflight import check_checkpoint_path
 
 __all__ = ["FP4LightningLM", "LINEAR_MODES", "to_high_precision", "load_model_and_tokenizer", "quiet_git_hash"]
 
@@ -99,12 +100,7 @@ def load_model_and_tokenizer(
     Missing files raise ``FileNotFoundError`` saying what to pass.
     """
     path = Path(checkpoint)
-    if not path.exists():
-        raise InputNotFoundError(
-            f"checkpoint {path} not found. Pass a checkpoint written by `fp4lightning train` "
-            "(a .ckpt file such as runs/<name>/checkpoints/last.ckpt, or the run folder runs/<name>) "
-            "as pretrained=... (lm-eval) or CKPT (fp4lightning eval)"
-        )
+    check_checkpoint_path(path)
     tok_override = _load_tokenizer(tokenizer) if tokenizer is not None else None
     model, tok, recipe = load_checkpoint(path, map_location=map_location, fp4=True)
     tok = tok_override or tok

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from fp4lightning.console import program
 from fp4lightning.errors import InputNotFoundError, UsageError, UserError, check_writable_dir
 from fp4lightning.eval.tasks import OFFLINE_TASKS, build_offline_tasks, offline_tasks_ready
 
@@ -148,12 +149,16 @@ def prepare_hf_environment(need_hub: bool, probe_timeout: float = 3.0) -> bool:
     return reachable
 
 
-def _offline_task_dir(data_dir: Path) -> Path:
+def _offline_task_dir_exists(data_dir: Path) -> None:
     if not (data_dir / "meta.json").is_file():
         raise InputNotFoundError(
             f"the offline tasks are built from a prepared data directory, and {data_dir} is not one "
-            f"(no meta.json). Prepare it (fp4lightning data prepare --out {data_dir}) or pass --data-dir"
+            f"(no meta.json). Prepare it ({program()} data prepare --out {data_dir}) or pass --data-dir"
         )
+
+
+def _offline_task_dir(data_dir: Path) -> Path:
+    _offline_task_dir_exists(data_dir)
     if not offline_tasks_ready(data_dir):
         print(f"[eval] building the offline tasks from the held-out split of {data_dir}", file=sys.stderr)
     return build_offline_tasks(data_dir)
@@ -435,13 +440,10 @@ def _run_lm_eval(lm, task_objs: list, limit: int | float | None, bootstrap_iters
     import lm_eval
 
     from fp4lightning.eval.lm import quiet_git_hash
-    from fp4lightning.numerics.cpu_fused import compile_enabled
 
     if not sys.stderr.isatty():  # a log: lm-eval calls the request loops without their switch for the bars
         for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
             setattr(lm, name, functools.partial(getattr(lm, name), disable_tqdm=True))
-    if lm.linear == "fp4" and lm.device.type == "cpu" and compile_enabled(lm.device):
-        print("[eval] compiling the CPU kernels (first batch only; a minute or more)", file=sys.stderr, flush=True)
     with quiet_git_hash():
         return lm_eval.simple_evaluate(
             model=lm, tasks=task_objs, task_manager=_TASK_MANAGERS.pop(),
@@ -499,6 +501,26 @@ def _default_out(ckpt: Path, linear: str) -> Path:
     return ckpt.resolve().parent / "eval" / f"{ckpt.stem}-{linear}"
 
 
+def _check_inputs(args: argparse.Namespace) -> None:
+    """The files the arguments name exist, checked before torch and lm-eval are imported (10-20 s)."""
+    from fp4lightning.train.preflight import check_checkpoint_path
+
+    for item in args.compare or ([args.checkpoint] if args.checkpoint else []):
+        if Path(item).suffix == ".json":
+            if not Path(item).is_file():
+                raise InputNotFoundError(f"results file {item} not found (a results.json written by "
+                                         "`fp4lightning eval`; or pass a checkpoint)")
+        else:
+            check_checkpoint_path(item, "checkpoint")
+    if args.tokenizer is not None:
+        tok = Path(args.tokenizer)
+        if not (tok / "tokenizer.json" if tok.is_dir() else tok).is_file():
+            raise InputNotFoundError(f"--tokenizer {tok}: no tokenizer.json there; pass the tokenizer.json of the "
+                                     "data the model was trained on (<data_dir>/tokenizer.json) or its folder")
+    if args.data_dir is not None and set(resolve_tasks(args.tasks)) & set(OFFLINE_TASKS):
+        _offline_task_dir_exists(Path(args.data_dir))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``fp4lightning eval`` from parsed arguments; returns the exit code."""
     if not sys.stderr.isatty():
@@ -507,6 +529,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     args.limit = _limit(args.limit)
+    _check_inputs(args)
     if args.out:  # before any evaluation: a bad output path fails first
         check_writable_dir(args.out, "--out")
     if args.compare:

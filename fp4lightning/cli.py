@@ -104,10 +104,12 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _train_run(args: argparse.Namespace) -> int:
+    from fp4lightning.train.preflight import check_recipe_inputs
     from fp4lightning.train.recipe import load_recipe
 
     recipe, overrides = _recipe_and_overrides(args)
     cfg = load_recipe(recipe, overrides)  # before torch and Lightning: a recipe mistake is reported at once
+    check_recipe_inputs(cfg)  # and so are missing data or checkpoints
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from fp4lightning.lightning.nonfinite import NonFiniteError
@@ -131,6 +133,9 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _export_hf_run(args: argparse.Namespace) -> int:
+    from fp4lightning.train.preflight import check_checkpoint_path
+
+    check_checkpoint_path(args.ckpt, "CKPT")  # before torch is imported: a wrong path fails at once
     from fp4lightning.train.checkpoint import load_checkpoint
     from fp4lightning.models.hf import LM_EVAL_HINT, save_hf
 
@@ -153,6 +158,7 @@ def _import_hf_run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
+    from fp4lightning.console import program
     from fp4lightning.train.init_weights import import_hf
     from fp4lightning.models.llama import LlamaConfig
 
@@ -163,7 +169,7 @@ def _import_hf_run(args: argparse.Namespace) -> int:
     path, cfg, with_tok = import_hf(args.hf_dir, out)
     keys = " ".join(f"model.{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(LlamaConfig)
                     if f.name not in ("init_std", "max_seq_len"))
-    print(f"wrote {path}\ntrain from it with:\n  fp4lightning train RECIPE init.from_checkpoint={path} {keys}")
+    print(f"wrote {path}\ntrain from it with:\n  {program()} train RECIPE init.from_checkpoint={path} {keys}")
     if with_tok:
         print("tokenizer: included (its data must be prepared with this tokenizer: the same data.dir it was "
               "trained on)")
@@ -269,8 +275,11 @@ def _mixed_numerics_argument(parser: argparse.ArgumentParser) -> None:
 
 def _compare_run(args: argparse.Namespace) -> int:
     from fp4lightning.experiments.compare import compare
+    from fp4lightning.train.preflight import check_recipe_inputs
+    from fp4lightning.train.recipe import load_recipe
 
     recipe, overrides = _recipe_and_overrides(args)
+    check_recipe_inputs(load_recipe(recipe, overrides))  # before torch and Lightning
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]  # compare() checks them
     compare(recipe, overrides, variants, Path(args.out) if args.out else None,
             None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
@@ -316,7 +325,17 @@ def _occ_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare exact compensation with the residual folded into an E4M3 operand")
 
 
+def _check_fidelity_inputs(args: argparse.Namespace) -> None:
+    """CKPT and --data exist, checked before torch is imported."""
+    from fp4lightning.data.manifest import require_prepared
+    from fp4lightning.train.preflight import check_checkpoint_path
+
+    check_checkpoint_path(args.checkpoint, "CKPT")
+    require_prepared(args.data)
+
+
 def _occ_fidelity_run(args: argparse.Namespace) -> int:
+    _check_fidelity_inputs(args)
     from fp4lightning.experiments.occ_fidelity import (E4M3_FOLD_VARIANTS, VARIANTS, checkpoint_occ_report,
                                                        format_occ_table)
 
@@ -327,6 +346,7 @@ def _occ_fidelity_run(args: argparse.Namespace) -> int:
 
 
 def _format_fidelity_run(args: argparse.Namespace) -> int:
+    _check_fidelity_inputs(args)
     from fp4lightning.experiments.format_fidelity import checkpoint_format_report, format_fidelity_table
 
     print(format_fidelity_table(*checkpoint_format_report(Path(args.checkpoint), Path(args.data), args.seq_len,

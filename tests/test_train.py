@@ -174,18 +174,24 @@ def test_resume_with_gradient_accumulation(corpus, tmp_path):
         assert resumed[i] == pytest.approx(full.losses[i], rel=1e-6, abs=1e-6), i
 
 
-def test_ctrl_c_prints_the_command_that_resumes(corpus, tmp_path, capsys):
-    """Ctrl-C on `fp4lightning train RECIPE key=value ...` (a real SIGINT to a real process) finishes
-    the step under way and prints the whole command that resumes, as typed plus --resume; running
-    that command finishes the run, every step logged once."""
+def test_ctrl_c_prints_the_command_that_resumes(corpus, tmp_path):
+    """Ctrl-C on `fp4lightning train RECIPE key=value ...` (a real SIGINT to the installed console script,
+    started by its path with the environment not on PATH, as scripts/main.sh starts it) finishes the
+    step under way and prints the whole command that resumes, as typed plus --resume; that command,
+    run as printed by a shell with the same PATH, finishes the run, every step logged once."""
     from fp4lightning.train.loss_log import read_losses
 
     recipe = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
     out = tmp_path / "my run"  # a space: the printed command must quote it
     args = ["train", str(recipe), *tiny_overrides(corpus, out, "schedule.max_steps=40", "trainer.loggers=csv")]
-    env = {**os.environ, "FP4LIGHTNING_COMPILE": "0"}
+    venv_bin = Path(sys.executable).parent
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and Path(p).resolve() != venv_bin.resolve())
+    env = {**os.environ, "FP4LIGHTNING_COMPILE": "0", "PATH": path}
+    script = venv_bin / "fp4lightning"
+    start = [str(script)] if script.exists() else [sys.executable, "-m", "fp4lightning.cli"]
     # SIGINT as a terminal delivers it: to Python's own handler even if this test runs with it ignored
-    proc = subprocess.Popen([sys.executable, "-m", "fp4lightning.cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*start, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:
@@ -196,11 +202,12 @@ def test_ctrl_c_prints_the_command_that_resumes(corpus, tmp_path, capsys):
     assert proc.returncode == 1, err[-3000:]
     assert "Ctrl-C: stopping after this step" in err, err[-3000:]
     command = err.split("resume with: ", 1)[1].splitlines()[0]
-    assert command == shlex.join(["fp4lightning", *args, "--resume"])
+    assert shlex.split(command)[-len(args) - 1:] == [*args, "--resume"], command
     stopped = torch.load(out / "checkpoints" / LAST_CKPT, map_location="cpu", weights_only=True)["global_step"]
     assert f"training interrupted after step {stopped};" in err and 2 <= stopped < 40
-    assert cli_main(shlex.split(command)[1:]) == 0
-    assert "finished after 40 steps" in capsys.readouterr().out
+    resumed = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, (command, resumed.stderr[-3000:])
+    assert "finished after 40 steps" in resumed.stdout
     assert sorted(read_losses(out)["train"]) == list(range(1, 41))
 
 

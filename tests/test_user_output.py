@@ -95,8 +95,10 @@ def test_fp4_precision_says_before_the_first_step_that_it_compiles(compile_mode,
     import torch
 
     from fp4lightning.lightning.precision import FP4Precision
+    from fp4lightning.numerics import compile_progress
 
     monkeypatch.setenv("FP4LIGHTNING_COMPILE", compile_mode)
+    monkeypatch.setattr(compile_progress._PROGRESS, "said", False)  # said once per process: as in a fresh one
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     plugin = FP4Precision()
     plugin.convert_module(model)

@@ -18,28 +18,36 @@ One module per job:
 offline evaluation tasks from the held-out split (:mod:`fp4lightning.eval.tasks`).
 """
 
-from fp4lightning.data.build import SHARD_TOKENS, prepare
-from fp4lightning.data.datamodule import TokenDataModule
-from fp4lightning.data.manifest import (
-    FORMAT_VERSION,
-    META_FILE,
-    MIN_VOCAB,
-    DataCorruptError,
-    DataNotPreparedError,
-    data_fingerprint,
-    default_data_dir,
-    prepare_command,
-    shard_problems,
-)
-from fp4lightning.data.sampling import (
-    PositionSampler,
-    ResumableDataLoader,
-    ValWindowDataset,
-    WindowDataset,
-    feistel_permute,
-)
-from fp4lightning.data.shards import PreparedData
-from fp4lightning.data.sources import BUILTIN_PACKAGES, BadRecords, DataSourceError, fetch_builtin, iter_documents
+# Every name is imported on first use: the command line checks a recipe's data (``meta.json``,
+# :func:`~fp4lightning.data.manifest.require_prepared`) before torch, which the DataModule and the
+# samplers import, and ``data prepare`` runs without it.
+_LAZY = {
+    **dict.fromkeys(("SHARD_TOKENS", "prepare"), "build"),
+    "TokenDataModule": "datamodule",
+    **dict.fromkeys(("FORMAT_VERSION", "META_FILE", "MIN_VOCAB", "DataCorruptError", "DataNotPreparedError",
+                     "data_fingerprint", "default_data_dir", "prepare_command", "require_prepared",
+                     "shard_problems"), "manifest"),
+    **dict.fromkeys(("PositionSampler", "ResumableDataLoader", "ValWindowDataset", "WindowDataset",
+                     "feistel_permute"), "sampling"),
+    "PreparedData": "shards",
+    **dict.fromkeys(("BUILTIN_PACKAGES", "BadRecords", "DataSourceError", "fetch_builtin", "iter_documents"),
+                    "sources"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "BUILTIN_PACKAGES",
@@ -50,6 +58,7 @@ __all__ = [
     "TokenDataModule",
     "prepare",
     "prepare_command",
+    "require_prepared",
     "default_data_dir",
     "shard_problems",
     "data_fingerprint",

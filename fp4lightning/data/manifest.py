@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fp4lightning.console import program
 from fp4lightning.errors import InputNotFoundError
 
 __all__ = ["META_FILE", "MIN_VOCAB", "FORMAT_VERSION", "DataNotPreparedError", "DataCorruptError",
-           "default_data_dir", "prepare_command", "shard_problems", "data_fingerprint", "file_sha256"]
+           "default_data_dir", "prepare_command", "require_prepared", "shard_problems", "data_fingerprint", "file_sha256"]
 
 META_FILE = "meta.json"
 MIN_VOCAB = 258  # the 256 byte tokens of byte-level BPE + BOS + EOS
@@ -52,12 +53,23 @@ def prepare_command(
     text_key: str | None = None,
 ) -> str:
     """The shell command that prepares ``out_dir`` (used in error messages); defaults are left out."""
-    cmd = f"fp4lightning data prepare --source {source} --out {out_dir}"
+    cmd = f"{program()} data prepare --source {source} --out {out_dir}"
     for flag, value, default in (("--vocab-size", vocab_size, None), ("--val-fraction", val_fraction, 0.02),
                                  ("--max-tokens", max_tokens, None), ("--text-key", text_key, "text")):
         if value is not None and value != default:
             cmd += f" {flag} {value}"
     return cmd
+
+
+def require_prepared(data_dir: str | Path, hint: str | None = None) -> Path:
+    """``data_dir/meta.json``; :class:`DataNotPreparedError` in one line naming ``hint`` (the command
+    that prepares the folder; default: the builtin corpus) where it is missing. Needs no torch: the
+    command line checks the recipe's data with it before importing torch and Lightning."""
+    meta = Path(data_dir) / META_FILE
+    if not meta.is_file():
+        raise DataNotPreparedError(f"no prepared data in {data_dir} ({META_FILE} missing); prepare it with: "
+                                   f"{hint or prepare_command('builtin', data_dir)}")
+    return meta
 
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fp4lightning.data.manifest import META_FILE, DataCorruptError, DataNotPreparedError, prepare_command, shard_problems
+from fp4lightning.data.manifest import DataCorruptError, prepare_command, require_prepared, shard_problems
 from fp4lightning.data.tokenizer import Tokenizer
 
 __all__ = ["PreparedData"]
@@ -22,12 +22,8 @@ class PreparedData:
 
     def __init__(self, data_dir: str | Path, prepare_hint: str | None = None, verify: bool = False):
         self.dir = Path(data_dir)
-        meta_path = self.dir / META_FILE
         hint = prepare_hint or prepare_command("builtin", self.dir)
-        if not meta_path.is_file():
-            raise DataNotPreparedError(
-                f"no prepared data in {self.dir} ({META_FILE} missing). Prepare it first with:\n  {hint}"
-            )
+        meta_path = require_prepared(self.dir, hint)
         try:
             self.meta = json.loads(meta_path.read_text())
             self.meta["splits"]["train"]["shards"], self.meta["dtype"], self.meta["tokenizer"]

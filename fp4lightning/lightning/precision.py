@@ -50,6 +50,7 @@ from fp4lightning.lightning.optim import REDUCED_STATE_FORMATS, swap_to_low_prec
 from fp4lightning.nn.convert import convert_to_fp4, describe_conversion, fp4_modules
 from fp4lightning.nn.linear import reuse_weight_quantization, weights_updated
 from fp4lightning.numerics.cpu_bf16 import emulate_bf16_linears
+from fp4lightning.numerics.compile_progress import claim_notice
 from fp4lightning.numerics.cpu_fused import compile_enabled
 
 __all__ = ["FP4Precision", "COMPUTE_DTYPES", "convert_for_training"]
@@ -233,7 +234,8 @@ class FP4Precision(StepPolicyState, Precision):
             return
         if fp4_modules(model):
             self._said_compile = True
-            rank_zero_info("FP4Precision: compiling the CPU kernels (first step only; a minute or more)")
+            if claim_notice():  # once per process (fp4lightning.numerics.compile_progress)
+                rank_zero_info("FP4Precision: compiling the CPU kernels (first step only; a minute or more)")
 
     def _check_compute_dtype(self, device: str) -> None:
         if self._checked_device == device:

@@ -13,7 +13,8 @@ same order; ``tests/test_linear.py`` checks it bitwise), so compiling changes sp
 device), ``0`` (eager). Where compiling fails - no C++ compiler on the machine, a full disk under
 Inductor's cache, ... - a one-line warning says why once and everything runs eagerly with the same
 numerics.
-Set ``TORCHINDUCTOR_CACHE_DIR`` to keep compiled kernels between processes.
+Set ``TORCHINDUCTOR_CACHE_DIR`` to keep compiled kernels between processes. Compiling takes a minute
+or more at the first steps of a process; :mod:`fp4lightning.numerics.compile_progress` says so.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from fp4lightning.numerics.compile_progress import watching
 from fp4lightning.numerics.constants import E2M1_MAX, E4M3_FOLD_MAX_SHIFT, F8E4M3_MAX
 from fp4lightning.numerics.dge import dge_derivative
 from fp4lightning.numerics.formats import e2m1_index, e2m1_magnitude, pow2_floor, round_to_e5m2
@@ -72,7 +74,8 @@ def fused_pass(fn):
                 # emulate_precision_casts: keep every cast eager makes (a .to(bf16).float() round
                 # trip is a rounding here, e.g. cpu_bf16.gemm_plan's; Inductor would drop it)
                 compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            # watching: the first compile says so, and a line every 20 s while compiling goes on
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), watching():
                 return compiled(x, *args, **kwargs)
         except Exception as e:
             too_many_variants = _compile_failed(fn, e)

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fp4lightning.console import program
 from fp4lightning.data import data_fingerprint
 from fp4lightning.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from fp4lightning.errors import InputNotFoundError
@@ -336,7 +337,8 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
 
 
 def resume_command(cfg: RecipeConfig, argv: Sequence[str] | None = None) -> str:
-    """The shell command that continues the run of ``cfg``, ready to copy and paste.
+    """The shell command that continues the run of ``cfg``, ready to copy and paste (it starts with
+    :func:`~fp4lightning.console.program`, so it runs where the environment is not activated).
 
     ``argv`` (the recipe and ``key=value`` overrides the run was started with) is repeated as
     given, without a ``ckpt_path=...``, then ``--resume``; without it (``train`` called from
@@ -345,4 +347,4 @@ def resume_command(cfg: RecipeConfig, argv: Sequence[str] | None = None) -> str:
     """
     words = ([w for w in argv if w.split("=", 1)[0].strip() != "ckpt_path"] if argv is not None
              else [str(Path(cfg.out_dir) / "config.yaml")])
-    return shlex.join(["fp4lightning", "train", *words, "--resume" if cfg.ckpt_path is None else "ckpt_path=last"])
+    return f'{program()} {shlex.join(["train", *words, "--resume" if cfg.ckpt_path is None else "ckpt_path=last"])}'

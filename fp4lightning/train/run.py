@@ -31,6 +31,7 @@ import lightning as L
 import torch
 
 from fp4lightning.config import FP4Config
+from fp4lightning.console import program
 from fp4lightning.data import TokenDataModule, prepare_command
 from fp4lightning.distributed.comm import PeerLostError, lost_peer
 from fp4lightning.errors import check_writable_dir
@@ -367,7 +368,7 @@ def _report(trainer, out: Path, status: str, stopped_at: int | None, resume: str
           + (f"; validation loss {val_loss:.4f}" if val_loss is not None else ""))
     print(f"checkpoint : {ckpt if ckpt else '(none)'}")
     print(f"config     : {out / 'config.yaml'}")
-    print(f"logs       : {logs[0]} (CSV), {logs[1]} (TensorBoard: tensorboard --logdir {logs[1]})")
+    print(f"logs       : {logs[0]} (CSV), {logs[1]} (TensorBoard: {program('tensorboard')} --logdir {logs[1]})")
     print(f"loss curve : {png if png else '(no logged steps)'}")
     print("=" * 72, flush=True)
     return TrainResult(out, ckpt.resolve() if ckpt else None, logs, png, val_loss, False)
