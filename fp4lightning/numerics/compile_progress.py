@@ -72,15 +72,12 @@ class _Progress:
         self.last_end = 0.0
         self.thread: threading.Thread | None = None
         self.said = False
-        self.hooked = False
 
     def hook(self) -> None:
-        """Register with Dynamo's compile callbacks (once; nothing where this torch has none)."""
-        if self.hooked:
-            return
-        self.hooked = True
+        """Register with Dynamo's compile callbacks (nothing where this torch has none), again after
+        ``torch._dynamo.reset()``, which clears them."""
         handler = getattr(torch._dynamo, "callback_handler", None)
-        if handler is not None:
+        if handler is not None and self.started not in handler.start_callbacks:
             handler.register_start_callback(self.started)
             handler.register_end_callback(self.ended)
 
