@@ -129,19 +129,24 @@ def _train_run(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- export-hf / import-hf
 def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or a run folder (runs/<name>)")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json, model.safetensors, tokenizer)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json, model.safetensors, tokenizer); "
+                        "written beside it and renamed into place when complete")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR if it holds files (without it such a folder is refused)")
 
 
 def _export_hf_run(args: argparse.Namespace) -> int:
+    from fp4lightning.models.export_folder import check_export_target
     from fp4lightning.train.preflight import check_checkpoint_path
 
+    check_export_target(args.out_dir, args.overwrite)  # an OUT_DIR that holds files (or cannot be written) first
     check_checkpoint_path(args.ckpt, "CKPT")  # before torch is imported: a wrong path fails at once
     from fp4lightning.train.checkpoint import load_checkpoint
     from fp4lightning.models.hf import LM_EVAL_HINT, save_hf
 
     check_writable_dir(args.out_dir, "OUT_DIR")  # before loading: a bad path fails first
     model, tokenizer, _ = load_checkpoint(args.ckpt)
-    out = save_hf(model, args.out_dir, tokenizer)
+    out = save_hf(model, args.out_dir, tokenizer, overwrite=args.overwrite)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     if tokenizer is not None:
         print(LM_EVAL_HINT.format(out=out))

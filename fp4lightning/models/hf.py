@@ -13,11 +13,14 @@ imported only inside the functions that build HF objects.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
 
 from fp4lightning.errors import UsageError
+from fp4lightning.models.export_folder import export_folder
 from fp4lightning.models.llama import Llama, LlamaConfig
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
 ]
 
 _DECODER_PREFIX = "model."
+#: tests only: seconds :func:`save_hf` sleeps after writing the weights, so a test can kill an export there
+PAUSE_ENV = "FP4LIGHTNING_TEST_EXPORT_PAUSE"
 
 
 def require_transformers():
@@ -161,7 +166,7 @@ def from_hf_model(hf_model) -> Llama:
     return model
 
 
-def save_hf(model: Llama, out_dir: str | Path, tokenizer=None) -> Path:
+def save_hf(model: Llama, out_dir: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
     """Write a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
     ``tokenizer`` (an :class:`fp4lightning.data.tokenizer.Tokenizer`) is saved alongside as a
@@ -169,25 +174,32 @@ def save_hf(model: Llama, out_dir: str | Path, tokenizer=None) -> Path:
     post-processor prepends BOS (as LLaMA's tokenizer does), because every training document
     started with BOS: ``tokenizer(text)`` and lm-eval's ``hf`` model then see the same tokens
     as training and the ``fp4lightning`` lm-eval model (docs/evaluation.md).
+
+    The folder is written beside ``out_dir`` and renamed into place when complete
+    (:func:`~fp4lightning.models.export_folder.export_folder`): an error or a kill leaves ``out_dir``
+    as it was. A folder that holds files is refused (``UsageError``) unless ``overwrite``, which
+    replaces it whole. Files get the modes the umask gives.
     """
     transformers = require_transformers()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     bos = tokenizer.bos_id if tokenizer is not None else None
     eos = tokenizer.eos_id if tokenizer is not None else None
     hf = to_hf_model(model, bos, eos)
-    hf.save_pretrained(out_dir)
-    if tokenizer is not None:
-        fast = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=_bos_first(tokenizer),
-            bos_token=tokenizer.bos_token,
-            eos_token=tokenizer.eos_token,
-            model_max_length=model.config.max_seq_len,
+    with export_folder(out_dir, overwrite) as tmp:
+        hf.save_pretrained(tmp)
+        if os.environ.get(PAUSE_ENV):
+            time.sleep(float(os.environ[PAUSE_ENV]))
+        if tokenizer is not None:
+            fast = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=_bos_first(tokenizer),
+                bos_token=tokenizer.bos_token,
+                eos_token=tokenizer.eos_token,
+                model_max_length=model.config.max_seq_len,
+            )
+            fast.save_pretrained(tmp)
+        (tmp / "fp4lightning.json").write_text(
+            json.dumps({"note": "exported by fp4lightning export-hf; weights are the high-precision master weights"})
         )
-        fast.save_pretrained(out_dir)
-    (out_dir / "fp4lightning.json").write_text(
-        json.dumps({"note": "exported by fp4lightning export-hf; weights are the high-precision master weights"})
-    )
     return out_dir
 
 
