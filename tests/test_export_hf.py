@@ -162,3 +162,39 @@ def test_sigkill_mid_export_leaves_the_old_folder(model_and_tokenizer, ckpt, tmp
     assert _beside(target) == [f".{target.name}.export-{proc.pid}"]
     assert cli_main(["export-hf", str(ckpt), str(target), "--overwrite"]) == 0
     assert _beside(target) == [] and not (target / "notes.txt").exists()
+
+
+def _dead_pid() -> int:
+    """A pid no process has now."""
+    pid = 999_999
+    while Path(f"/proc/{pid}").exists() or pid == os.getpid():
+        pid -= 1
+    return pid
+
+
+def test_without_an_exchange_two_renames_replace_the_folder(tmp_path, monkeypatch):
+    """Where renameat2's exchange is missing (another OS, a filesystem without it): the old folder is
+    moved aside, the new one renamed in, the old one deleted."""
+    from fp4lightning.models import export_folder as ef
+
+    monkeypatch.setattr(ef, "_exchange", lambda a, b: False)
+    target = _user_folder(tmp_path / "hf")
+    with ef.export_folder(target, overwrite=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in target.iterdir()) == ["config.json"] and _beside(target) == []
+
+
+def test_a_folder_a_killed_swap_set_aside_is_put_back(tmp_path, capsys):
+    """A swap killed between its two renames leaves no target and the old folder at `.<name>.old-<pid>`:
+    the next export puts it back first (and then refuses it, as it holds files)."""
+    from fp4lightning.errors import UsageError
+    from fp4lightning.models.export_folder import export_folder
+
+    target = tmp_path / "hf"
+    aside = _user_folder(tmp_path / f".hf.old-{_dead_pid()}")
+    before = _snapshot(aside)
+    with pytest.raises(UsageError, match="not empty"):
+        with export_folder(target):
+            pass
+    assert _snapshot(target) == before and _beside(target) == []
+    assert "put back" in capsys.readouterr().out
