@@ -97,7 +97,8 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                              "batch sizes, devices, seed) or the data's tokenizer changed")
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in an out_dir that holds an earlier run, deleting its checkpoints, logs "
-                             "and loss.png (without it such a run is refused)")
+                             "and loss.png (without it such a run is refused); a run still training there is never "
+                             "touched: its folder is locked")
     parser.add_argument("--verify-data", action="store_true",
                         help="check every data shard against the sha256 recorded by `data prepare` before training "
                              "(sizes are always checked)")
@@ -106,10 +107,12 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 def _train_run(args: argparse.Namespace) -> int:
     from fp4lightning.train.preflight import check_recipe_inputs
     from fp4lightning.train.recipe import load_recipe
+    from fp4lightning.train.run_lock import check_not_in_use
 
     recipe, overrides = _recipe_and_overrides(args)
     cfg = load_recipe(recipe, overrides)  # before torch and Lightning: a recipe mistake is reported at once
     check_recipe_inputs(cfg)  # and so are missing data or checkpoints
+    check_not_in_use(cfg.out_dir)  # and an out_dir another run is training in (train() then locks it)
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from fp4lightning.lightning.nonfinite import NonFiniteError

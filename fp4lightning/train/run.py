@@ -47,6 +47,7 @@ from fp4lightning.train.loss_log import make_loggers, plot_losses, run_title
 from fp4lightning.train.module import LlamaLightningModule
 from fp4lightning.train.recipe import WIRE_FORMAT, RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
 from fp4lightning.train.resume import clear_for_start, describe_resume, latest_checkpoint, plan_start, resume_command
+from fp4lightning.train.run_lock import run_lock
 
 __all__ = ["train", "build", "make_module", "make_strategy", "precision_setup", "PrecisionSetup", "TrainResult"]
 
@@ -252,9 +253,12 @@ def train(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
     ``overwrite``: start afresh in an ``out_dir`` holding an earlier run, deleting its
     checkpoints and logs (see :func:`build`). ``argv``: the recipe and overrides as given to
     ``fp4lightning train``, for the command an interrupted run prints
-    (:func:`~fp4lightning.train.resume.resume_command`).
+    (:func:`~fp4lightning.train.resume.resume_command`). ``out_dir`` is locked while the run lasts
+    (:func:`~fp4lightning.train.run_lock.run_lock`): a run into a folder another run holds, with
+    ``resume`` or ``overwrite`` too, raises ``RunInUseError`` naming that run's process first.
     """
-    with _quiet_lightning():
+    check_writable_dir(Path(cfg.out_dir), "recipe key `out_dir` =", RecipeError, "choose another out_dir")
+    with _quiet_lightning(), run_lock(cfg.out_dir):
         return _train(cfg, resume, callbacks, verify_data, overwrite, argv)
 
 
