@@ -529,9 +529,9 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     args.limit = _limit(args.limit)
-    _check_inputs(args)
-    if args.out:  # before any evaluation: a bad output path fails first
+    if args.out:  # before anything is read or loaded: a bad output path fails first
         check_writable_dir(args.out, "--out")
+    _check_inputs(args)
     if args.compare:
         if args.checkpoint:
             raise UsageError("give either CKPT or --compare A B, not both")
