@@ -13,8 +13,8 @@ A checkpoint written by ``fp4lightning train`` is a Lightning ``.ckpt`` holding
 FSDP runs save sharded checkpoint folders; they are consolidated in memory here.
 
 Loading never runs code from the checkpoint: files are read with ``torch.load(weights_only=True)``,
-and a sharded folder's pickled ``.metadata`` with an unpickler that admits only the types
-torch.distributed.checkpoint writes there (:func:`_read_sharded`).
+and a sharded folder's pickled ``.metadata`` as data, checked against the folder's files
+(:mod:`fp4lightning.train.dcp_metadata`), so what a load allocates and reads is bounded by those files.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import contextlib
 import errno
 import io
 import os
-import pickle
 import re
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from fp4lightning.errors import UserError
 from fp4lightning.models.llama import Llama, LlamaConfig
 from fp4lightning.lightning.nonfinite import NonFiniteError, params_nonfinite
 from fp4lightning.data.tokenizer import Tokenizer
+from fp4lightning.train.dcp_metadata import DcpMetadataError, read_dcp_metadata
 from fp4lightning.train.recipe import fp4_config_from_spec, recipe_from_dict
 
 __all__ = ["load_checkpoint", "read_checkpoint", "LoadedCheckpoint", "CheckpointError", "AtomicCheckpointIO",
@@ -176,46 +176,37 @@ def _resolve(path: Path) -> Path:
     return path
 
 
-#: what torch.distributed.checkpoint pickles into a sharded folder's ``.metadata`` (module -> names), torch
-#: dtypes aside; a pickle naming anything else is refused before it runs (unpickling calls what it names)
-_DCP_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # a torch.layout by its name
-    "torch": frozenset({"Size"}),
-    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
-    "collections": frozenset({"OrderedDict"}),
-    "builtins": frozenset({"set", "frozenset"}),
-}
-
-
-class _ForeignPickle(pickle.UnpicklingError):
-    """A pickle names a global outside the admitted ones (the message is its dotted name)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _DCP_METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise _ForeignPickle(f"{module}.{name}")
-
-
 def _why(e: BaseException) -> str:
-    """One line saying why a file did not load."""
+    """One line saying why a file did not load, in our words: never torch's advice to load it unsafely."""
     msg = str(e)
-    if isinstance(e, _ForeignPickle):
-        code = msg
-    else:  # torch.load(weights_only=True) words its refusal over several lines that advise weights_only=False
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", msg)
-        code = found.group(1) if found else None
-    if code:
-        return f"it holds a pickled {code}, code that loading would run; fp4lightning never runs code from a checkpoint"
-    refusal = re.search(r"WeightsUnpickler error: ([^\n]+?)(?:\.\s|\n|$)", msg)
+    if isinstance(e, DcpMetadataError):
+        return msg
+    # torch.load(weights_only=True) words its refusals over several lines that advise weights_only=False
+    found = re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", msg)
+    if found:
+        name = found.group(1) if "." in found.group(1) else f"builtins.{found.group(1)}"  # torch drops "builtins."
+        return f"it holds a pickled {name}, code that loading would run; fp4lightning never runs code from a checkpoint"
+    for pattern, why in _REFUSALS:
+        found = re.search(pattern, msg)
+        if found:
+            return why.format(*found.groups())
+    if "weights_only" in msg or "Weights only load failed" in msg:
+        return "it holds objects other than tensors and plain data, which fp4lightning does not load"
     lines = msg.strip().splitlines()
-    return f"{type(e).__name__}: {(refusal.group(1) if refusal else lines[0] if lines else '')[:300]}"
+    return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
+
+
+#: torch.load(weights_only=True)'s other refusals (pattern -> what it found, from the pattern's groups)
+_REFUSALS = (
+    (r"Trying to call reduce for unrecognized function (\S+)",
+     "it calls {} while loading, which tensors and plain data never do; fp4lightning never runs code from a checkpoint"),
+    (r"Can only create new object for .* but got (\S+)",
+     "it makes a {} object while loading, which tensors and plain data never do"),
+    (r"Unsupported operand (\d+)", "its pickle uses opcode {}, which tensors and plain data never need"),
+    (r"``(\S+)`` must be imported to load", "it holds {} objects, which fp4lightning checkpoints never contain"),
+    (r"(TorchScript) archives", "it is a {} archive (a compiled model), not a training checkpoint"),
+    (r"(legacy \.tar) format", "it is in PyTorch's {} format, which cannot be read without running code from it"),
+)
 
 
 def _corrupt(what: str | Path, e: BaseException) -> CheckpointError:
@@ -224,20 +215,13 @@ def _corrupt(what: str | Path, e: BaseException) -> CheckpointError:
 
 
 def _read_dcp_metadata(folder: Path) -> Any:
-    """A sharded folder's pickled ``.metadata``, unpickled admitting only what torch.distributed.checkpoint
-    writes there (:class:`_MetadataUnpickler`)."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
+    """A sharded folder's pickled ``.metadata``, read as data and checked against the folder's files
+    (:func:`~fp4lightning.train.dcp_metadata.read_dcp_metadata`)."""
     md_file = folder / ".metadata"
     try:
-        with open(md_file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        return read_dcp_metadata(folder)
     except Exception as e:
         raise _corrupt(md_file, e) from e
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {md_file} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
-                              "metadata; use another checkpoint (e.g. the numbered one beside last.ckpt) or retrain")
-    return metadata
 
 
 def _safe_reader_and_planner(folder: Path, metadata: Any) -> tuple[Any, Any]:
@@ -273,6 +257,9 @@ def _safe_reader_and_planner(folder: Path, metadata: Any) -> tuple[Any, Any]:
 def _as_ckpt_file_layout(ckpt: dict[str, Any], folder: Path) -> dict[str, Any]:
     """A sharded folder's entries plus Lightning's ``meta.pt`` under the keys a ``.ckpt`` file has."""
     extra = folder / "meta.pt"  # Lightning's file of everything but the weights and optimizer states
+    if extra.is_file() and not extra.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"checkpoint {extra} is a link to {extra.resolve()}, outside the checkpoint folder; use "
+                              "another checkpoint (e.g. the numbered one beside last.ckpt) or retrain")
     if extra.is_file():
         try:
             rest = torch.load(extra, map_location="cpu", weights_only=True)
@@ -297,7 +284,7 @@ def _read_sharded(folder: Path) -> dict[str, Any]:
 
     torch's FileSystemReader unpickles ``.metadata`` with plain ``pickle`` and its load planner the non-tensor
     entries with ``weights_only=False``; Lightning's reader loads ``meta.pt`` with torch's default. Here
-    ``.metadata`` goes through :class:`_MetadataUnpickler`, entries and ``meta.pt`` through ``weights_only=True``.
+    ``.metadata`` is read as data (:func:`_read_dcp_metadata`), entries and ``meta.pt`` through ``weights_only=True``.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     # what Lightning's and torch's own consolidation use: the public load() fills only keys already present

@@ -163,11 +163,25 @@ def _check_resume_tokenizer(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[s
     return []
 
 
+def _check_layout(path: Path, ckpt: dict, cfg: RecipeConfig) -> None:
+    """Raise ResumeMismatchError for a sharded checkpoint folder (what FSDP saves) under a recipe whose strategy
+    resumes from checkpoint files only: Lightning would fail on it inside ``fit`` (IsADirectoryError)."""
+    if not Path(path).is_dir() or is_fsdp(cfg.trainer.strategy):
+        return
+    wrote = ((ckpt["hyper_parameters"].get("recipe") or {}).get("trainer") or {}).get("strategy")
+    wrote = wrote if isinstance(wrote, str) and is_fsdp(wrote) else "fsdp"
+    raise ResumeMismatchError(
+        f"cannot resume from {path}: it is a sharded checkpoint folder (what trainer.strategy={wrote} saves), which "
+        f"trainer.strategy={cfg.trainer.strategy} cannot resume from; resume with trainer.strategy={wrote}, or start "
+        f"from its weights in a new out_dir with init.from_checkpoint={path} (a fresh optimizer and schedule)")
+
+
 def check_resumable(path: Path, cfg: RecipeConfig) -> list[str]:
     """Raise CheckpointError (naming the file) unless ``path`` is an fp4lightning checkpoint of this model,
     data order and tokenizer (ResumeMismatchError for the last three). Returns what it could not check:
     the keys a checkpoint written before these checks does not record."""
     ckpt, _ = read_checkpoint(path)  # weights_only load; corrupt / foreign files raise CheckpointError
+    _check_layout(path, ckpt, cfg)
     missing = [k for k in ("optimizer_states", "loops", "global_step") if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} cannot resume training: it has no {', '.join(missing)} "
