@@ -18,7 +18,8 @@ from fp4lightning.console import program
 from fp4lightning.errors import InputNotFoundError
 
 __all__ = ["META_FILE", "MIN_VOCAB", "FORMAT_VERSION", "DataNotPreparedError", "DataCorruptError",
-           "default_data_dir", "prepare_command", "require_prepared", "shard_problems", "data_fingerprint", "file_sha256"]
+           "default_data_dir", "prepare_command", "require_prepared", "entry_outside", "shard_problems", "data_fingerprint",
+           "file_sha256"]
 
 META_FILE = "meta.json"
 MIN_VOCAB = 258  # the 256 byte tokens of byte-level BPE + BOS + EOS
@@ -82,12 +83,36 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def entry_outside(out_dir: str | Path, meta: dict) -> str | None:
+    """The first file entry of ``meta`` (the tokenizer, a shard) that leaves ``out_dir``, as
+    ``"<key> = <value> ..."`` saying how: an absolute path, a path through ``..``, or a symlink that
+    resolves outside the folder. None where every file stays inside: a prepared folder is self-contained,
+    so a manifest from elsewhere cannot make training read (or ``prepare`` hash) other files."""
+    root = Path(out_dir).resolve()
+    entries = [("tokenizer", meta["tokenizer"])] + [
+        (f"splits.{name}.shards[{i}].file", shard["file"])
+        for name, split in meta["splits"].items() for i, shard in enumerate(split["shards"])]
+    for key, value in entries:
+        if not isinstance(value, str) or not value:
+            return f"{key} = {value!r} is not a file name"
+        if Path(value).is_absolute() or ".." in Path(value).parts:
+            return f"{key} = {value!r} leaves the data folder"
+        real = (root / value).resolve()
+        if not real.is_relative_to(root):
+            return f"{key} = {value!r} is a link to {real}, outside the data folder"
+    return None
+
+
 def shard_problems(out_dir: Path, meta: dict, checksums: bool = False) -> list[str]:
     """What is wrong with the prepared files of ``meta`` (empty: intact).
 
-    Sizes are always compared with the manifest; ``checksums`` also re-hashes every shard
-    (and the tokenizer) against the sha256 recorded at prepare time.
+    A file entry leaving the folder (:func:`entry_outside`) is the one problem reported, and nothing
+    outside is touched. Sizes are always compared with the manifest; ``checksums`` also re-hashes every
+    shard (and the tokenizer) against the sha256 recorded at prepare time.
     """
+    outside = entry_outside(out_dir, meta)
+    if outside is not None:
+        return [f"{Path(out_dir) / META_FILE}: {outside}"]
     problems = []
     itemsize = np.dtype(meta["dtype"]).itemsize
     tok = out_dir / meta["tokenizer"]

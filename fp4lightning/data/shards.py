@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fp4lightning.data.manifest import DataCorruptError, prepare_command, require_prepared, shard_problems
+from fp4lightning.data.manifest import (DataCorruptError, entry_outside, prepare_command, require_prepared,
+                                        shard_problems)
 from fp4lightning.data.tokenizer import Tokenizer
 
 __all__ = ["PreparedData"]
@@ -27,9 +28,13 @@ class PreparedData:
         try:
             self.meta = json.loads(meta_path.read_text())
             self.meta["splits"]["train"]["shards"], self.meta["dtype"], self.meta["tokenizer"]
-        except (ValueError, KeyError, TypeError) as e:
+            outside = entry_outside(self.dir, self.meta)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataCorruptError(f"{meta_path} is damaged ({type(e).__name__}: {e}); rebuild with:\n"
                                    f"  {hint} --force") from e
+        if outside is not None:
+            raise DataCorruptError(f"{meta_path}: {outside}; a prepared folder keeps its files inside it, so "
+                                   f"training reads nothing else: prepare it again with: {hint} --force")
         # sizes always (cheap); checksums on request (fp4lightning train --verify-data)
         problems = shard_problems(self.dir, self.meta, checksums=verify)
         if problems:
