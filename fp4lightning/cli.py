@@ -282,13 +282,15 @@ def _mixed_numerics_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _compare_run(args: argparse.Namespace) -> int:
-    from fp4lightning.experiments.compare import compare
+    from fp4lightning.experiments.compare import compare, parse_variant
     from fp4lightning.train.preflight import check_recipe_inputs
     from fp4lightning.train.recipe import load_recipe
 
     recipe, overrides = _recipe_and_overrides(args)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]  # compare() checks the set
+    for v in variants:  # a mistyped variant first: it is what the user just wrote
+        parse_variant(v)
     check_recipe_inputs(load_recipe(recipe, overrides))  # before torch and Lightning
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]  # compare() checks them
     compare(recipe, overrides, variants, Path(args.out) if args.out else None,
             None if args.eval_tasks == "none" else args.eval_tasks, args.eval_limit,
             not args.no_occ_report, args.reuse, seeds=args.seeds, dge_probe=args.dge_probe,

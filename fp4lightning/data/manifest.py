@@ -12,7 +12,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 
 from fp4lightning.console import program
 from fp4lightning.errors import InputNotFoundError
@@ -114,6 +113,8 @@ def shard_problems(out_dir: Path, meta: dict, checksums: bool = False) -> list[s
     if outside is not None:
         return [f"{Path(out_dir) / META_FILE}: {outside}"]
     problems = []
+    import numpy as np  # here: the CLI's input checks import this module before any heavy package
+
     itemsize = np.dtype(meta["dtype"]).itemsize
     tok = out_dir / meta["tokenizer"]
     if not tok.is_file():
