@@ -375,7 +375,8 @@ def test_prepare_refuses_an_empty_split_before_training_the_tokenizer(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def _mount_tmpfs(path: Path, size: str) -> None:
+def mount_tmpfs(path: Path, size: str = "2m") -> None:
+    """Mount a tmpfs of ``size`` at the new folder ``path``: a small full disk (skips without root)."""
     import subprocess
 
     path.mkdir()
@@ -395,7 +396,7 @@ def test_prepare_on_a_full_disk_keeps_the_old_data(corpus, tmp_path_factory, tmp
     from fp4lightning.cli import main
 
     disk = tmp_path / "disk"
-    _mount_tmpfs(disk, "2m")
+    mount_tmpfs(disk, "2m")
     try:
         old = shutil.copytree(corpus, disk / "data")
         before = {p.name: p.read_bytes() for p in old.iterdir() if p.is_file()}

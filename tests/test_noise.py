@@ -28,7 +28,7 @@ from torch import nn
 from fp4lightning.cli import main as cli_main
 from fp4lightning.train.recipe import load_recipe
 from fp4lightning.train.run import train
-from tests.test_data import prepared_test_corpus
+from tests.test_data import mount_tmpfs, prepared_test_corpus
 from tests.test_train import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -279,16 +279,6 @@ print("\n".join(str(w.message) for w in seen if "fp4lightning" in str(w.message)
 '''
 
 
-def _mount_tmpfs(path: Path, size: str = "2m") -> None:
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("a full disk is a small tmpfs mount, which needs root (CI runs as root)")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to simulate a full disk: {proc.stderr.strip()}")
-
-
 def _fill(disk: Path, leave: int) -> None:
     """Fill ``disk`` up to ``leave`` bytes."""
     (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - leave))
@@ -299,7 +289,7 @@ def test_compile_failure_names_its_cause(tmp_path):
     says the disk is full and where, and does not ask for a compiler (test_linear's
     ``test_compile_failure_falls_back_to_eager_with_one_notice``: without one it still does)."""
     disk = tmp_path / "disk"
-    _mount_tmpfs(disk)
+    mount_tmpfs(disk)
     try:
         _fill(disk, 8 * 1024)
         script = tmp_path / "compile.py"
@@ -375,7 +365,7 @@ def test_download_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monk
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     disk = tmp_path / "disk"
-    _mount_tmpfs(disk)
+    mount_tmpfs(disk)
     try:
         _fill(disk, 100 * 1024)  # room for pip's first blocks, not for the archive
         cache = disk / "downloads"

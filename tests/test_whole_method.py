@@ -219,6 +219,20 @@ def _ddp_env() -> dict:
     return env
 
 
+def _one_step_roles(tmp_path: Path, ddp_role: str, one_device_roles: tuple[str, ...]) -> None:
+    """ONE_STEP's ``ddp_role`` over 2 gloo processes, then each one-device role in this process (the same
+    module and data); each writes its ROLE.json and ROLE.grad.json into ``tmp_path``."""
+    script = tmp_path / "one_step.py"
+    script.write_text(ONE_STEP.format(root=str(ROOT)))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), ddp_role, "e4m3"], env=_ddp_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    here: dict = {}
+    exec(compile(script.read_text(), str(script), "exec"), here)
+    for role in one_device_roles:
+        here["run"](str(tmp_path), role, "e4m3")
+
+
 def _e4m3_error_bound(g: torch.Tensor) -> torch.Tensor:
     """Per element, the most the exchange's E4M3 round trip of ``g`` (one power-of-two scale for the tensor)
     can move it: half a step, 2^-4 of the value for normals, 2^-10 / scale in the subnormal range."""
@@ -239,15 +253,7 @@ def test_one_device_simulation_against_ddp_with_different_data_per_rank(tmp_path
     scheme, not the same bits. Both stay within the exchange's error bound of the exact mean gradient (half
     an E4M3 step per element, per rank for DDP); the two differ from each other by about as much as each
     differs from the exact gradient (the relative norms are printed)."""
-    script = tmp_path / "one_step.py"
-    script.write_text(ONE_STEP.format(root=str(ROOT)))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "ddp-split", "e4m3"], env=_ddp_env(),
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    here: dict = {}
-    exec(compile(script.read_text(), str(script), "exec"), here)
-    for role in ("sim", "plain", "half0", "half1"):
-        here["run"](str(tmp_path), role, "e4m3")
+    _one_step_roles(tmp_path, "ddp-split", ("sim", "plain", "half0", "half1"))
     grads = {r: [torch.tensor(t) for t in json.loads((tmp_path / f"{r}.grad.json").read_text())]
              for r in ("ddp-split", "sim", "plain", "half0", "half1")}
     diff = {"ddp-sim": 0.0, "sim-exact": 0.0, "ddp-exact": 0.0}
@@ -280,15 +286,7 @@ def test_one_device_rounds_as_the_two_process_exchange(tmp_path):
     comm.py's encoder and decoder on both sides. Without the simulation the one-device update differs
     (the test can fail). With different data per rank the two runs round at different places (the mean
     of the rounded halves against the rounded mean): the same error bound, half an E4M3 step per element."""
-    script = tmp_path / "one_step.py"
-    script.write_text(ONE_STEP.format(root=str(ROOT)))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "ddp", "e4m3"], env=_ddp_env(),
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one_device: dict = {}
-    exec(compile(script.read_text(), str(script), "exec"), one_device)  # the same module and data, here
-    for role in ("sim", "plain"):
-        one_device["run"](str(tmp_path), role, "e4m3")
+    _one_step_roles(tmp_path, "ddp", ("sim", "plain"))
     ddp, sim, plain = (json.loads((tmp_path / f"{r}.json").read_text()) for r in ("ddp", "sim", "plain"))
     assert ddp == sim
     assert ddp != plain
