@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh STAGE [STAGE ...]    # from the repository root, on a CUDA machine
 #   bash scripts/gpu_check.sh all                  # checks layers step train, one after the other
 #
-# Stages (each ends within 230 s, scripts/gpu_stage.py BUDGET_S; what it measures goes into
+# Stages (each ends within its budget, 150-200 s, scripts/gpu_stage.py STAGE_BUDGET_S; what it measures goes into
 # docs/perf/h200.json under its key as soon as it is measured, and to $OUT/h200.json when $OUT is set):
 #   checks        the device, the capability probe of torch._scaled_mm (which kinds run, where the
 #                 others go), every kernel against its reference (benchmarks/bench_kernels.py

@@ -153,3 +153,16 @@ def test_gpu_check_takes_only_known_stages():
     for args, message in (([], "usage: bash scripts/gpu_check.sh STAGE"), (["layer"], "unknown stage 'layer'")):
         got = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True)
         assert got.returncode == 2 and message in got.stderr
+
+
+def test_the_main_stages_fit_a_task_s_gpu_time_with_start_up(stage, monkeypatch):
+    """The four main stages' budgets leave a lent machine's start-up (a few minutes) inside the task's
+    15 minutes of GPU time, two stages fit one 600 s call, and no step's limit exceeds its stage's."""
+    mod = stage
+    monkeypatch.setattr(mod, "BUDGET_S", None)
+    main = ("checks", "layers", "step", "train")
+    assert sum(mod.STAGE_BUDGET_S[s] for s in main) <= 12 * 60
+    assert mod.STAGE_BUDGET_S["checks"] + mod.STAGE_BUDGET_S["layers"] <= 540
+    assert mod.STAGE_BUDGET_S["step"] + mod.STAGE_BUDGET_S["train"] <= 540
+    assert sum(limit for _, limit, _ in mod.STEP_ROWS) <= mod.STAGE_BUDGET_S["step"]
+    assert mod.Stage("checks").budget_s == mod.STAGE_BUDGET_S["checks"]
