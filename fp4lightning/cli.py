@@ -156,6 +156,36 @@ def _export_hf_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_gguf_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpt", metavar="CKPT", help="a .ckpt file or a run folder (runs/<name>)")
+    parser.add_argument("out", metavar="OUT", help="the .gguf file to write (written beside it, renamed into place)")
+    parser.add_argument("--dtype", choices=("f32", "f16"), default="f32",
+                        help="GGUF type of the embeddings, the head and the layers trained in high precision "
+                             "(norms stay f32) (default: f32)")
+    parser.add_argument("--requantize", action="store_true",
+                        help="a run whose FP4 weights no GGUF type holds exactly (the paper preset's float scales): "
+                             "re-quantize them to MXFP4 and print each layer's weight SQNR")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
+
+def _export_gguf_run(args: argparse.Namespace) -> int:
+    from fp4lightning.models.export_file import check_export_file
+    from fp4lightning.train.preflight import check_checkpoint_path
+
+    check_export_file(args.out, args.overwrite)  # before torch is imported: a bad OUT fails at once
+    check_checkpoint_path(args.ckpt, "CKPT")
+    from fp4lightning.models.gguf_export import export_gguf
+    from fp4lightning.train.checkpoint import load_checkpoint
+
+    model, tokenizer, recipe = load_checkpoint(args.ckpt, fp4=True)
+    report = export_gguf(model, tokenizer, args.out, args.dtype, args.requantize, args.overwrite,
+                         name=recipe.name if recipe is not None else None)
+    if report.sqnr_db:
+        print(report.sqnr_line())
+    print(f"wrote {report.path} ({report.summary()})")
+    return 0
+
+
 def _import_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face LlamaForCausalLM folder (config.json, weights)")
     parser.add_argument("out", metavar="OUT", nargs="?", default=None,
@@ -381,6 +411,8 @@ COMMANDS: list[Command] = [
     Command("train", "pretrain a LLaMA from a recipe YAML", _train_arguments, _train_run),
     Command("export-hf", "write a training checkpoint as a Hugging Face LlamaForCausalLM folder",
             _export_hf_arguments, _export_hf_run),
+    Command("export-gguf", "write a training checkpoint as a llama.cpp GGUF file, its FP4 layers as the MXFP4 / "
+            "NVFP4 tensors training used", _export_gguf_arguments, _export_gguf_run),
     Command("import-hf", "turn a Hugging Face LlamaForCausalLM folder into a checkpoint to train from "
             "(init.from_checkpoint)", _import_hf_arguments, _import_hf_run),
     Command("eval", "zero-shot accuracy / perplexity of a checkpoint with lm-eval (offline tasks, the paper's "
