@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from fp4lightning.numerics import cpu_fused
+from fp4lightning.numerics.constants import E4M3_FOLD_MAX_SHIFT
 from fp4lightning.numerics.formats import decode_packed_fp4
 
 from ._common import (F8E4M3_MAX_C, FP8_FAST_ACCUM, INTERPRET, check_same_device, e2m1_bits, finish_tile,
@@ -59,6 +60,7 @@ __all__ = ["ALIGN", "fits", "e4m3_rows", "e4m3_cols", "fp8_cols", "scaled_fp4_ge
 ALIGN = 16
 E4M3 = torch.float8_e4m3fn
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+E4M3_FOLD_MAX_SHIFT_C = tl.constexpr(E4M3_FOLD_MAX_SHIFT)
 
 
 def fits(*dims: int) -> bool:
@@ -255,14 +257,33 @@ def _e4m3_bits(v):
 
 
 @triton.jit
-def _refold_codes_kernel(q_ptr, p_ptr, e_ptr, M, KH, stride_q, stride_e, BLOCK_M: tl.constexpr,
-                         BLOCK_KH: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _refold_factor(s_ptr, f_ptr, rows, ok, GIVEN_P: tl.constexpr):
+    """Each row's ``2^-shift`` (NaN for rows folded to NaN): ``f_ptr`` itself where GIVEN_P, else found
+    from the two scales, ``s_a`` and ``s_a 2^-shift``, as the shift 0..8 whose product
+    ``s_a 2^-shift`` (fp32, as the fold kernel rounds it) is the folded scale: the value
+    ``ops.gemm.refold_operand``'s ``exp2(round(log2(f / s)))`` gives, without its four launches."""
+    if GIVEN_P:
+        p = tl.load(f_ptr + rows, mask=ok, other=1.0)
+    else:
+        s = tl.load(s_ptr + rows, mask=ok, other=1.0)
+        f = tl.load(f_ptr + rows, mask=ok, other=1.0)
+        p = tl.full(rows.shape, float("nan"), tl.float32)
+        for sh in tl.static_range(E4M3_FOLD_MAX_SHIFT_C + 1):
+            fac = ((127 - sh) << 23) + tl.zeros(rows.shape, tl.int32)
+            fac = fac.to(tl.float32, bitcast=True)  # 2^-sh, exact
+            p = tl.where(s * fac == f, fac, p)
+    return p
+
+
+@triton.jit
+def _refold_codes_kernel(q_ptr, s_ptr, f_ptr, e_ptr, M, KH, stride_q, stride_e, BLOCK_M: tl.constexpr,
+                         BLOCK_KH: tl.constexpr, TRANSPOSED: tl.constexpr, GIVEN_P: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1) * BLOCK_KH + tl.arange(0, BLOCK_KH)
     row_ok = rows < M
     mask = row_ok[:, None] & (kb < KH)[None, :]
     b = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + kb[None, :], mask=mask, other=0).to(tl.int32)
-    p = tl.load(p_ptr + rows, mask=row_ok, other=1.0)[:, None]
+    p = _refold_factor(s_ptr, f_ptr, rows, row_ok, GIVEN_P)[:, None]
     q = tl.join(_e2m1_f32(b & 0xF), _e2m1_f32(b >> 4)).reshape(BLOCK_M, 2 * BLOCK_KH)
     # rows folded to NaN: zeros; the negative zero code gives +0, as A_q + s_a R = -0.0 + 0.0 does
     e = tl.where((p == p) & (q != 0.0), _e4m3_bits(q * p), 0)
@@ -275,10 +296,14 @@ def _refold_codes_kernel(q_ptr, p_ptr, e_ptr, M, KH, stride_q, stride_e, BLOCK_M
 
 
 @triton.jit
-def _refold_outliers_kernel(idx_ptr, v_ptr, q_ptr, s_ptr, p_ptr, e_ptr, N_SLOTS, MK, K, stride_q, stride_e,
-                            BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _refold_outliers_kernel(idx_ptr, v_ptr, q_ptr, s_ptr, f_ptr, e_ptr, N_SLOTS, MK, K, stride_q, stride_e,
+                            BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr, GIVEN_P: tl.constexpr = False,
+                            count_ptr=None, HAS_COUNT: tl.constexpr = False):
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    idx = tl.load(idx_ptr + j, mask=j < N_SLOTS, other=MK).to(tl.int64)
+    n_ok = N_SLOTS
+    if HAS_COUNT:  # the fold kernel's form: slots past the count (or the capacity) hold nothing
+        n_ok = tl.minimum(tl.load(count_ptr), N_SLOTS)
+    idx = tl.load(idx_ptr + j, mask=j < n_ok, other=MK).to(tl.int64)
     ok = idx < MK  # padding slots hold M K
     m = tl.where(ok, idx // K, 0)
     k = tl.where(ok, idx % K, 0)
@@ -286,7 +311,7 @@ def _refold_outliers_kernel(idx_ptr, v_ptr, q_ptr, s_ptr, p_ptr, e_ptr, N_SLOTS,
     q = _e2m1_f32((b >> (4 * (k % 2).to(tl.int32))) & 0xF)
     r = tl.load(v_ptr + j, mask=ok, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + m, mask=ok, other=1.0)
-    p = tl.load(p_ptr + m, mask=ok, other=1.0)
+    p = _refold_factor(s_ptr, f_ptr, m, ok, GIVEN_P)
     v = q + r * s  # A_q + s_a R, product and sum rounded apart (launched without FMA contraction)
     e = tl.where(p == p, _e4m3_bits(v * p), 0)
     dst = e_ptr + k * stride_e + m if TRANSPOSED else e_ptr + m * stride_e + k
@@ -300,27 +325,37 @@ REFOLD_T_BLOCK = (64, 32)
 REFOLD_OUTLIER_BLOCK = 1024
 
 
-def triton_refold(codes: torch.Tensor, scale: torch.Tensor, p: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
-                  k: int, transposed: bool = False) -> torch.Tensor:
+def triton_refold(codes: torch.Tensor, scale: torch.Tensor, p: torch.Tensor | None, idx: torch.Tensor,
+                  vals: torch.Tensor, k: int, transposed: bool = False, *, fold_scale: torch.Tensor | None = None,
+                  count: torch.Tensor | None = None) -> torch.Tensor:
     """The folded E4M3 operand (M, k) (row stride padded to 16 bytes) from the packed codes (M, k/2),
-    the clamped activation's scale ``s_a``, the per-row ``2^-shift`` (NaN for rows folded to NaN) and
-    the compact residual's flat indices and values; ``ops.gemm.refold_operand`` bit for bit.
-    ``transposed``: the same values written column-major, the (M, k) transposed view of a (k, M16)
-    buffer (its columns past M unwritten), which ``fp8_cols`` hands to wgrad without a transpose."""
+    the clamped activation's scale ``s_a``, the per-row ``2^-shift`` ``p`` (NaN for rows folded to NaN)
+    and the compact residual's flat indices and values; ``ops.gemm.refold_operand`` bit for bit.
+    With ``p`` None the kernels find each row's ``2^-shift`` from ``fold_scale`` (``s_a 2^-shift``, as the
+    fold kernel wrote it) themselves. ``count`` (a one-element integer tensor): the compact residual
+    as the fold kernel writes it (``triton_quantize_rows_folded(capacity=)``), its first ``count`` slots
+    (at most all of them) in any order, the others unwritten; without it every slot is read and the
+    padding slots hold index M k. ``transposed``: the same values written column-major, the (M, k)
+    transposed view of a (k, M16) buffer (its columns past M unwritten), which ``fp8_cols`` hands to
+    wgrad without a transpose."""
     m, kh = codes.shape
-    check_same_device(codes=codes, scale=scale, p=p, idx=idx, vals=vals)
+    if (p is None) == (fold_scale is None):
+        raise ValueError("triton_refold: give either p (2^-shift per row) or fold_scale, not both")
+    f = p if p is not None else fold_scale
+    check_same_device(codes=codes, scale=scale, p=f, idx=idx, vals=vals, count=count)
     shape = (k, round_up(m, ALIGN)) if transposed else (m, round_up(k, ALIGN))
     e = torch.empty(shape, dtype=torch.uint8, device=codes.device)
     bm, bkh = (16, 32) if INTERPRET else REFOLD_T_BLOCK if transposed else REFOLD_BLOCK
     _refold_codes_kernel[(triton.cdiv(m, bm), triton.cdiv(kh, bkh))](
-        codes, p, e, m, kh, codes.stride(0), e.stride(0), BLOCK_M=bm, BLOCK_KH=bkh, TRANSPOSED=transposed,
-        num_warps=4)
+        codes, scale, f, e, m, kh, codes.stride(0), e.stride(0), BLOCK_M=bm, BLOCK_KH=bkh, TRANSPOSED=transposed,
+        GIVEN_P=p is not None, num_warps=4)
     n = idx.numel()
     if n:
         block = 256 if INTERPRET else REFOLD_OUTLIER_BLOCK
         _refold_outliers_kernel[(triton.cdiv(n, block),)](
-            idx, vals, codes, scale, p, e, n, m * k, k, codes.stride(0), e.stride(0), BLOCK=block,
-            TRANSPOSED=transposed, num_warps=4, enable_fp_fusion=False)
+            idx, vals, codes, scale, f, e, n, m * k, k, codes.stride(0), e.stride(0), BLOCK=block,
+            TRANSPOSED=transposed, GIVEN_P=p is not None, count_ptr=count, HAS_COUNT=count is not None,
+            num_warps=4, enable_fp_fusion=False)
     return e.view(E4M3)[:, :m].t() if transposed else e.view(E4M3)[:, :k]
 
 

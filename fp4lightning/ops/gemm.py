@@ -376,11 +376,12 @@ def refold_operand(codes: torch.Tensor, scale: torch.Tensor, fold_scale: torch.T
     residual's capacity the outliers it dropped are missing: FP4Linear then returns a NaN weight
     gradient, as the Triton path does.)"""
     m, k = shape
-    idx, vals, _ = resid
+    idx, vals, _, *count = resid
+    if triton_quantizers(codes.device):  # two bandwidth-bound kernels (kernels/scaled_mm.py), the shift found in them
+        return _scaled_mm_kernels().triton_refold(codes, scale, None, idx, vals, k, transposed=True,
+                                                  fold_scale=fold_scale, count=count[0] if count else None)
     # the shift, from the two scales: 2^-shift exactly (0 <= shift <= 8), NaN for rows folded to NaN
     p = torch.exp2(torch.round(torch.log2(fold_scale / scale)))
-    if triton_quantizers(codes.device):  # two bandwidth-bound kernels (kernels/scaled_mm.py)
-        return _scaled_mm_kernels().triton_refold(codes, scale, p, idx, vals, k, transposed=True)
     r = torch.zeros(m * k + 1, dtype=vals.dtype, device=vals.device)
     r.scatter_(0, idx.long(), vals)  # unique indices; the padding slots land in the spare element
     v = decode_packed_fp4(codes, k, torch.float32) + r[:m * k].view(m, k).float() * scale[:, None]
