@@ -46,12 +46,18 @@ def export_file(out: str | os.PathLike, overwrite: bool = False, what: str = "OU
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, out)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise UserError(f"no space left on device while writing {out} ({e.strerror}); nothing was written: "
-                            f"free some space or choose another {what}") from e
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) or _short_write(e):
+            raise UserError(f"no space left on device while writing {out} ({e.strerror or e}); nothing was "
+                            f"written: free some space or choose another {what}") from e
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _short_write(e: OSError) -> bool:
+    """numpy's ``tofile`` (which ``gguf`` writes tensors with) reports a full disk as an ``OSError`` without an
+    errno: ``"<n> requested and <m> written"``."""
+    return e.errno is None and " requested and " in str(e) and str(e).endswith(" written")
 
 
 def _remove_dead_leftovers(out: Path) -> None:
