@@ -87,7 +87,7 @@ def _cases(all_configs: bool = False):
     (the first row of the Hopper sweeps for sm_90, of the mma.sync sweeps for sm_80, as
     ``gemm._prune_to_family`` picks them with autotuning off), or every row with ``all_configs``."""
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
-                   e_ptr="*u8", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
+                   e_ptr="*u8", i_ptr="*fp32", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
     f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", i_ptr="*fp32", M=_I,
                     N=_I, stride_xm=_I, stride_qm=_I, stride_qn=_I)
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
@@ -183,7 +183,8 @@ def _quantizer_cases(q_types, f8_types):
         cases.append(dict(name=f"{name}, K={k}" + ("" if single else " (two passes)"), arch=90, kind="quantize",
                           fn=quantize._quantize_fp4_kernel, types=q_types, num_warps=warps, num_stages=1,
                           consts=dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=bm, BLOCK_KH=bkh, SINGLE_PASS=single,
-                                      CLAMP=clamp, E4M3=e4m3), elements_per_thread=bm * 2 * bkh // (32 * warps)))
+                                      CLAMP=clamp, E4M3=e4m3, STORE_INV=not clamp),  # FP4Linear's: 1 / scale too
+                          elements_per_thread=bm * 2 * bkh // (32 * warps)))
 
     fp4("quantize_fp4 rows", QUANT_DIM, False)
     fp4("quantize_fp4 rows + OCC clamp + residual", QUANT_DIM, True)

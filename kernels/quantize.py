@@ -121,15 +121,15 @@ def _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP: tl.constexpr, 
 @triton.jit
 def _quantize_fp4_kernel(
     # pointers (r_ptr, bounds_ptr: OCC residual out and [lo, hi], used when CLAMP; e_ptr: the E4M3
-    # operand out, used when E4M3)
-    x_ptr, q_ptr, s_ptr, amax_ptr, r_ptr, bounds_ptr, e_ptr,
+    # operand out, used when E4M3; i_ptr: 1 / scale out, used when STORE_INV)
+    x_ptr, q_ptr, s_ptr, amax_ptr, r_ptr, bounds_ptr, e_ptr, i_ptr,
     # sizes
     M, K, KH,
     # strides (the inner stride is 1)
     stride_xm, stride_qm, stride_rm, stride_em,
     # meta-parameters
     POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr, CLAMP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, E4M3: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, E4M3: tl.constexpr = False, STORE_INV: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -173,7 +173,7 @@ def _quantize_fp4_kernel(
                               BLOCK_M, BLOCK_KH, e_rows + k0 + ke[None, :], row_ok[:, None] & (k0 + ke < K)[None, :],
                               E4M3)
 
-    tl.store(s_ptr + rows, scale, mask=row_ok)
+    _store_scale(s_ptr, i_ptr, rows, scale, row_ok, STORE_INV)
 
 
 def fp4_launch_params(kh: int, block_kh: int | None = None) -> tuple[int, int, bool, int]:
@@ -225,7 +225,7 @@ def _tensor_amax(x2d, lohi):
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
 
 
-def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3=False):
+def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3=False, inverse=False):
     x2d = _check_input(x2d, scale_mode, bounds)
     m, k = x2d.shape
     kh = (k + 1) // 2
@@ -239,18 +239,20 @@ def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3=False):
     # the E4M3 operand's rows padded to 16 bytes (what _scaled_mm and the FP8 GeMMs load)
     e = torch.empty(m, (k + 15) // 16 * 16, dtype=torch.uint8, device=x2d.device) if e4m3 else q
     amax = _tensor_amax(x2d, lohi) if per_tensor else scale
+    inv = torch.empty_like(scale) if inverse else scale  # placeholder pointer when unused
     block_m, blk, single, warps = fp4_launch_params(kh, block_kh)
     _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
-        x2d, q, scale, amax, resid, scale if lohi is None else lohi, e, m, k, kh, x2d.stride(0), q.stride(0),
+        x2d, q, scale, amax, resid, scale if lohi is None else lohi, e, inv, m, k, kh, x2d.stride(0), q.stride(0),
         resid.stride(0), e.stride(0),
         POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, CLAMP=bounds is not None,
-        BLOCK_M=block_m, BLOCK_KH=blk, E4M3=e4m3, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_KH=blk, E4M3=e4m3, STORE_INV=inverse, num_warps=warps,
     )
-    return q, scale, (resid if bounds is not None else None), (e.view(torch.float8_e4m3fn)[:, :k] if e4m3 else None)
+    outs = (q, scale, (resid if bounds is not None else None), (e.view(torch.float8_e4m3fn)[:, :k] if e4m3 else None))
+    return outs + ((inv,) if inverse else ())
 
 
 def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
-                  block_kh: int | None = None, e4m3: bool = False):
+                  block_kh: int | None = None, e4m3: bool = False, inverse: bool = False):
     """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
 
     Bit-identical to ``fp4lightning.numerics.absmax.quantize_rows_reference(x2d, scale_mode, per_tensor)``
@@ -260,10 +262,12 @@ def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tenso
     override; rows longer than it are quantized in two passes. With ``e4m3`` the same pass
     also writes the codes' exact E4M3 values, ``(packed, scale, e4 (M, K))`` (row stride padded
     to 16 bytes): the scaled_mm backend's forward operand, next to the packed codes kept for
-    backward.
+    backward. With ``inverse`` the same pass also writes ``1 / scale`` (IEEE, ``torch.reciprocal``'s
+    bits; NaN where the scale is NaN), appended last: what ``_scaled_mm`` multiplies by and what the
+    backward's dY quantizers fold in, so neither takes a reciprocal launch.
     """
-    q, scale, _, e = _quantize_fp4(x2d, scale_mode, per_tensor, None, block_kh, e4m3)
-    return (q, scale, e) if e4m3 else (q, scale)
+    q, scale, _, e, *inv = _quantize_fp4(x2d, scale_mode, per_tensor, None, block_kh, e4m3, inverse)
+    return (q, scale) + ((e,) if e4m3 else ()) + tuple(inv)
 
 
 def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
@@ -652,7 +656,8 @@ def _quantize_fp8_cols_kernel(
 
 
 def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
-                 divide_by: torch.Tensor | None = None, inverse: bool = False) -> tuple[torch.Tensor, ...]:
+                 divide_by: torch.Tensor | None = None, inverse: bool = False,
+                 multiply_by: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
@@ -666,6 +671,9 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     reciprocal per divisor, then one fp32 multiply per element, as ``fp4lightning.numerics.cpu_fused.fp8_scaled``
     computes it, so bit-identical to it. ``inverse=True`` returns ``(x_fp8, scale, 1 / scale)``, the
     reciprocals written by the same kernel (IEEE, so ``torch.reciprocal(scale)`` bit for bit).
+    ``multiply_by``: instead of ``divide_by``, its reciprocals ``1 / divide_by`` where they are at hand
+    (written by the FP4 quantizer that made the divisor, ``triton_quantize_rows(inverse=True)``): the
+    same bits, without the reciprocal launch.
     """
     x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
     check_same_device(x2d=x2d)
@@ -675,13 +683,17 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
         raise ValueError(f"dim must be 1 (one scale per row) or 0 (one scale per column), got {dim!r}")
     if column_major and dim != 0:
         raise ValueError("column_major=True is the layout of the per-column (dim=0) quantization only")
+    if divide_by is not None and multiply_by is not None:
+        raise ValueError("give divide_by or its reciprocals multiply_by, not both")
     div = 0
-    if divide_by is not None:
+    if divide_by is not None or multiply_by is not None:
         n_div = x2d.shape[1] if dim == 1 else x2d.shape[0]
+        name, vec = ("divide_by", divide_by) if divide_by is not None else ("multiply_by", multiply_by)
         what = "one fp32 divisor per column (dim=1) / per row (dim=0)"
-        divide_by = check_vector("divide_by", divide_by, n_div, (torch.float32,), what)
-        check_same_device(x2d=x2d, divide_by=divide_by)
-        divide_by = torch.reciprocal(divide_by)  # IEEE 1/d on CPU and CUDA; the kernels multiply
+        vec = check_vector(name, vec, n_div, (torch.float32,), what)
+        check_same_device(x2d=x2d, **{name: vec})
+        # IEEE 1/d on CPU and CUDA; the kernels multiply
+        divide_by = torch.reciprocal(vec) if multiply_by is None else vec
         div = 1 if dim == 1 else 2
     fmax, mant, emin, dtype = _FP8[fmt]
     m, n = x2d.shape

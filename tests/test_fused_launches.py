@@ -4,7 +4,9 @@ launches they replace: under the Triton interpreter on CPU, compiled on a GPU.
 * the compact residual's overflow (``where(overflow, nan, dW)``) inside the wgrad finish kernel;
 * the refold writing wgrad's operand transposed (no ``_transpose_kernel``);
 * the FP8 dY quantizers writing ``1 / scale`` (no ``torch.reciprocal`` before each backward GeMM), and
-  the row of ones ``_scaled_mm`` takes as the unused scale kept between calls.
+  the row of ones ``_scaled_mm`` takes as the unused scale kept between calls;
+* the FP4 quantizers writing ``1 / scale`` too: the forward GeMM's epilogue takes them, and backward's
+  dY quantizers multiply by the saved ones (no reciprocal launch in forward or backward).
 """
 import pytest
 import torch
@@ -148,8 +150,9 @@ def test_backward_takes_the_quantizers_reciprocals(preset, monkeypatch):
             y = lin(xx)
         y.backward(dy)
         monkeypatch.setattr(sm, "_row_scale", real)
-        assert taken[-2:] == [True, True]  # dgrad's and wgrad's row scales came with their reciprocals
-        return xx.grad, lin.weight.grad.clone()
+        # the forward's A and W scales, then dgrad's and wgrad's row scales, came with their reciprocals
+        assert taken == [True] * 4
+        return y.detach(), xx.grad, lin.weight.grad.clone()
 
     for t, r in zip(run(True), run(False)):
         assert torch.equal(t.view(torch.int16) if t.dtype == torch.bfloat16 else _bits(t),
@@ -166,3 +169,76 @@ def test_ones_row_is_kept_between_calls():
     assert big.shape == (1, 5000) and (big == 1).all()
     meta = sm._unit_cols(16, torch.empty(1, device="meta"))
     assert meta.is_meta and not sm._unit_cols(16, torch.empty(1, device=DEV)).is_meta
+
+
+def _edge_rows(m, k, dtype):
+    """Activations with rows of zeros, subnormals, huge and tiny values, NaN and inf (the FP4 scale's
+    branches: the amax floor, NaN scales) and rows spread over many binades."""
+    x = torch.randn(m, k, device=DEV) * torch.exp(6 * torch.randn(m, 1, device=DEV))
+    x[0] = 0.0
+    x[1] = 1e-40
+    x[2, :2] = torch.tensor([3e38, -1e-30])
+    x[3] = 1e-37
+    x[4, 3], x[5, 1] = float("nan"), float("-inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_kh", [None, 16], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("e4m3", [False, True])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fp4_quantizer_writes_the_reciprocal_of_its_scale(dtype, block_kh, e4m3, per_tensor):
+    from fp4lightning.kernels import fp4_triton as kt
+    x = _edge_rows(37, 96, dtype)
+    if per_tensor:
+        x[4, 3] = x[5, 1] = 1.0  # one non-finite value poisons every row's scale
+    plain = kt.triton_quantize_rows(x, per_tensor=per_tensor, block_kh=block_kh, e4m3=e4m3)
+    *outs, inv = kt.triton_quantize_rows(x, per_tensor=per_tensor, block_kh=block_kh, e4m3=e4m3, inverse=True)
+    assert len(outs) == len(plain)
+    for got, want in zip(outs, plain):  # codes, scales and the E4M3 operand unchanged
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(inv), _bits(torch.reciprocal(outs[1])))  # what the GeMM took before, bit for bit
+    if not per_tensor:
+        assert torch.isnan(inv[4]) and torch.isnan(inv[5]) and torch.isfinite(inv[:4]).all()
+    # many random scales over 2^+-60
+    r = torch.exp(20 * torch.randn(4096, 1, device=DEV)) * torch.randn(4096, 32, device=DEV)
+    _, s2, inv2 = kt.triton_quantize_rows(r, inverse=True)
+    assert torch.equal(_bits(inv2), _bits(torch.reciprocal(s2)))
+
+
+@pytest.mark.parametrize("dim", [1, 0])
+@pytest.mark.parametrize("n", [40, 300], ids=["one-pass", "two-pass"])
+def test_fp8_quantizer_takes_the_given_reciprocals(dim, n):
+    # multiply_by = the FP4 quantizer's 1 / s: the same bits as divide_by = s (which took torch.reciprocal)
+    from fp4lightning.kernels import fp4_triton as kt
+    x = _edge_gradient(37, n, torch.bfloat16)
+    div = torch.exp(8 * torch.randn(n if dim == 1 else 37, device=DEV))
+    div[1] = 1e-30
+    want = kt.triton_quantize_fp8(x, dim=dim, divide_by=div, column_major=dim == 0, inverse=True)
+    got = kt.triton_quantize_fp8(x, dim=dim, multiply_by=torch.reciprocal(div), column_major=dim == 0, inverse=True)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(_bits(g), _bits(w))
+    with pytest.raises(ValueError, match="not both"):
+        kt.triton_quantize_fp8(x, dim=dim, divide_by=div, multiply_by=div)
+
+
+def _roofline():
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "roofline.py"
+    if "roofline" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("roofline", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["roofline"] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules["roofline"]
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_no_reciprocal_launches_on_the_cuda_path(preset):
+    # the CUDA path's forward + backward as benchmarks/roofline.py traces it: the scales' reciprocals come
+    # from the quantizers (`paper`'s folded scale: one reciprocal in the forward, kept for backward)
+    launches = _roofline().trace_layer(preset, 256, 128, 64)
+    recips = [x.phase for x in launches if x.name == "aten.reciprocal"]
+    assert recips == ([] if preset == "w4a4-direct" else ["forward"]), recips

@@ -84,6 +84,9 @@ class _Activation:
     comp_r: torch.Tensor | None = None  # dense R for the forward's compensation GeMM (Triton / scaled_mm)
     resid: torch.Tensor | tuple | None = None  # what backward keeps of R: CSR of R^T, or the compact form
     resid_t: bool = False  # ``resid`` holds R^T (reference path) rather than R
+    # 1 / the scale the forward GeMM reads (``fold_scale`` or ``scale``) where at hand: the scaled_mm
+    # epilogue multiplies by it and backward folds it into dY, without reciprocal launches
+    scale_inv: torch.Tensor | None = None
 
 
 def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_dtype: torch.dtype,
@@ -92,8 +95,9 @@ def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_d
     backend's forward GeMM reads, and the residual in the form backward keeps it."""
     per_tensor = cfg.act_granularity == "per_tensor"
     if not cfg.occ:
-        codes, scale, values = gemm.quantize_fp4(x2d, cfg.scale_mode, per_tensor, values_dtype=vals_dtype)
-        return _Activation(codes, scale, values)
+        codes, scale, values, inv = gemm.quantize_fp4(x2d, cfg.scale_mode, per_tensor, values_dtype=vals_dtype,
+                                                      inverse=True)
+        return _Activation(codes, scale, values, scale_inv=inv)
     bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
     if backend == "scaled_mm" and (cfg.occ_fold_e4m3 or cfg.occ_compensation):
         # The scaled_mm backend runs `paper`'s OCC folded into the E4M3 activation operand (no
@@ -102,9 +106,10 @@ def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_d
         # the compact residual, not the 1-byte operand, and rebuilds the operand's bits from them
         # (gemm.refold_operand): the saved bytes stay those of the Triton path.
         fold, fold_scale, codes, scale, r = gemm.quantize_fp4_refold(x2d, bounds, cfg.scale_mode, per_tensor)
-        # R in x's dtype: the refold needs its bits
+        # R in x's dtype: the refold needs its bits. 1 / fold_scale: taken once, for the forward's
+        # epilogue and backward's dY / s
         return _Activation(codes, scale, fold=fold, fold_scale=fold_scale, refold=True,
-                           resid=_compact_residual(r, cfg.occ_alpha))
+                           resid=_compact_residual(r, cfg.occ_alpha), scale_inv=torch.reciprocal(fold_scale))
     if cfg.occ_fold_e4m3:
         # Y = (E W_q^T) / (s_a 2^-shift s_w) with E = E4M3((A_q + s_a R) 2^-shift): the
         # compensation rides in the FP4 GeMM's operand (docs/perf.md, "OCC on the GPU"); backward
@@ -135,15 +140,16 @@ def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_d
 
 def _forward_gemm(act: _Activation, w_codes: torch.Tensor, w_scale: torch.Tensor, w_vals: torch.Tensor | None,
                   k: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
-                  vals_dtype: torch.dtype) -> torch.Tensor:
-    """The FP4 GeMM plus OCC's compensation product ``R Wdq^T`` (in the folded operand, or a second GeMM)."""
+                  vals_dtype: torch.dtype, w_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP4 GeMM plus OCC's compensation product ``R Wdq^T`` (in the folded operand, or a second GeMM).
+    ``w_inv``: ``1 / w_scale`` where the weight's quantizer wrote it."""
     if act.fold is not None:
         scale = act.scale if act.fold_scale is None else act.fold_scale
         return gemm.fp4_gemm_folded(act.fold, scale, w_codes, w_scale, k, out_dtype, bias=bias, w_values=w_vals,
-                                    values_dtype=vals_dtype)
+                                    values_dtype=vals_dtype, a_scale_inv=act.scale_inv, w_scale_inv=w_inv)
     if act.comp_r is None:  # no compensation, or (reference path) already folded into act.values
         return gemm.fp4_gemm(act.codes, act.scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=act.values,
-                             w_values=w_vals)
+                             w_values=w_vals, a_scale_inv=act.scale_inv, w_scale_inv=w_inv)
     # Triton / scaled_mm path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM
     # on the dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse
     # one, which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
@@ -167,10 +173,13 @@ class _FP4LinearFn(torch.autograd.Function):
             # holding bf16 values where CPU bf16 GeMMs are emulated, fp4lightning.numerics.cpu_bf16)
             vals_dtype, vals_round = gemm.operand_dtype(out_dtype, x.device)
             act = _quantize_activation(x2d, cfg, gemm.backend_for(x.device), vals_dtype, vals_round)
-            w_codes, w_scale, w_vals = w_quant if w_quant is not None else quantize_weight(weight, cfg, vals_dtype)
-            y = _forward_gemm(act, w_codes, w_scale, w_vals, k, out_dtype, bias, vals_dtype)
+            if w_quant is None:
+                w_quant = quantize_weight(weight, cfg, vals_dtype, inverse=True)
+            # a cached or gathered quantization may come without 1 / w_scale (FSDP's triple)
+            w_codes, w_scale, w_vals, w_inv = (*w_quant, None)[:4]
+            y = _forward_gemm(act, w_codes, w_scale, w_vals, k, out_dtype, bias, vals_dtype, w_inv)
         compact = isinstance(act.resid, tuple)
-        ctx.save_for_backward(act.codes, act.scale, w_codes, w_scale, weight, act.fold_scale,
+        ctx.save_for_backward(act.codes, act.scale, w_codes, w_scale, weight, act.fold_scale, act.scale_inv, w_inv,
                               *(act.resid if compact else (act.resid,)))
         ctx.folded = act.fold is not None and not act.refold
         ctx.refold = act.refold
@@ -181,7 +190,7 @@ class _FP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        a_codes, a_scale, w_codes, w_scale, weight, fold_scale, *resid = ctx.saved_tensors
+        a_codes, a_scale, w_codes, w_scale, weight, fold_scale, a_inv, w_inv, *resid = ctx.saved_tensors
         resid = tuple(resid) if ctx.compact_shape is not None else resid[0]
         cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
         dy2d = dy.reshape(-1, weight.shape[0])
@@ -190,18 +199,21 @@ class _FP4LinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 # dA = dY diag(1/s_w) W_q : fold the reduction-dim scale into dY first
                 g1, s_g1, inv_g1 = gemm.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
-                                                             carrier=gemm.operand_dtype(cd, dy.device)[0], inverse=True)
+                                                             carrier=gemm.operand_dtype(cd, dy.device)[0], inverse=True,
+                                                             div_inv=w_inv)
                 grad_x = gemm.fp4_dgrad(g1, s_g1, w_codes, k, cd, g_scale_inv=inv_g1).reshape(*dy.shape[:-1], k)
             if ctx.needs_input_grad[1]:
-                grad_w = _weight_grad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale).to(weight.dtype)
+                grad_w = _weight_grad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale,
+                                      a_inv).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)  # no fp32 copy of dY
         return grad_x, grad_w, grad_b, None, None
 
 
 def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.Tensor, fold_scale: torch.Tensor | None,
-           resid, weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """fp32 ``dW = (dY^T (A_qdq + R)) * f'(W s_w)`` from what the forward saved (section 3)."""
+           resid, weight: torch.Tensor, w_scale: torch.Tensor, a_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``dW = (dY^T (A_qdq + R)) * f'(W s_w)`` from what the forward saved (section 3); ``a_inv``: 1 / the
+    activation scale the forward GeMM read (``fold_scale`` when refolding), where at hand."""
     cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
     # Under bf16 autocast the wgrad GeMM runs in bf16 like nn.Linear's: its
     # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
@@ -211,7 +223,8 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
         a_vals = gemm.refold_operand(a_codes, a_scale, fold_scale, resid, ctx.compact_shape)
         a_scale = fold_scale
     g2, s_g2, inv_g2 = gemm.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
-                                                 carrier=gemm.operand_dtype(gemm_dtype, dy2d.device)[0], inverse=True)
+                                                 carrier=gemm.operand_dtype(gemm_dtype, dy2d.device)[0], inverse=True,
+                                                 div_inv=a_inv)
     # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
     # factor: DGE multiplies the whole dL/dW_q
     comp = None
@@ -235,11 +248,13 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
     return grad_w
 
 
-def quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32):
+def quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32,
+                    inverse: bool = False):
     """(packed codes, per-channel scales, decoded values or None) of the weight, as the layer's forward
-    quantizes it; FSDP's FP4 all-gather quantizes each rank's rows with it (``distributed.fsdp``)."""
+    quantizes it; FSDP's FP4 all-gather quantizes each rank's rows with it (``distributed.fsdp``).
+    ``inverse``: a fourth element, ``1 / scale`` where the Triton quantizer wrote it (else None)."""
     return gemm.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
-                             values_dtype=values_dtype)
+                             values_dtype=values_dtype, inverse=inverse)
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -459,7 +474,7 @@ def _reused_weight_quant(layer: "FP4Linear", x: torch.Tensor) -> tuple | None:
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.autocast(x.device.type, enabled=False):
-        quant = quantize_weight(w, cfg, vals_dtype)
+        quant = quantize_weight(w, cfg, vals_dtype, inverse=True)
     layer._weight_quant = (key, quant)
     _HOLDERS.add(layer)
     return quant

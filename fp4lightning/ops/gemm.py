@@ -256,25 +256,25 @@ def operand_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype
 
 # --------------------------------------------------------------------------- FP4 quantize
 def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False,
-                 values_dtype: torch.dtype = torch.float32):
+                 values_dtype: torch.dtype = torch.float32, inverse: bool = False):
     """Row-wise FP4 quantization -> ``(packed codes (M, ceil(K/2)) uint8, scale (M,) fp32, values)``.
 
     ``values`` is the E2M1-grid tensor in ``values_dtype`` (exact in fp32, bf16 and fp16)
     when the reference path computed it anyway (it saves the forward GeMM a decode), else None.
     On the scaled_mm backend ``values`` is the forward GeMM's E4M3 operand (M, K), whatever
-    ``values_dtype``.
+    ``values_dtype``. ``inverse``: a fourth element, ``1 / scale`` as the Triton quantizer writes it
+    in the same pass (``torch.reciprocal``'s bits), or None where it is not written (the reference).
     """
     scaled = backend_for(x2d.device) == "scaled_mm"
     if triton_quantizers(x2d.device):
-        if scaled:  # one pass writes the packed codes (kept for backward) and the forward's E4M3 operand
-            return _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor,
-                                                          e4m3=True)
-        codes, scale = _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor)
-        return codes, scale, None
+        # with scaled_mm one pass writes the packed codes (kept for backward) and the forward's E4M3 operand
+        out = _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor, e4m3=scaled,
+                                                     inverse=inverse)
+        return out if scaled else out[:2] + (None,) + out[2:]
     codes, scale, values = quantize_rows_reference(x2d, scale_mode, per_tensor=per_tensor, packed=True,
                                                    return_values=True,
                                                    values_dtype=torch.float32 if scaled else values_dtype)
-    return codes, scale, (values.to(torch.float8_e4m3fn) if scaled else values)
+    return (codes, scale, (values.to(torch.float8_e4m3fn) if scaled else values)) + ((None,) if inverse else ())
 
 
 def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
@@ -405,7 +405,8 @@ def quantize_fp8_reference(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 
 def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: str = "e5m2",
-                         carrier: torch.dtype | None = None, inverse: bool = False):
+                         carrier: torch.dtype | None = None, inverse: bool = False,
+                         div_inv: torch.Tensor | None = None):
     """``quantize_fp8(x2d.float() * (1 / div), dim, fmt)`` with the fold fused in (both paths).
 
     ``div`` (fp32) divides every row for ``dim=1`` (one value per column) and every column
@@ -415,12 +416,15 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
     ``inverse``: return ``(values, scale, 1 / scale or None)``, the reciprocals the Triton
     quantizers write in the same pass (``fp4_dgrad`` / ``fp4_wgrad``'s ``g_scale_inv``); None
     where they are not written (the GeMM then takes ``torch.reciprocal(scale)``, the same bits).
+    ``div_inv``: ``1 / div`` where it is at hand (the FP4 quantizer wrote it, ``quantize_fp4(inverse=True)``);
+    the Triton quantizers multiply by it instead of taking the reciprocal themselves (the same bits).
     """
     if triton_quantizers(x2d.device) and fmt != "bf16":
         # the fold (one multiply by 1/div per element) happens in the kernel's registers, as the
         # reference computes it: no fp32 copy of dY is written and read back
-        return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0,
-                                                     divide_by=div.float(), inverse=inverse)
+        fold = dict(divide_by=div.float()) if div_inv is None else dict(multiply_by=div_inv)
+        return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0, inverse=inverse,
+                                                     **fold)
     out = _quantize_fp8_divided_torch(x2d, div, dim, fmt, carrier)
     return (*out, None) if inverse else out
 
@@ -531,14 +535,17 @@ def fp4_wgrad_reference(
 # On the scaled_mm backend ``a_values`` / ``w_values`` in E4M3 are the operands the quantizers
 # wrote (kernels/scaled_mm.py expands the packed codes when they are not given).
 def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, a_values=None,
-             w_values=None):
+             w_values=None, a_scale_inv=None, w_scale_inv=None):
+    """``a_scale_inv`` / ``w_scale_inv``: ``1 / scale`` where the quantizers wrote it (the scaled_mm
+    backend's epilogue multiplies by them; the same bits as its own reciprocals)."""
     backend, mm_dtype = _gemm_backend(a_packed.device, _fits(k, w_packed.shape[0]),
                                       (torch.float8_e4m3fn, out_dtype, _bias_fused(bias, out_dtype)))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         a8 = a_values if _is_e4m3(a_values) else sm.e4m3_rows(a_packed, k)
         w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
-        return sm.scaled_fp4_gemm(a8, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype)
+        return sm.scaled_fp4_gemm(a8, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype,
+                                  a_scale_inv=a_scale_inv, w_scale_inv=w_scale_inv)
     if backend == "triton":
         return _triton_kernels().triton_fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
     return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values, w_values)
@@ -558,17 +565,19 @@ def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32, g_scale_inv=None
 
 
 def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, w_values=None,
-                    values_dtype=None):
+                    values_dtype=None, a_scale_inv=None, w_scale_inv=None):
     """Forward GeMM on the E4M3 operand of ``quantize_fp4_folded``: ``(E W_q^T) / (s s_w^T) + bias``.
 
     ``values_dtype`` (reference path): the dtype the reference GeMM reads E in (E4M3 values are
-    exact in bf16 and fp32); default the compute dtype of ``out_dtype``."""
+    exact in bf16 and fp32); default the compute dtype of ``out_dtype``. ``a_scale_inv`` /
+    ``w_scale_inv``: as in ``fp4_gemm``."""
     backend, mm_dtype = _gemm_backend(a_fold.device, _fits(k, w_packed.shape[0]),
                                       (torch.float8_e4m3fn, out_dtype, _bias_fused(bias, out_dtype)))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
-        return sm.scaled_fp4_gemm(a_fold, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype)
+        return sm.scaled_fp4_gemm(a_fold, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype,
+                                  a_scale_inv=a_scale_inv, w_scale_inv=w_scale_inv)
     if backend == "triton":
         return _triton_kernels().triton_folded_gemm(a_fold, a_scale, w_packed, w_scale, k, out_dtype=out_dtype,
                                                     bias=bias)

@@ -1,0 +1,425 @@
+"""Gradient exchange between two hosts joined by a rate-limited link: where FP8's bytes cost time.
+
+Two network namespaces ("hosts", :mod:`benchmarks.hosts`) joined by a veth pair whose two directions
+are each limited by ``tc`` (tbf rate, netem delay); one gloo rank per host (``GLOO_SOCKET_IFNAME`` =
+that host's end of the pair), world size 2. Every variant lives in the same two processes and is
+timed in rounds that alternate the variants (the order reversed every other round), so load drift on
+the machine hits all of them alike. For each link setting (``--rates``) the driver changes the link
+between phases; the processes, models and batches stay.
+
+Variants (one training step each: forward, backward with the exchange, optimizer step):
+  * DDP on the plain fp32 LLaMA (``--model``, AdamW), gradients exchanged as ``trainer.grad_comm``
+    says, through the hooks ``FP4DDPStrategy`` installs (``fp4lightning.distributed.comm.register_hook``
+    with a default ``CommState``; at W = 2 ``fp8-e4m3`` is the async all-gather hook):
+    ``fp32``, ``bf16``, ``fp8-e4m3``; ``none`` is the same step under ``no_sync`` (compute alone).
+  * FSDP2 (``fully_shard_fp4``) on the same LLaMA with its linear layers converted to FP4Linear
+    (``paper`` preset), bf16 parameters, fp32 gradient reduce-scatter: ``fsdp-bf16`` gathers the
+    bf16 weights, ``fsdp-fp4`` gathers packed FP4 codes + row scales (embedding, norms and the head
+    are gathered in bf16 by both).
+
+Bytes on the wire are measured, not computed: each host reads its veth's ``tx_bytes`` / ``rx_bytes``
+(``/sys/class/net/DEV/statistics``, inside its namespace) after a barrier before and after every timed
+step, so they are Ethernet frames: TCP/IP headers, ACKs and gloo's own messages included. For FSDP the
+counters are also read after the forward, whose traffic is the weight all-gathers alone.
+
+    sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 1gbit,10gbit --delay-ms 1
+    sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 0.5gbit,1gbit,2gbit,5gbit,10gbit,25gbit \\
+        --steps 3 --variants fp32,bf16,fp8-e4m3          # where FP8 stops paying
+    .venv/bin/python benchmarks/bench_comm_hosts.py --loopback  # no namespaces: one machine's loopback
+
+Needs root and ``ip netns`` (else it says so and exits 2); ``--loopback`` runs the same two ranks on
+127.0.0.1 without a link limit (bytes from ``lo``'s counters, which count every process's traffic).
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from fp4lightning.distributed.comm import CommState, register_hook  # noqa: E402
+from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
+from fp4lightning.train.recipe import WIRE_FORMAT  # noqa: E402
+
+# name -> (config overrides on the "tiny" preset, batch, sequence length); "mid" is 29.5M parameters
+MODELS = {
+    "tiny": ({}, 1, 32),
+    "mid": ({"dim": 512, "n_layers": 8, "n_heads": 8, "ffn_dim": 1376}, 1, 64),
+}
+DDP_VARIANTS = ("fp32", "bf16", "fp8-e4m3", "none")
+FSDP_VARIANTS = ("fsdp-bf16", "fsdp-fp4")
+VARIANTS = DDP_VARIANTS + FSDP_VARIANTS
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank: the variants, stepped and measured
+
+
+def wire_counters(dev: str) -> tuple[int, int]:
+    """``(tx_bytes, rx_bytes)`` of network device ``dev`` as this process's namespace sees it."""
+    base = f"/sys/class/net/{dev}/statistics/"
+    with open(base + "tx_bytes") as tx, open(base + "rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
+
+
+def _batches(cfg, batch: int, seq: int, n: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + rank)  # the same batches for every variant
+    return torch.randint(0, cfg.vocab_size, (n, batch, seq + 1), generator=gen)
+
+
+class DDPRun:
+    """One DDP replica with ``trainer.grad_comm`` = ``fmt``'s hook (``none``: no exchange, ``no_sync``)."""
+
+    def __init__(self, model: str, fmt: str, world: int):
+        overrides, self.batch, self.seq = MODELS[model]
+        self.cfg = llama_config("tiny", max_seq_len=self.seq, **overrides)
+        torch.manual_seed(0)
+        self.model = Llama(self.cfg)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.fmt, self.state = fmt, None
+        if fmt != "none":
+            wire = WIRE_FORMAT[fmt]
+            self.state = CommState(grad_format=wire)  # what FP4DDPStrategy(grad_format=wire) holds
+            register_hook(self.ddp, self.state, wire, world)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, mark) -> int:
+        """One training step; returns the bytes the hooks counted as sent by this rank."""
+        with self.ddp.no_sync() if self.fmt == "none" else contextlib.nullcontext():
+            logits = self.ddp(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            mark("fwd")
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self.state.pop_step()[0] if self.state else 0
+
+
+class FSDPRun:
+    """FSDP2 over the FP4Linear model: bf16 weight all-gather (``fsdp-bf16``) or FP4 (``fsdp-fp4``)."""
+
+    def __init__(self, model: str, fmt: str, world: int):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from fp4lightning.distributed.fsdp import fully_shard_fp4
+        from fp4lightning.nn.convert import convert_to_fp4
+
+        overrides, self.batch, self.seq = MODELS[model]
+        self.cfg = llama_config("tiny", max_seq_len=self.seq, **overrides)
+        torch.manual_seed(0)
+        self.model = convert_to_fp4(Llama(self.cfg), "paper")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard_fp4(self.model, fp4_all_gather=fmt == "fsdp-fp4", mp_policy=mp)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        # before FSDP2's own pre-forward of the first block: the root unit (embedding, final norm, head)
+        # has been gathered, the blocks not yet
+        self._mark = None
+        self.model.layers[0].register_forward_pre_hook(self._root_gathered, prepend=True)
+
+    def _root_gathered(self, module, args) -> None:
+        self._mark("root")
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, mark) -> int:
+        self._mark = mark
+        logits = self.model(x)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        mark("fwd")
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        st = self.model.fp4_gather_stats
+        counted = st.fp4_bytes
+        st.reset()
+        return counted
+
+
+def measured_step(run, x, y, dev: str) -> dict:
+    """One step of ``run`` between barriers: seconds, this host's veth tx/rx bytes for the whole step
+    and up to the end of the forward, and the bytes the code counted."""
+    marks = {}
+    dist.barrier()
+    c0 = wire_counters(dev)
+    t0 = time.perf_counter()
+    counted = run.step(x, y, lambda name: marks.setdefault(name, wire_counters(dev)))
+    seconds = time.perf_counter() - t0
+    dist.barrier()  # the peer's last bytes have arrived: a barrier travels behind them
+    c1 = wire_counters(dev)
+    return {"s": seconds, "tx": c1[0] - c0[0], "rx": c1[1] - c0[1], "fwd_rx": marks["fwd"][1] - c0[1],
+            "root_rx": marks["root"][1] - c0[1] if "root" in marks else 0, "counted": counted}
+
+
+def _make_run(model: str, variant: str, world: int):
+    return (FSDPRun if variant in FSDP_VARIANTS else DDPRun)(model, variant, world)
+
+
+def run_phase(runs: dict, tokens: torch.Tensor, steps: int, warmup: int, dev: str) -> dict:
+    """``warmup + steps`` rounds over every variant (order reversed every other round); the timed
+    rounds' measurements per variant."""
+    out: dict = {v: [] for v in runs}
+    order = list(runs)
+    for i in range(warmup + steps):
+        for v in order if i % 2 == 0 else order[::-1]:
+            x, y = tokens[i % len(tokens), :, :-1], tokens[i % len(tokens), :, 1:]
+            m = measured_step(runs[v], x, y, dev)
+            if i >= warmup:
+                out[v].append(m)
+    return out
+
+
+def _wait_for_link(sync_dir: str, phase: int) -> None:
+    """Rank 0 tells the driver it is between phases and waits until the driver has set the link."""
+    open(os.path.join(sync_dir, f"ready-{phase}"), "w").close()
+    go = os.path.join(sync_dir, f"go-{phase}")
+    while not os.path.exists(go):
+        time.sleep(0.05)
+
+
+def worker(rank: int, world: int, args) -> None:
+    """One rank: build every variant, then per phase (link setting) measure them; rank 0 writes JSON."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    variants = args.variants.split(",")
+    runs = {v: _make_run(args.model, v, world) for v in variants}
+    first = runs[variants[0]]
+    tokens = _batches(first.cfg, first.batch, first.seq, max(args.steps + args.warmup, 1), rank)
+    numel = sum(p.numel() for p in first.model.parameters())
+    results = []
+    for phase in range(args.phases):
+        if rank == 0 and args.sync_dir:
+            _wait_for_link(args.sync_dir, phase)
+        dist.barrier()
+        mine = run_phase(runs, tokens, args.steps, args.warmup, args.dev)
+        both = [None] * world
+        dist.all_gather_object(both, mine)
+        results.append(both)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"numel": numel, "phases": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver: two hosts (or loopback), the link per phase, the tables
+
+
+def _rate_bytes_per_s(rate: str) -> float:
+    units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
+    for unit, mult in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * mult
+    raise SystemExit(f"--rates: {rate!r} is not a tc rate; write e.g. 500mbit, 1gbit, 2.5gbit")
+
+
+def set_rate(hosts_, rate: str) -> None:
+    """Change the tbf rate of both ends of the link (``benchmarks/hosts.py`` puts tbf at the root, handle
+    1:, with the same burst rule: 1 ms of the rate, at least 64 KiB)."""
+    burst = max(int(_rate_bytes_per_s(rate) / 1000), 65536)
+    for i in (0, 1):
+        cmd = ["ip", "netns", "exec", hosts_.ns(i), "tc", "qdisc", "change", "dev", hosts_.ifname, "root",
+               "handle", "1:", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd[4:])}` failed: {proc.stderr.strip()}")
+
+
+def _worker_cmd(rank: int, dev: str, phases: int, sync_dir: str, out: str, args) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--dev", dev,
+            "--model", args.model, "--variants", args.variants, "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--threads", str(args.threads), "--phases", str(phases),
+            "--sync-dir", sync_dir, "--out", out]
+
+
+def _worker_env(master: str, port: int, dev: str, threads: int) -> dict:
+    env = dict(os.environ, MASTER_ADDR=master, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=dev,
+               OMP_NUM_THREADS=str(threads), WORLD_SIZE="2")
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fp4lightning-inductor"))
+    return env
+
+
+def _drive_phases(procs, sync_dir: str, set_link, rates: list) -> None:
+    """Per phase: wait for rank 0 to be between phases, set the link, let it go; then wait for the ranks."""
+    for k, rate in enumerate(rates):
+        ready = os.path.join(sync_dir, f"ready-{k}")
+        while not os.path.exists(ready):
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a rank exited before phase {k} (exit codes {[p.poll() for p in procs]})")
+            time.sleep(0.05)
+        set_link(rate)
+        open(os.path.join(sync_dir, f"go-{k}"), "w").close()
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError(f"a rank failed (exit codes {[q.wait() for q in procs]})")
+
+
+def run_hosts(args, rates: list) -> dict:
+    """Both ranks, one per host, every phase; the JSON rank 0 wrote."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import hosts
+
+    reason = hosts.unavailable_reason()
+    if reason:
+        print(f"bench_comm_hosts: {reason} (or run --loopback)", file=sys.stderr)
+        raise SystemExit(2)
+    with tempfile.TemporaryDirectory() as sync_dir, hosts.TwoHosts(rate=rates[0], delay_ms=args.delay_ms) as h:
+        out = os.path.join(sync_dir, "result.json")
+        procs = [h.popen(i, _worker_cmd(i, h.ifname, len(rates), sync_dir, out, args),
+                         env=_worker_env(h.addr(0), 29500, h.ifname, args.threads)) for i in (0, 1)]
+        _drive_phases(procs, sync_dir, lambda rate: set_rate(h, rate), rates)
+        with open(out) as f:
+            return json.load(f)
+
+
+def run_loopback(args) -> dict:
+    """Both ranks on this machine's loopback, one phase, no link limit."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as sync_dir:
+        out = os.path.join(sync_dir, "result.json")
+        procs = [subprocess.Popen(_worker_cmd(i, "lo", 1, sync_dir, out, args),
+                                  env=_worker_env("127.0.0.1", port, "lo", args.threads)) for i in (0, 1)]
+        _drive_phases(procs, sync_dir, lambda rate: None, ["loopback"])
+        with open(out) as f:
+            return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def combine(phase: list, variant: str) -> list[dict]:
+    """Per timed step of ``variant``, both hosts together: the slower host's seconds (the step is done
+    when both are), the mean over the hosts of the bytes each sent (tx) and received in the forward."""
+    out = []
+    for a, b in zip(phase[0][variant], phase[1][variant]):
+        m = {k: (a[k] + b[k]) / 2 for k in ("tx", "fwd_rx", "root_rx")}
+        out.append({**m, "s": max(a["s"], b["s"]), "blocks_rx": m["fwd_rx"] - m["root_rx"], "counted": a["counted"]})
+    return out
+
+
+def paired_ratio(steps: dict, v: str, ref: str, key: str) -> float:
+    """Median over the rounds of ``v``'s value over ``ref``'s in the same round."""
+    return statistics.median(a[key] / b[key] for a, b in zip(steps[v], steps[ref]) if b[key])
+
+
+def exchange_ratio(steps: dict, v: str, ref: str) -> float:
+    """Median over the rounds of what the exchange adds to a step, ``v`` over ``ref``: each step minus the
+    same round's ``none`` step (no exchange)."""
+    return statistics.median((a["s"] - n["s"]) / (b["s"] - n["s"])
+                             for a, b, n in zip(steps[v], steps[ref], steps["none"]) if b["s"] > n["s"])
+
+
+#: the side-by-side ratios: (variant, reference, measurement, column name)
+RATIOS = (
+    ("fp8-e4m3", "fp32", "s", "fp8/fp32 time"),
+    ("fp8-e4m3", "bf16", "s", "fp8/bf16 time"),
+    ("bf16", "fp32", "s", "bf16/fp32 time"),
+    ("fp8-e4m3", "fp32", "tx", "fp8/fp32 bytes"),
+    ("fp8-e4m3", "bf16", "tx", "fp8/bf16 bytes"),
+    ("fsdp-fp4", "fsdp-bf16", "s", "fsdp fp4/bf16 time"),
+    ("fsdp-fp4", "fsdp-bf16", "fwd_rx", "fp4/bf16 gather bytes"),
+    ("fsdp-fp4", "fsdp-bf16", "blocks_rx", "fp4/bf16 block gather bytes"),
+    ("fsdp-fp4", "fsdp-bf16", "tx", "fsdp fp4/bf16 step bytes"),
+)
+
+
+def summarize(result: dict, rates: list) -> list[dict]:
+    """One row per link setting: median step times and the paired ratios the issue's targets name."""
+    rows = []
+    for rate, phase in zip(rates, result["phases"]):
+        steps = {v: combine(phase, v) for v in phase[0]}
+        row = {"rate": rate, **{f"{v} ms": statistics.median(m["s"] for m in s) * 1e3 for v, s in steps.items()}}
+        row.update({f"{v} MB": statistics.median(m["tx"] for m in s) / 1e6 for v, s in steps.items()})
+        for v, ref, key, name in RATIOS:
+            if v in steps and ref in steps:
+                row[name] = paired_ratio(steps, v, ref, key)
+        for v, ref in (("fp8-e4m3", "fp32"), ("fp8-e4m3", "bf16")):
+            if {v, ref, "none"} <= set(steps):
+                row[f"{v[:3]}/{ref} exchange"] = exchange_ratio(steps, v, ref)
+        rows.append(row)
+    return rows
+
+
+def _print_phase(rate: str, phase: list) -> None:
+    steps = {v: combine(phase, v) for v in phase[0]}
+    print(f"\n### link {rate}\n")
+    print("| variant | step ms min / median / max | MB sent per host per step (veth tx) "
+          "| MB received in the forward (all-gathers): all / the blocks' | counted by the code (MB) |")
+    print("|---|---|---|---|---|")
+    for v, s in steps.items():
+        ms = sorted(m["s"] * 1e3 for m in s)
+        med = {k: statistics.median(m[k] for m in s) / 1e6 for k in ("tx", "fwd_rx", "blocks_rx")}
+        print(f"| {v} | {ms[0]:.0f} / {statistics.median(ms):.0f} / {ms[-1]:.0f} | {med['tx']:.2f} "
+              f"| {med['fwd_rx']:.2f} / {med['blocks_rx']:.2f} | {s[-1]['counted'] / 1e6:.2f} |")
+
+
+def print_tables(result: dict, rates: list, args) -> list[dict]:
+    overrides, batch, seq = MODELS[args.model]
+    print(f"# bench_comm_hosts: 2 hosts x 1 gloo rank, {args.model} LLaMA ({result['numel'] / 1e6:.1f}M parameters, "
+          f"batch {batch} x {seq}), {args.steps} timed rounds (+{args.warmup} warm-up) alternating the variants, "
+          f"{args.threads} thread(s)/rank, {os.cpu_count()} CPUs shared by both hosts, torch {torch.__version__}, "
+          f"{datetime.date.today().isoformat()}")
+    for rate, phase in zip(rates, result["phases"]):
+        _print_phase(rate, phase)
+    rows = summarize(result, rates)
+    cols = [c for c in ("fp32 ms", "bf16 ms", "fp8-e4m3 ms", "none ms", "fsdp-bf16 ms", "fsdp-fp4 ms")
+            if c in rows[0]] + [c for c in [r[3] for r in RATIOS] + ["fp8/fp32 exchange", "fp8/bf16 exchange"]
+                                if c in rows[0]]
+    print("\n### Side by side (ratios: median over rounds of the paired steps)\n")
+    print("| link | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for row in rows:
+        print(f"| {row['rate']} | " + " | ".join(f"{row[c]:.0f}" if c.endswith("ms") else f"{row[c]:.3f}"
+                                               for c in cols) + " |")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="1gbit,10gbit",
+                   help="link rates, one phase each (tc spelling; default: 1gbit,10gbit)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way link delay, needs netem (default: 0)")
+    p.add_argument("--model", default="mid", choices=sorted(MODELS), help="LLaMA size (default: mid, 29.5M)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {VARIANTS} (default: all)")
+    p.add_argument("--steps", type=int, default=5, help="timed rounds per phase (default: 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first, per phase (default: 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
+    p.add_argument("--loopback", action="store_true", help="both ranks on 127.0.0.1, no namespaces, no link limit")
+    p.add_argument("--json", help="also write the summary rows and raw measurements here")
+    for hidden in ("--worker", "--rank", "--dev", "--phases", "--sync-dir", "--out"):
+        p.add_argument(hidden, help=argparse.SUPPRESS, **({"action": "store_true"} if hidden == "--worker" else {}))
+    args = p.parse_args(argv)
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
+    if args.worker:
+        args.phases = int(args.phases)
+        worker(int(args.rank), 2, args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # FSDP2 keeps gloo's threads alive past destroy_process_group (see tests/test_fsdp.py)
+    rates = ["loopback"] if args.loopback else args.rates.split(",")
+    result = run_loopback(args) if args.loopback else run_hosts(args, rates)
+    rows = print_tables(result, rates, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "raw": result, "argv": sys.argv[1:]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
