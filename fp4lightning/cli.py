@@ -136,23 +136,46 @@ def _export_hf_arguments(parser: argparse.ArgumentParser) -> None:
                         "written beside it and renamed into place when complete")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT_DIR if it holds files (without it such a folder is refused)")
+    parser.add_argument("--format", choices=("fp32", "nvfp4"), default="fp32",
+                        help="fp32: the high-precision master weights (default); nvfp4: the FP4 layers as "
+                             "compressed-tensors NVFP4 (the codes and scales the nvfp4 preset's forward used; vLLM "
+                             "and transformers load it), the rest bf16")
+    parser.add_argument("--requantize", action="store_true",
+                        help="with --format nvfp4, a run of another preset (or in high precision): re-quantize the "
+                             "weights its forward used to NVFP4 and print the weight SQNR (without it: refused)")
 
 
 def _export_hf_run(args: argparse.Namespace) -> int:
     from fp4lightning.models.export_folder import check_export_target
     from fp4lightning.train.preflight import check_checkpoint_path
 
+    if args.requantize and args.format != "nvfp4":
+        raise UsageError("--requantize goes with --format nvfp4 (--format fp32 writes the master weights as they are)")
     check_export_target(args.out_dir, args.overwrite)  # an OUT_DIR that holds files (or cannot be written) first
     check_checkpoint_path(args.ckpt, "CKPT")  # before torch is imported: a wrong path fails at once
     from fp4lightning.train.checkpoint import load_checkpoint
     from fp4lightning.models.hf import LM_EVAL_HINT, save_hf
 
     check_writable_dir(args.out_dir, "OUT_DIR")  # before loading: a bad path fails first
+    if args.format == "nvfp4":
+        return _export_hf_nvfp4(args)
     model, tokenizer, _ = load_checkpoint(args.ckpt)
     out = save_hf(model, args.out_dir, tokenizer, overwrite=args.overwrite)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     if tokenizer is not None:
         print(LM_EVAL_HINT.format(out=out))
+    return 0
+
+
+def _export_hf_nvfp4(args: argparse.Namespace) -> int:
+    from fp4lightning.models.ct_export import save_hf_nvfp4
+    from fp4lightning.train.checkpoint import load_checkpoint
+
+    model, tokenizer, _ = load_checkpoint(args.ckpt, fp4=True)  # the FP4 layers as the run trained them
+    report = save_hf_nvfp4(model, args.out_dir, tokenizer, args.requantize, args.overwrite)
+    print("\n".join(report.lines()))
+    print(f"wrote {report.path} (compressed-tensors NVFP4; load with transformers.AutoModelForCausalLM"
+          f".from_pretrained({str(report.path)!r}), which decompresses it to bf16, or serve it with vLLM)")
     return 0
 
 

@@ -166,7 +166,8 @@ def from_hf_model(hf_model) -> Llama:
     return model
 
 
-def save_hf(model: Llama, out_dir: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
+def save_hf(model: Llama, out_dir: str | Path, tokenizer=None, overwrite: bool = False, *, hf_model=None,
+            finish=None, note: str | None = None) -> Path:
     """Write a folder ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
     ``tokenizer`` (an :class:`fp4lightning.data.tokenizer.Tokenizer`) is saved alongside as a
@@ -179,14 +180,20 @@ def save_hf(model: Llama, out_dir: str | Path, tokenizer=None, overwrite: bool =
     (:func:`~fp4lightning.models.export_folder.export_folder`): an error or a kill leaves ``out_dir``
     as it was. A folder that holds files is refused (``UsageError``) unless ``overwrite``, which
     replaces it whole. Files get the modes the umask gives.
+
+    ``hf_model`` is the ``LlamaForCausalLM`` to save (default: :func:`to_hf_model` of ``model``), ``finish`` a
+    function called with the folder after the weights are written (compressed-tensors' ``update_config``:
+    ``fp4lightning.models.ct_export``), ``note`` the text of ``fp4lightning.json``.
     """
     transformers = require_transformers()
     out_dir = Path(out_dir)
     bos = tokenizer.bos_id if tokenizer is not None else None
     eos = tokenizer.eos_id if tokenizer is not None else None
-    hf = to_hf_model(model, bos, eos)
+    hf = to_hf_model(model, bos, eos) if hf_model is None else hf_model
     with export_folder(out_dir, overwrite) as tmp:
         hf.save_pretrained(tmp)
+        if finish is not None:
+            finish(tmp)
         if os.environ.get(PAUSE_ENV):
             time.sleep(float(os.environ[PAUSE_ENV]))
         if tokenizer is not None:
@@ -198,7 +205,8 @@ def save_hf(model: Llama, out_dir: str | Path, tokenizer=None, overwrite: bool =
             )
             fast.save_pretrained(tmp)
         (tmp / "fp4lightning.json").write_text(
-            json.dumps({"note": "exported by fp4lightning export-hf; weights are the high-precision master weights"})
+            json.dumps({"note": note or "exported by fp4lightning export-hf; weights are the high-precision "
+                                        "master weights"})
         )
     return out_dir
 
