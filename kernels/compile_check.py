@@ -200,22 +200,7 @@ def _quantizer_cases(q_types, f8_types):
                           consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single, STORE_INV=True),
                           num_warps=warps,
                           num_stages=1, elements_per_thread=bm * bn // (32 * warps)))
-    # OCC folded into an E4M3 activation operand (FP4Config.occ_fold_e4m3), launched without FMA
-    # contraction as FP4Linear launches it
-    fold_types = dict(x_ptr="*bf16", e_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", bounds_ptr="*fp32", M=_I, K=_I,
-                      stride_xm=_I, stride_em=_I, q_ptr="*u8", sa_ptr="*fp32", r_ptr="*bf16", stride_qm=_I,
-                      stride_rm=_I)
-    for k in (QUANT_DIM, QUANT_FFN):
-        bm, bk, single, warps = quantize.fold_launch_params(k)
-        # SAVE: the scaled_mm backend's `paper` also writes the packed codes and the residual
-        for save in (False, True):
-            name = "quantize_fp4 folded e4m3 (OCC)" + (" + codes + residual (scaled_mm paper)" if save else "")
-            cases.append(dict(name=f"{name}, K={k}" + ("" if single else " (two passes)"),
-                              arch=90, kind="quantize", fn=quantize._quantize_fp4_fold_kernel, types=fold_types,
-                              consts=dict(POW2=False, GIVEN_AMAX=False, SINGLE_PASS=single, BLOCK_M=bm, BLOCK_K=bk,
-                                          MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN, SAVE=save),
-                              num_warps=warps, num_stages=1, options=dict(enable_fp_fusion=False),
-                              elements_per_thread=bm * bk // (32 * warps)))
+    cases += _fold_cases()
     # wgrad's operand dY / s_a, one scale per column, column-major out: absmax pass, then encode
     (am, an, aw), (bm, bn, warps) = quantize.fp8_cols_launch_params(QUANT_TOKENS, QUANT_DIM, column_major=True)
     cases.append(dict(name="fp8 column absmax / divisor", arch=90, kind="quantize", fn=quantize._col_amax_kernel,
@@ -225,6 +210,29 @@ def _quantizer_cases(q_types, f8_types):
                       fn=quantize._quantize_fp8_cols_kernel, types=f8_types,
                       consts=dict(e5, DIV=2, BLOCK_M=bm, BLOCK_N=bn, STORE_INV=True), num_warps=warps, num_stages=1,
                       elements_per_thread=bm * bn // (32 * warps)))
+    return cases
+
+
+def _fold_cases():
+    """OCC folded into an E4M3 activation operand (FP4Config.occ_fold_e4m3; the scaled_mm backend's
+    `paper`), launched without FMA contraction as FP4Linear launches it."""
+    fold_types = dict(x_ptr="*bf16", e_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", bounds_ptr="*fp32", M=_I, K=_I,
+                      stride_xm=_I, stride_em=_I, q_ptr="*u8", sa_ptr="*fp32", r_ptr="*bf16", stride_qm=_I,
+                      stride_rm=_I, i_ptr="*i32", v_ptr="*bf16", n_ptr="*i64", o_ptr="*i1", ctr_ptr="*i64", CAP=_I)
+    cases = []
+    for k in (QUANT_DIM, QUANT_FFN):
+        bm, bk, single, warps = quantize.fold_launch_params(k)
+        # SAVE: the scaled_mm backend's `paper` also writes the packed codes and the compact residual
+        # (COMPACT); both round OCC's fp32 bounds to x's dtype themselves (ROUND_BOUNDS)
+        for save in (False, True):
+            name = "quantize_fp4 folded e4m3 (OCC)" + (" + codes + residual (scaled_mm paper)" if save else "")
+            cases.append(dict(name=f"{name}, K={k}" + ("" if single else " (two passes)"),
+                              arch=90, kind="quantize", fn=quantize._quantize_fp4_fold_kernel, types=fold_types,
+                              consts=dict(POW2=False, GIVEN_AMAX=False, SINGLE_PASS=single, BLOCK_M=bm, BLOCK_K=bk,
+                                          MANT=F8E4M3_MANT_BITS, EMIN=F8E4M3_EMIN, SAVE=save, COMPACT=save,
+                                          ROUND_BOUNDS=True),
+                              num_warps=warps, num_stages=1, options=dict(enable_fp_fusion=False),
+                              elements_per_thread=bm * bk // (32 * warps)))
     return cases
 
 

@@ -382,10 +382,45 @@ def _fold_encode_store(v, shift, bad, e_ptrs, mask, MANT: tl.constexpr, EMIN: tl
 
 
 @triton.jit
-def _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fold_compact(r, rows, k0, ke, mask, K, i_ptr, v_ptr, ctr_ptr, CAP, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's non-zeros of R (NaN included, as ``r != 0`` counts them) into the compact residual's next
+    free slots: one atomic on the slot counter per tile, then the flat indices and values in the tile's
+    row-major order from there. Non-zeros past the capacity ``CAP`` are counted, not written."""
+    nz = (mask & (r != 0.0)).to(tl.int32)
+    per_row = tl.sum(nz, axis=1)
+    base = tl.atomic_add(ctr_ptr, tl.sum(per_row, axis=0).to(tl.int64))
+    # each row's first slot, then each element's: scans along the rows, in the tile's own layout; the
+    # slots are int32 (a capacity under 2^31), the count int64 (all of R's non-zeros)
+    first = tl.minimum(base + (tl.cumsum(per_row, axis=0) - per_row).to(tl.int64), CAP).to(tl.int32)
+    slot = first[:, None] + tl.cumsum(nz, axis=1) - nz
+    ok = (nz != 0) & (slot < CAP)
+    flat = rows.to(i_ptr.dtype.element_ty)[:, None] * K + (k0 + ke)[None, :]
+    tl.store(i_ptr + slot, flat, mask=ok)
+    tl.store(v_ptr + slot, r.to(v_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fold_compact_close(ctr_ptr, n_ptr, o_ptr, CAP):
+    """The last program to finish: the compact residual's count and overflow flag out, and both counters
+    (slots taken, programs done) back to zero for the next launch (no memset launch before it)."""
+    done = tl.atomic_add(ctr_ptr + 1, 1)
+    if done == tl.num_programs(0) - 1:
+        total = tl.atomic_xchg(ctr_ptr, 0)
+        tl.store(n_ptr, total)
+        tl.store(o_ptr, total > CAP)
+        tl.atomic_xchg(ctr_ptr + 1, 0)
+
+
+@triton.jit
+def _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               COMPACT: tl.constexpr, rows, i_ptr, v_ptr, ctr_ptr, CAP):
     """What the scaled_mm backend keeps for backward of the clamped tile: its packed E2M1 codes
-    (those of ``triton_quantize_rows_clamped``) and the residual R in x's dtype."""
-    tl.store(r_rows + k0 + ke[None, :], r.to(r_rows.dtype.element_ty), mask=mask)
+    (those of ``triton_quantize_rows_clamped``) and the residual R in x's dtype, dense, or (COMPACT) its
+    non-zeros in the compact residual's slots."""
+    if COMPACT:
+        _fold_compact(r, rows, k0, ke, mask, K, i_ptr, v_ptr, ctr_ptr, CAP, BLOCK_M, BLOCK_K)
+    else:
+        tl.store(r_rows + k0 + ke[None, :], r.to(r_rows.dtype.element_ty), mask=mask)
     s = scale[:, None]
     y = tl.where(s == s, xc * s, 0.0)  # NaN-scale rows: zero codes
     code = minifloat_bits(tl.minimum(tl.abs(y), E2M1_MAX_C), 1, 0) | (sign_bit(y) << 3)
@@ -407,6 +442,11 @@ def _quantize_fp4_fold_kernel(
     EMIN: tl.constexpr = F8E4M3_EMIN,
     # SAVE (the scaled_mm backend's `paper`): also the packed codes, s_a and the residual R
     q_ptr=None, sa_ptr=None, r_ptr=None, stride_qm=0, stride_rm=0, SAVE: tl.constexpr = False,
+    # COMPACT (with SAVE): R as the compact residual instead, slots i_ptr / v_ptr (capacity CAP), its
+    # count n_ptr and overflow flag o_ptr, through the zeroed counters ctr_ptr (slots taken, programs done)
+    i_ptr=None, v_ptr=None, n_ptr=None, o_ptr=None, ctr_ptr=None, CAP=0, COMPACT: tl.constexpr = False,
+    # ROUND_BOUNDS: bounds_ptr holds OCC's fp32 bounds, clamped with as x's dtype rounds them (occ_clamp)
+    ROUND_BOUNDS: tl.constexpr = False,
 ):
     # OCC clamp, FP4 scale, E2M1 rounding, residual folded back in, per-row power-of-two shift,
     # E4M3 encode. SINGLE_PASS: the row block sits in registers, x is read once. Otherwise two
@@ -425,6 +465,9 @@ def _quantize_fp4_fold_kernel(
     ke = tl.arange(0, BLOCK_K)
     lo = tl.load(bounds_ptr)
     hi = tl.load(bounds_ptr + 1)
+    if ROUND_BOUNDS:
+        lo = _round_like(lo, x_ptr.dtype.element_ty)
+        hi = _round_like(hi, x_ptr.dtype.element_ty)
     if SINGLE_PASS:
         xc, r, mask = _fold_load(x_rows, 0, ke, row_ok, K, lo, hi)
         if GIVEN_AMAX:
@@ -438,7 +481,8 @@ def _quantize_fp4_fold_kernel(
         shift = _fold_shift(tl.where(bad, 0.0, fbits.to(tl.float32, bitcast=True)))
         _fold_encode_store(v, shift, bad, e_rows + ke[None, :], mask, MANT, EMIN)
         if SAVE:
-            _fold_save(xc, r, scale, q_rows, r_rows, 0, ke, mask, row_ok, K, BLOCK_M, BLOCK_K)
+            _fold_save(xc, r, scale, q_rows, r_rows, 0, ke, mask, row_ok, K, BLOCK_M, BLOCK_K, COMPACT, rows, i_ptr,
+                       v_ptr, ctr_ptr, CAP)
     else:
         kmax = tl.full([BLOCK_M], -2147483648, tl.int32)
         kmin = tl.full([BLOCK_M], 2147483647, tl.int32)
@@ -468,10 +512,13 @@ def _quantize_fp4_fold_kernel(
             _fold_encode_store(_folded_values(xc, r, scale[:, None]), shift, bad, e_rows + k0 + ke[None, :], mask,
                                MANT, EMIN)
             if SAVE:
-                _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M, BLOCK_K)
+                _fold_save(xc, r, scale, q_rows, r_rows, k0, ke, mask, row_ok, K, BLOCK_M, BLOCK_K, COMPACT, rows,
+                           i_ptr, v_ptr, ctr_ptr, CAP)
     tl.store(s_ptr + rows, tl.where(bad, float("nan"), scale * _fold_factor(shift)), mask=row_ok)  # s_a 2^-shift
     if SAVE:
         tl.store(sa_ptr + rows, scale, mask=row_ok)
+    if COMPACT:
+        _fold_compact_close(ctr_ptr, n_ptr, o_ptr, CAP)
 
 
 def fold_launch_params(k: int, block_k: int | None = None) -> tuple[int, int, bool, int]:
@@ -484,8 +531,48 @@ def fold_launch_params(k: int, block_k: int | None = None) -> tuple[int, int, bo
     return block_m, 2 * bkh, single, warps
 
 
+#: per (device, is_meta): the fold kernel's two counters (compact residual slots taken, programs done), zero
+#: between launches (the last program of each launch puts them back), so no memset launch precedes it
+_FOLD_COUNTERS: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def _fold_counters(like: torch.Tensor) -> torch.Tensor:
+    """The zeroed counters the compact-residual fold kernel claims its slots with; a fresh pair while a CUDA
+    graph is captured (its memory would belong to the graph). Launches on one device share them: they
+    run one after another on its stream, as FP4Linear's do."""
+    if like.is_cuda and not like.is_meta and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int64, device=like.device)
+    key = (str(like.device), like.is_meta)
+    if key not in _FOLD_COUNTERS:
+        _FOLD_COUNTERS[key] = torch.zeros(2, dtype=torch.int64, device=like.device)
+    return _FOLD_COUNTERS[key]
+
+
+def _fold_bounds(x2d, bounds, per_tensor):
+    """``(bounds as the kernel reads them, whether it rounds them to x's dtype itself)``: fp32 bounds go in
+    as they are (no cast launches); other dtypes, and per-tensor scaling (whose absmax needs them), as
+    ``_clamp_bounds`` casts them."""
+    if (per_tensor or not isinstance(bounds, torch.Tensor) or bounds.dtype != torch.float32
+            or bounds.shape != (2,)):
+        return _clamp_bounds(x2d, bounds), False
+    return bounds.contiguous(), x2d.dtype != torch.float32
+
+
+def _compact_outputs(m, k, capacity, like):
+    """The compact residual's buffers: flat indices (int32 where M K fits), values in x's dtype, the
+    overflow flag (0-dim bool) and the count (0-dim int64), all written by the kernel."""
+    n = m * k
+    if not 0 < capacity <= min(n, 2**31 - 2**16):  # the kernel's slots are int32
+        raise ValueError(f"capacity must be in [1, min(M K, 2^31 - 2^16)] (M K = {n}), got {capacity}")
+    idx = torch.empty(capacity, dtype=torch.int32 if n < 2**31 - 1 else torch.int64, device=like.device)
+    vals = torch.empty(capacity, dtype=like.dtype, device=like.device)
+    return (idx, vals, torch.empty((), dtype=torch.bool, device=like.device),
+            torch.empty((), dtype=torch.int64, device=like.device))
+
+
 def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
-                                per_tensor: bool = False, *, block_k: int | None = None, save: bool = False):
+                                per_tensor: bool = False, *, block_k: int | None = None, save: bool = False,
+                                capacity: int | None = None):
     """OCC folded into the activation operand in E4M3 (``FP4Config.occ_fold_e4m3``): ``(e4, scale)``.
 
     One pass over x does what the reference does in three steps: ``quantize_fp4_clamped(x2d,
@@ -505,25 +592,36 @@ def triton_quantize_rows_folded(x2d: torch.Tensor, bounds: torch.Tensor, scale_m
     ``save`` (the scaled_mm backend's ``paper``): the same pass also writes what backward rebuilds
     the operand from (``ops.gemm.refold_operand``), ``(e4, scale, packed, s_a, residual)``: the
     packed codes and scale of ``triton_quantize_rows_clamped`` and the residual ``x - clamp(x)`` in
-    x's dtype, bit-identical to it.
+    x's dtype, bit-identical to it. With ``capacity`` (and ``save``) the residual comes as the compact
+    residual instead, ``(flat indices (int32 where M K fits), values in x's dtype, overflow, count)``:
+    its non-zeros (``r != 0``, NaN included) in the first ``min(count, capacity)`` slots, in no fixed
+    order, the other slots unwritten; ``overflow`` (0-dim bool) is ``count > capacity``. The same set
+    as ``nn.linear._compact_residual`` of the dense residual (which fills its slots in row-major order),
+    so ``scaled_mm.triton_refold(count=)`` rebuilds the same bytes from either.
     """
     x2d = _check_input(x2d, scale_mode, bounds)
     m, k = x2d.shape
-    lohi = _clamp_bounds(x2d, bounds)
+    lohi, round_bounds = _fold_bounds(x2d, bounds, per_tensor)
     buf = torch.empty(m, (k + 15) // 16 * 16, dtype=torch.uint8, device=x2d.device)
     scale = torch.empty(m, dtype=torch.float32, device=x2d.device)
     amax = _tensor_amax(x2d, lohi) if per_tensor else scale
+    compact = save and capacity is not None
     if save:
         q = torch.empty(m, (k + 1) // 2, dtype=torch.uint8, device=x2d.device)
         s_a = torch.empty(m, dtype=torch.float32, device=x2d.device)
-        resid = torch.empty(m, k, dtype=x2d.dtype, device=x2d.device)
+        resid = _compact_outputs(m, k, capacity, x2d) if compact else torch.empty(m, k, dtype=x2d.dtype,
+                                                                                  device=x2d.device)
     else:  # placeholders, never touched
         q, s_a, resid = buf, scale, buf
+    dense = buf if compact else resid  # placeholder pointer where R is compact
+    i, v, o, n = resid if compact else (buf, buf, buf, buf)
     block_m, blk, single, warps = fold_launch_params(k, block_k)
     _quantize_fp4_fold_kernel[(triton.cdiv(m, block_m),)](
         x2d, buf, scale, amax, lohi, m, k, x2d.stride(0), buf.stride(0),
         POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, BLOCK_M=block_m, BLOCK_K=blk,
-        q_ptr=q, sa_ptr=s_a, r_ptr=resid, stride_qm=q.stride(0), stride_rm=resid.stride(0), SAVE=save,
+        q_ptr=q, sa_ptr=s_a, r_ptr=dense, stride_qm=q.stride(0), stride_rm=dense.stride(0), SAVE=save,
+        i_ptr=i, v_ptr=v, n_ptr=n, o_ptr=o, ctr_ptr=_fold_counters(x2d) if compact else buf,
+        CAP=capacity if compact else 0, COMPACT=compact, ROUND_BOUNDS=round_bounds,
         num_warps=warps, enable_fp_fusion=False,
     )
     e4 = buf.view(torch.float8_e4m3fn)[:, :k]

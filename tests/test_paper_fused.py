@@ -18,6 +18,10 @@ from fp4lightning.ops import gemm
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
 def _outliers(m, k, dtype, scale=1.0):
     """Activations whose folded rows take every shift 0..8, with NaN / inf rows, a zero and a subnormal."""
     x = torch.randn(m, k, device=DEV)
@@ -48,3 +52,70 @@ def test_refold_finds_the_shift_from_the_two_scales(dtype, transposed, scale):
     assert torch.equal(got.contiguous().view(torch.uint8), ref.view(torch.uint8))
     with pytest.raises(ValueError, match="either p"):
         sm.triton_refold(codes, s_a, p, comp[0], comp[1], 74, fold_scale=s_fold)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_k", [None, 32], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("m", [41, 48])
+def test_fold_kernel_writes_the_compact_residual(dtype, block_k, m):
+    from fp4lightning.kernels import quantize as kq
+    x = _outliers(m, 74, dtype)
+    bounds = occ_bounds(x, 0.97, "exact")
+    e4, s_fold, codes, s_a, dense = kt.triton_quantize_rows_folded(x, bounds, save=True, block_k=block_k)
+    want = _compact_residual(dense, 0.97)  # what FP4Linear built from the dense residual (row-major slots)
+    cap = want[0].numel()
+    got = kt.triton_quantize_rows_folded(x, bounds, save=True, block_k=block_k, capacity=cap)
+    for a, b in zip(got[:4], (e4, s_fold, codes, s_a)):  # the same operand, scales and codes
+        assert torch.equal(_bits(a), _bits(b))
+    idx, vals, overflow, count = got[4]
+    n = int((dense != 0).sum())
+    assert int(count) == n and not bool(overflow) and not bool(want[2]) and n > 0
+    assert idx.dtype == want[0].dtype and vals.dtype == dtype
+    order = idx[:n].long().argsort()
+    assert torch.equal(idx[:n][order], want[0][:n]) and torch.equal(vals[:n][order].view(torch.uint8),
+                                                                     want[1][:n].view(torch.uint8))
+    assert not kq._FOLD_COUNTERS[(str(x.device), False)].any()  # the counters are zero again for the next launch
+    # the refold's bytes from it, whatever the slot order, equal those from the row-major form
+    ref = sm.triton_refold(codes, s_a, None, want[0], want[1], 74, transposed=True, fold_scale=s_fold)
+    for perm in (torch.arange(n), torch.randperm(n)):
+        i2, v2 = idx.clone(), vals.clone()
+        i2[:n], v2[:n] = idx[:n][perm], vals[:n][perm]
+        i2[n:], v2[n:] = 7, 1000.0  # unwritten slots: whatever they hold is never read
+        out = sm.triton_refold(codes, s_a, None, i2, v2, 74, transposed=True, fold_scale=s_fold, count=count)
+        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_fold_kernel_compact_residual_overflow():
+    from fp4lightning.kernels import quantize as kq
+    x = _outliers(41, 74, torch.bfloat16)
+    bounds = occ_bounds(x, 0.97, "exact")
+    *_, dense = kt.triton_quantize_rows_folded(x, bounds, save=True)
+    n = int((dense != 0).sum())
+    idx, vals, overflow, count = kt.triton_quantize_rows_folded(x, bounds, save=True, capacity=5)[4]
+    assert bool(overflow) and int(count) == n > 5
+    flat = dense.reshape(-1)
+    assert len(set(idx.tolist())) == 5 and torch.equal(flat[idx.long()].view(torch.uint8), vals.view(torch.uint8))
+    assert not kq._FOLD_COUNTERS[(str(x.device), False)].any()
+    with pytest.raises(ValueError, match="capacity"):
+        kt.triton_quantize_rows_folded(x, bounds, save=True, capacity=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fold_kernel_rounds_fp32_bounds_as_the_cast_did(dtype):
+    # fp32 bounds go in as they are and the kernel rounds them to x's dtype (no two cast launches):
+    # the same bytes as bounds cast by torch first, ties to even, a bound past the dtype's range, a NaN bound
+    x = _outliers(24, 64, dtype)
+    fine = torch.finfo(dtype)
+    lo = torch.tensor(-1.0 - fine.eps / 2)  # half-way between two values of the dtype: ties to even
+    for b in (occ_bounds(x, 0.97, "exact") * (1 + 2 ** -12), torch.stack([lo, torch.tensor(1.0 + 3 * fine.eps / 2)]),
+              torch.tensor([-1e6, 70000.0]), torch.tensor([float("nan"), 2.0])):
+        b = b.float()
+        got = kt.triton_quantize_rows_folded(x, b, save=True)
+        want = kt.triton_quantize_rows_folded(x, b.to(dtype), save=True)
+        for a, w in zip(got, want):
+            if a.dtype == dtype:  # the residual: a NaN bound's NaN payload is the cast's (torch's CPU cast
+                nan = torch.isnan(w)  # sets every bit), which nothing reads (its rows fold to NaN, refold to 0)
+                assert torch.equal(torch.isnan(a), nan)
+                a, w = a.masked_fill(nan, 0), w.masked_fill(nan, 0)
+            assert torch.equal(_bits(a), _bits(w))
+

@@ -105,7 +105,8 @@ def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_d
         # noise of the exact compensation in training loss). Backward keeps the packed codes and
         # the compact residual, not the 1-byte operand, and rebuilds the operand's bits from them
         # (gemm.refold_operand): the saved bytes stay those of the Triton path.
-        fold, fold_scale, codes, scale, r = gemm.quantize_fp4_refold(x2d, bounds, cfg.scale_mode, per_tensor)
+        fold, fold_scale, codes, scale, r = gemm.quantize_fp4_refold(
+            x2d, bounds, cfg.scale_mode, per_tensor, capacity=_compact_capacity(x2d.numel(), cfg.occ_alpha))
         # R in x's dtype: the refold needs its bits. 1 / fold_scale: taken once, for the forward's
         # epilogue and backward's dY / s
         return _Activation(codes, scale, fold=fold, fold_scale=fold_scale, refold=True,
@@ -266,8 +267,14 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def _compact_residual(r: torch.Tensor, alpha: float):
-    """Dense residual R (M x K) -> ``(flat indices, values, overflow)`` with no host sync.
+def _compact_capacity(n: int, alpha: float) -> int:
+    """Slots of the compact residual of an activation of ``n`` elements (``_compact_residual``)."""
+    return min(n, math.ceil(n * 2.0 * (1.0 - alpha) * OCC_CAPACITY_MARGIN) + OCC_CAPACITY_SLACK)
+
+
+def _compact_residual(r: torch.Tensor | tuple, alpha: float):
+    """Dense residual R (M x K) -> ``(flat indices, values, overflow)`` with no host sync; a tuple ``r`` is
+    the compact residual already (the fold kernel's, ``(indices, values, overflow, count)``), returned as is.
 
     Fixed capacity ``OCC_CAPACITY_MARGIN * 2 (1 - alpha) M K + OCC_CAPACITY_SLACK`` (at most
     M K), filled by ``torch.nonzero_static`` in row-major order; unused slots hold index M K
@@ -277,9 +284,11 @@ def _compact_residual(r: torch.Tensor, alpha: float):
     than slots; backward then returns a NaN weight gradient (never a silently wrong one),
     which the non-finite step check of loss scaling skips.
     """
+    if isinstance(r, tuple):
+        return r
     flat = r.reshape(-1)
     n = flat.numel()
-    cap = min(n, math.ceil(n * 2.0 * (1.0 - alpha) * OCC_CAPACITY_MARGIN) + OCC_CAPACITY_SLACK)
+    cap = _compact_capacity(n, alpha)
     nz = flat != 0
     idx = torch.nonzero_static(nz, size=cap, fill_value=n).reshape(-1)
     vals = torch.where(idx < n, flat[idx.clamp_max(n - 1)], torch.zeros((), dtype=flat.dtype, device=flat.device))

@@ -350,14 +350,17 @@ def quantize_fp4_folded_steps(x2d: torch.Tensor, bounds: torch.Tensor, scale_mod
 
 
 def quantize_fp4_refold(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
-                        per_tensor: bool = False):
+                        per_tensor: bool = False, capacity: int | None = None):
     """What the scaled_mm backend's ``paper`` quantizes the activation to: ``(e4, fold_scale, packed,
     scale, residual)``, the forward's folded E4M3 operand and its scale (``quantize_fp4_folded``) and
     what backward rebuilds it from (``refold_operand``): the packed codes, scale and dense residual
-    (x's dtype) of ``quantize_fp4_clamped``. One Triton pass over x on CUDA; two references on CPU."""
+    (x's dtype) of ``quantize_fp4_clamped``. One Triton pass over x on CUDA; two references on CPU.
+    ``capacity``: on the Triton path the residual comes from that pass as the compact residual of that
+    many slots, ``(indices, values, overflow, count)`` (``triton_quantize_rows_folded(capacity=)``);
+    the references still return it dense."""
     if triton_quantizers(x2d.device):
         return _triton_kernels().triton_quantize_rows_folded(x2d, bounds, scale_mode=scale_mode,
-                                                             per_tensor=per_tensor, save=True)
+                                                             per_tensor=per_tensor, save=True, capacity=capacity)
     e4, fold_scale = quantize_fp4_folded(x2d, bounds, scale_mode, per_tensor)
     codes, scale, _, resid = quantize_fp4_clamped(x2d, bounds, scale_mode, per_tensor)
     return e4, fold_scale, codes, scale, resid
