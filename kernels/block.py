@@ -24,7 +24,8 @@ from fp4lightning.numerics.block_formats import nvfp4_global_scale
 from ._common import (E2M1_MAX_C, E8M0_BIAS_C, F8E4M3_MAX_C, F8E4M3_MIN_NORMAL_C, F32_MIN_NORMAL_C, INTERPRET,
                       decode_e2m1_dot, minifloat_bits, sign_bit)
 
-__all__ = ["triton_quantize_mxfp4", "triton_quantize_nvfp4", "triton_block_gemm"]
+__all__ = ["triton_quantize_mxfp4", "triton_quantize_nvfp4", "triton_block_gemm", "triton_block_gemm_fp4",
+           "e4m3_value"]
 
 _DOT_FP32 = 4  # decode_e2m1_dot target: fp32 values (exact)
 
@@ -66,7 +67,7 @@ def _mx_quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, BL
 
 
 @triton.jit
-def _e4m3_value(bits):
+def e4m3_value(bits):
     """fp32 value of non-negative E4M3 bit patterns (int32); the NaN patterns 0x7F / 0xFF give NaN."""
     e = bits >> 3
     m = (bits & 7).to(tl.float32)
@@ -95,7 +96,7 @@ def _nv_quant_kernel(x_ptr, q_ptr, s_ptr, g_ptr, M, stride_xm, stride_qm, stride
     # (its x * NaN is NaN, code 0), so the block decodes to NaN
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     bits = tl.where(has_nan, 0x7F, bits)
-    s8 = _e4m3_value(bits)
+    s8 = e4m3_value(bits)
     recip = tl.math.div_rn(tl.math.div_rn(tl.full(s8.shape, 1.0, tl.float32), g), s8)
     y = tl.minimum(tl.maximum(x * recip[:, None], -E2M1_MAX_C), E2M1_MAX_C)
     y = tl.where(has_nan[:, None], 0.0, y)
@@ -146,29 +147,31 @@ def _block_scales(s_ptr, rows, kb, M, stride_sm, FMT: tl.constexpr):
     if FMT == 0:  # E8M0: 2^(raw - 127); raw 0 reads as 2^-126 like the reference
         s = tl.maximum((raw << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
     else:  # E4M3
-        s = _e4m3_value(raw)
+        s = e4m3_value(raw)
     return s
 
 
 @triton.jit
 def _scaled_tile(q_ptr, s_ptr, rows, k0, M, K, stride_qm, stride_sm,
                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, B: tl.constexpr, FMT: tl.constexpr,
-                 DOT_BF16: tl.constexpr):
+                 DOT_BF16: tl.constexpr, S_SHIFT: tl.constexpr):
     """Rows ``rows`` x K columns ``k0 .. k0+BLOCK_K`` of a block-FP4 operand: E2M1 value times its
-    block's scale. The product has at most 2 + 4 significant bits, so it is exact in bf16 (same
-    exponent range as fp32): the tensor-core dot then multiplies exact values and adds in fp32."""
+    block's scale (scale row ``row >> S_SHIFT``: 4 for NVFP4's 16 x 16 tiles). The product has at
+    most 2 + 4 significant bits, so it is exact in bf16 (same exponent range as fp32): the
+    tensor-core dot then multiplies exact values and adds in fp32."""
     bcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     byte = tl.load(q_ptr + rows[:, None] * stride_qm + bcols[None, :],
                    mask=(rows < M)[:, None] & (bcols < K // 2)[None, :], other=0)
     v = tl.reshape(tl.join(decode_e2m1_dot(byte & 0xF, 4), decode_e2m1_dot(byte >> 4, 4)), (BLOCK, BLOCK_K))
     NB: tl.constexpr = BLOCK_K // B
     kb = k0 // B + tl.arange(0, NB)
-    raw = tl.load(s_ptr + rows[:, None] * stride_sm + kb[None, :], mask=(rows < M)[:, None] & (kb < K // B)[None, :],
+    raw = tl.load(s_ptr + (rows >> S_SHIFT)[:, None] * stride_sm + kb[None, :],
+                  mask=(rows < M)[:, None] & (kb < K // B)[None, :],
                   other=127 if FMT == 0 else 56).to(tl.int32)
     if FMT == 0:  # E8M0: 2^(raw - 127); raw 0 reads as 2^-126 like the reference
         sc = tl.maximum((raw << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)
     else:  # E4M3
-        sc = _e4m3_value(raw)
+        sc = e4m3_value(raw)
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK, NB, B)), (BLOCK, BLOCK_K))
     v = v * sc
     if DOT_BF16:
@@ -178,21 +181,29 @@ def _scaled_tile(q_ptr, s_ptr, rows, k0, M, K, stride_qm, stride_sm,
 
 @triton.jit
 def _block_gemm_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, y_ptr,  # pointers
-    M, N, K,  # sizes
+    a_ptr, sa_ptr, b_ptr, sb_ptr, y_ptr, ga_ptr, gb_ptr,  # pointers (ga, gb: NVFP4 global scales)
+    M, N, K, factor, post_a, post_b,  # sizes; epilogue factors
     stride_am, stride_sam, stride_bn, stride_sbn, stride_ym,  # strides
     B: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr, SA_SHIFT: tl.constexpr = 0, SB_SHIFT: tl.constexpr = 0, EPI: tl.constexpr = 0,
 ):
+    # EPI: 0 no epilogue factor; 1 times ``factor``; 2 times (ga * post_a) * (gb * post_b), the fp32
+    # product the reference forms (block_gemm's factor)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # --- BLOCK_K columns (several scale blocks) per step: decode, scale (exact), one fp32-accumulating dot
     for k0 in range(0, K, BLOCK_K):
-        a = _scaled_tile(a_ptr, sa_ptr, rm, k0, M, K, stride_am, stride_sam, BLOCK_M, BLOCK_K, B, FMT, DOT_BF16)
-        b = _scaled_tile(b_ptr, sb_ptr, rn, k0, N, K, stride_bn, stride_sbn, BLOCK_N, BLOCK_K, B, FMT, DOT_BF16)
+        a = _scaled_tile(a_ptr, sa_ptr, rm, k0, M, K, stride_am, stride_sam, BLOCK_M, BLOCK_K, B, FMT, DOT_BF16,
+                         SA_SHIFT)
+        b = _scaled_tile(b_ptr, sb_ptr, rn, k0, N, K, stride_bn, stride_sbn, BLOCK_N, BLOCK_K, B, FMT, DOT_BF16,
+                         SB_SHIFT)
         acc = tl.dot(a, tl.trans(b), acc)
+    if EPI == 1:
+        acc = acc * factor
+    elif EPI == 2:
+        acc = acc * ((tl.load(ga_ptr) * post_a) * (tl.load(gb_ptr) * post_b))
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=mask)
 
@@ -233,9 +244,39 @@ def triton_block_gemm(a_codes, a_scales, b_codes, b_scales, fmt: str, factor: fl
     sa, sb = a_scales.view(torch.uint8).contiguous(), b_scales.view(torch.uint8).contiguous()
     y = torch.empty(m, n, dtype=torch.float32, device=a_codes.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _block_gemm_kernel[grid](a_codes, sa, b_codes, sb, y, m, n, k, a_codes.stride(0), sa.stride(0),
-                             b_codes.stride(0), sb.stride(0), y.stride(0),
+    _block_gemm_kernel[grid](a_codes, sa, b_codes, sb, y, y, y, m, n, k, 1.0, 1.0, 1.0,
+                             a_codes.stride(0), sa.stride(0), b_codes.stride(0), sb.stride(0), y.stride(0),
                              B=b, FMT=0 if fmt == "mxfp4" else 1, BLOCK_M=block_m, BLOCK_N=block_n,
                              BLOCK_K=block_k, DOT_BF16=not INTERPRET,  # bf16 tl.dot is wrong in the interpreter
                              num_warps=8 if block_m * block_n >= 128 * 128 else 4)
     return y if isinstance(factor, float) and factor == 1.0 else y * factor
+
+
+def triton_block_gemm_fp4(a, b, block_m: int = 128, block_n: int = 256, block_k: int = 64) -> torch.Tensor:
+    """fp32 ``A B^T`` of two ``BlockFP4`` operands (fp4lightning.numerics.block_formats) sharing their
+    reduction dimension, in one launch: NVFP4's 16 x 16 tile scales read in place (no per-row copy),
+    and the tensor-wide factor (global scales, MXFP4's SR post-scale) applied in the epilogue with
+    the fp32 arithmetic of ``ops.gemm.block_gemm`` (which expands the tiles and multiplies after)."""
+    if a.shape[1] != b.shape[1] or a.fmt != b.fmt:
+        raise ValueError(f"block_gemm: operands differ ({a.fmt} {a.shape} vs {b.fmt} {b.shape}); "
+                         "they must share the format and the reduction (last) dimension")
+    fmt, blk = a.fmt, a.block
+    if block_k % blk:
+        raise ValueError(f"block_gemm: block_k={block_k} must be a multiple of the {fmt} block size {blk}")
+    m, n, k = a.shape[0], b.shape[0], a.codes.shape[1] * 2  # K padded to the block, as the codes are
+    y = torch.empty(m, n, dtype=torch.float32, device=a.codes.device)
+    if a.global_scale is not None:  # NVFP4: (ga * post_a) * (gb * post_b) on the device
+        epi, factor, ga, gb = 2, 1.0, a.global_scale.reshape(1), b.global_scale.reshape(1)
+    else:  # the host's float product, applied as fp32 (as ``y * factor`` does)
+        factor, ga, gb = a.post_scale * b.post_scale, y, y
+        epi = 0 if factor == 1.0 else 1
+    sa, sb = a.scales.view(torch.uint8).contiguous(), b.scales.view(torch.uint8).contiguous()
+    qa, qb = a.codes.contiguous(), b.codes.contiguous()  # the kernel reads rows of unit stride
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _block_gemm_kernel[grid](qa, sa, qb, sb, y, ga, gb, m, n, k, factor, a.post_scale, b.post_scale,
+                             qa.stride(0), sa.stride(0), qb.stride(0), sb.stride(0), y.stride(0),
+                             B=blk, FMT=0 if fmt == "mxfp4" else 1, BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, DOT_BF16=not INTERPRET, SA_SHIFT=4 if a.block_2d else 0,
+                             SB_SHIFT=4 if b.block_2d else 0, EPI=epi,
+                             num_warps=8 if block_m * block_n >= 128 * 128 else 4)
+    return y

@@ -340,3 +340,33 @@ def test_hash_uniform_is_uniform_independent_and_reproducible():
     for what, other in (("neighbour", torch.roll(c, 1)), ("other seed", v - 0.5)):
         corr = (c * other).mean().item() / (1 / 12)
         below(abs(corr), 6 / n ** 0.5, f"correlation with {what}")
+
+
+def test_sr_seed_from_checksum_is_its_formula_and_spreads_seeds():
+    """The device-side seed (block_formats.sr_seed_from_checksum, what a GPU's backward uses instead of a
+    host generator): the documented integer formula, in Python integers; in [0, 2^32); one checksum step or
+    one base step gives an unrelated seed; any int64 checksum (negative, wrapping) works."""
+    from fp4lightning.numerics.block_formats import sr_seed_from_checksum
+
+    def lowbias32(v):
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & 0xFFFFFFFF
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+
+    m63 = (1 << 63) - 1
+    bases = [0, 1, int(torch.randint(1 << 62, ())), m63]
+    sums = [0, -1, int(torch.randint(-(1 << 40), 1 << 40, ())), (1 << 63) - 1, -(1 << 63)]
+    seeds = set()
+    for base in bases:
+        for c in sums:
+            s = (base + c) & m63
+            want = lowbias32((s & 0xFFFFFFFF) ^ lowbias32((s >> 32) ^ 0x9E3779B1))
+            got = sr_seed_from_checksum(base, torch.tensor(c, dtype=torch.int64))
+            assert got.dtype == torch.int64 and got.dim() == 0 and int(got) == want and 0 <= want < 2**32
+            seeds.add(want)
+    assert len(seeds) == len({(b + c) & m63 for b in bases for c in sums})  # distinct seeds mod 2^63, distinct
+    # neighbouring checksums: about half of the 32 bits differ
+    a, b = (int(sr_seed_from_checksum(7, torch.tensor(c))) for c in (1000, 1001))
+    assert 6 <= bin(a ^ b).count("1") <= 26

@@ -13,7 +13,9 @@ from torch import nn
 
 from fp4lightning import FP4Config, FP4Linear, convert_to_fp4
 from fp4lightning.nn.convert import fp4_modules, positional_keep
-from fp4lightning.numerics.block_formats import block_gemm_reference, quantize_block
+from fp4lightning.config import SR_OPERANDS
+from fp4lightning.nn import block_linear
+from fp4lightning.numerics.block_formats import block_gemm_reference, quantize_block, sr_seed_from_checksum
 from fp4lightning.numerics.dge import dge_derivative
 from fp4lightning.numerics.hadamard import apply_rht, rht_matrix
 from tests._numerics import above, below, heavy_tailed, sqnr
@@ -95,6 +97,31 @@ def test_stochastic_rounding_reproducible_and_seeded(one_thread):
     c = _run(layer, x, dy)
     assert not torch.equal(a[2], c[2])
     assert torch.equal(a[0], c[0])  # the forward is round-to-nearest in this preset
+
+
+def test_device_seeds_change_only_the_random_stream(monkeypatch, one_thread):
+    """Off the CPU a stochastic operand's seed is sr_seed_from_checksum of its checksum, on the device (no
+    host sync in backward); forced here on CPU. The forward (round to nearest in nvfp4) is unchanged, and
+    each stochastic backward GeMM is still its definition, quantized with that seed: only the random
+    stream differs from the host-seeded (CPU) one."""
+    cfg = FP4Config.from_preset("nvfp4", keep_first_n=0, keep_last_n=0, rht_wgrad=False)
+    layer = _layer(cfg)
+    x, dy = heavy_tailed(64, 256), torch.randn(64, 128)
+    host = _run(layer, x, dy)
+    monkeypatch.setattr(block_linear, "host_seeded", lambda device: False)
+    y, dx, dw = _run(layer, x, dy)
+    assert torch.equal(y, host[0])
+    assert not torch.equal(dx, host[1]) and not torch.equal(dw, host[2])
+
+    def sr(t, operand):  # the operand quantized with its device-derived seed
+        base = cfg.sr_seed * 1_000_003 + SR_OPERANDS.index(operand) * 7_919
+        seed = sr_seed_from_checksum(base, t.view(torch.int32).to(torch.int64).sum())
+        return quantize_block(t.contiguous(), "nvfp4", "stochastic", seed=seed)
+
+    w = layer.weight.detach()
+    assert torch.equal(dx, block_gemm_reference(sr(dy, "dgrad.g"), quantize_block(w.t().contiguous(), "nvfp4",
+                                                                                   block_2d=True)))
+    assert torch.equal(dw, block_gemm_reference(sr(dy.t(), "wgrad.g"), quantize_block(x.t().contiguous(), "nvfp4")))
 
 
 def test_stochastic_rounding_unbiased_through_the_layer(one_thread):

@@ -53,6 +53,9 @@ __all__ = [
     "quantize_nvfp4",
     "dequantize_block",
     "stochastic_round_e2m1",
+    "sr_seed",
+    "sr_seed_from_checksum",
+    "hash_uniform",
     "e8m0_to_float",
     "block_gemm_reference",
     "fake_quantize_block",
@@ -130,13 +133,39 @@ class BlockFP4:
 
 # --------------------------------------------------------------------------- rounding
 _M32 = 0xFFFFFFFF
+_M63 = (1 << 63) - 1
+_SEED_SALT = 0x9E3779B1  # the golden-ratio constant sr_seed multiplies its draw by
 
 
 def sr_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """One draw from ``generator``: the 0-dim int64 seed of a stochastic-rounding stream."""
     dev = generator.device if generator is not None else device
     draw = torch.randint(0, 2**31, (), generator=generator, device=dev, dtype=torch.int64)
-    return ((draw * 0x9E3779B1) & _M32).to(device)
+    return ((draw * _SEED_SALT) & _M32).to(device)
+
+
+def sr_seed_from_checksum(base: int, checksum: torch.Tensor) -> torch.Tensor:
+    """The 0-dim int64 seed of a stochastic-rounding stream, derived on the checksum's device.
+
+    ``checksum``: the 0-dim int64 sum of an operand's raw bits (``fp4lightning.nn.block_linear``);
+    ``base``: the config's and the operand's part of the seed. ``sr_seed`` draws from a
+    ``torch.Generator``, whose ``manual_seed`` takes a host integer, so a checksum on a GPU would
+    have to be copied to the host first (a sync in every backward). This derivation is integer
+    arithmetic on the tensor instead: ``s = (base + checksum) mod 2^63`` (what seeded the
+    generator), then ``lowbias32(lo32(s) ^ lowbias32(hi32(s) ^ 0x9E3779B1))``, in [0, 2^32) like
+    ``sr_seed``'s draws. ``kernels/block_quantize.py`` computes the same bits inside its quantizer.
+    """
+    s = (checksum.to(torch.int64) + (int(base) & _M63)) & _M63
+    return _lowbias32((s & _M32) ^ _lowbias32((s >> 32) ^ _SEED_SALT))
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' ``lowbias32`` integer hash of int64 values in [0, 2^32) (int64 arithmetic, masked)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
 
 
 def hash_uniform(n: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -145,12 +174,7 @@ def hash_uniform(n: int, seed: torch.Tensor, device: torch.device) -> torch.Tens
     so the draws fuse into the quantizer's pass and cost a few integer operations each,
     where ``torch.rand`` with a CPU generator costs ~9 ns per element; the same seed gives
     the same draws on every run and device."""
-    x = (torch.arange(n, device=device, dtype=torch.int64) ^ seed) & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    x = x ^ (x >> 16)
+    x = _lowbias32((torch.arange(n, device=device, dtype=torch.int64) ^ seed) & _M32)
     return (x >> 8).to(torch.float32) * (2.0**-24)
 
 
@@ -199,8 +223,9 @@ def stochastic_round_e2m1(x: torch.Tensor, generator: torch.Generator | None = N
     return _round_values(x.float().clamp(-E2M1_MAX, E2M1_MAX), "stochastic", generator)
 
 
-def _encode(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    return _codes_of(_round_values(y, rounding, generator))
+def _encode(y: torch.Tensor, rounding: str, generator: torch.Generator | None,
+            seed: torch.Tensor | None = None) -> torch.Tensor:
+    return _codes_of(_round_values(y, rounding, generator, seed))
 
 
 def _values(packed: torch.Tensor) -> torch.Tensor:
@@ -269,12 +294,16 @@ def _mx_prepare_blocked(xb: torch.Tensor, rounding: str):
     return y.clamp_(-E2M1_MAX, E2M1_MAX), biased.squeeze(-1), scale, post
 
 
-def quantize_mxfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> BlockFP4:
-    """OCP MXFP4: 32-element blocks along the last dim, E8M0 scale ``2**(floor(log2 amax) - 2)``."""
+def quantize_mxfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None,
+                   *, seed: torch.Tensor | None = None) -> BlockFP4:
+    """OCP MXFP4: 32-element blocks along the last dim, E8M0 scale ``2**(floor(log2 amax) - 2)``.
+
+    ``seed`` (stochastic rounding): a 0-dim int64 seed (``sr_seed``, ``sr_seed_from_checksum``)
+    used instead of a draw from ``generator``."""
     x = _check_2d(x, "quantize_mxfp4")
     m, k = x.shape
     y, biased, _, post = _mx_prepare(x, rounding)
-    codes = _encode(y, rounding, generator).reshape(m, -1)
+    codes = _encode(y, rounding, generator, seed).reshape(m, -1)
     return BlockFP4(pack_fp4(codes), biased, None, "mxfp4", False, (m, k), post)
 
 
@@ -318,17 +347,19 @@ def _nv_prepare_blocked(xb: torch.Tensor, block_2d: bool, global_scale):
 
 
 def quantize_nvfp4(x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None,
-                   block_2d: bool = False, global_scale: torch.Tensor | bool | None = True) -> BlockFP4:
+                   block_2d: bool = False, global_scale: torch.Tensor | bool | None = True,
+                   seed: torch.Tensor | None = None) -> BlockFP4:
     """NVFP4: 16-element blocks (or 16 x 16 with ``block_2d``), E4M3 block scales.
 
     ``global_scale``: True (default) computes the per-tensor fp32 scale from this tensor's
     amax; a tensor uses that scale; None/False means single-level scaling (E4M3 scales
-    of ``amax_block / 6`` directly, torchao's ``per_tensor_scale=None``).
+    of ``amax_block / 6`` directly, torchao's ``per_tensor_scale=None``). ``seed``: as in
+    ``quantize_mxfp4``.
     """
     x = _check_2d(x, "quantize_nvfp4")
     m, k = x.shape
     y, s8, g = _nv_prepare(x, block_2d, global_scale)
-    codes = _encode(y, rounding, generator).reshape(_rows(y, block_2d), -1)[:m]  # (M, Kp)
+    codes = _encode(y, rounding, generator, seed).reshape(_rows(y, block_2d), -1)[:m]  # (M, Kp)
     return BlockFP4(pack_fp4(codes), s8, g, "nvfp4", block_2d, (m, k))
 
 
@@ -338,7 +369,7 @@ def _rows(y: torch.Tensor, block_2d: bool) -> int:
 
 def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
                         generator: torch.Generator | None = None, block_2d: bool = False,
-                        dtype: torch.dtype = torch.float32):
+                        dtype: torch.dtype = torch.float32, seed: torch.Tensor | None = None):
     """``(values, factor, block_scales)``: the same quantization as ``quantize_block``, decoded.
 
     ``values`` (M, K) in ``dtype`` is ``e2m1 * block_scale`` (exact in bf16 and fp32), and
@@ -348,7 +379,8 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
 
     The elementwise work runs as one fused pass (``fp4lightning.numerics.cpu_fused``: ``torch.compile`` on
     CPU, bit for bit equal to eager); stochastic rounding takes one seed from ``generator`` and
-    uses the same uniforms as ``quantize_block`` with the generator in the same state.
+    uses the same uniforms as ``quantize_block`` with the generator in the same state (or the
+    given 0-dim int64 ``seed`` instead of that draw).
     """
     x = _check_2d(x, "fake_quantize_block")
     if fmt not in BLOCK_SIZES:
@@ -364,7 +396,9 @@ def fake_quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest",
     # hide the unit stride of the block's elements and the compiled loops turn scalar
     xb = _blocked(x.detach(), b, block_2d)  # detached: never differentiated (and no extra graphs)
     # stochastic rounding: one seed from the generator; the pass hashes it into its uniforms
-    u = sr_seed(generator, x.device) if rounding == "stochastic" else None
+    u = None
+    if rounding == "stochastic":
+        u = sr_seed(generator, x.device) if seed is None else seed
     vals, factor, dec = _fake_quantize_blocked(xb, fmt, rounding, u, block_2d, dtype)
     return vals.reshape(_rows(xb, block_2d), -1)[:m, :k], factor, dec
 
@@ -388,15 +422,16 @@ def _fake_quantize_blocked(xb: torch.Tensor, fmt: str, rounding: str, u: torch.T
 
 
 def quantize_block(x: torch.Tensor, fmt: str, rounding: str = "nearest", generator: torch.Generator | None = None,
-                   block_2d: bool = False) -> BlockFP4:
-    """Quantize a 2-D tensor along its last dim in ``fmt`` (``nvfp4`` or ``mxfp4``)."""
+                   block_2d: bool = False, seed: torch.Tensor | None = None) -> BlockFP4:
+    """Quantize a 2-D tensor along its last dim in ``fmt`` (``nvfp4`` or ``mxfp4``); ``seed`` as in
+    ``quantize_mxfp4``."""
     if fmt == "nvfp4":
-        return quantize_nvfp4(x, rounding, generator, block_2d=block_2d)
+        return quantize_nvfp4(x, rounding, generator, block_2d=block_2d, seed=seed)
     if fmt == "mxfp4":
         if block_2d:
             raise ValueError("2-D weight blocks are defined for NVFP4 (16x16) only; set weight_block_2d=False "
                              "with block32_e8m0")
-        return quantize_mxfp4(x, rounding, generator)
+        return quantize_mxfp4(x, rounding, generator, seed=seed)
     raise ValueError(f"unknown block format {fmt!r}; choose one of {BLOCK_FORMATS}")
 
 
