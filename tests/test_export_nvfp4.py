@@ -1,11 +1,14 @@
 """`fp4lightning export-hf --format nvfp4` (issue 50, items 2 and 3), checked by the consumers' own code:
-compressed-tensors' NVFP4 decompression of the folder gives, bit for bit, the weights the nvfp4 preset's
-forward multiplies by (rounded to bf16, the dtype it decompresses to; in fp32 where the report says so),
-transformers loads the folder and its logits are close to ours, and runs of presets without an exact NVFP4
-form are refused unless --requantize."""
+compressed-tensors' NVFP4 decompression of the folder gives, bit for bit, the weights the forward of the
+nvfp4 preset multiplies by (rounded to bf16, the dtype it decompresses to; in fp32 where the report says so),
+and those of the mxfp4 preset and of the paper quantizer with power-of-two scales in fp32; transformers loads
+the folder and its logits are close to ours; runs without an exact NVFP4 form are refused unless
+--requantize."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 from pathlib import Path
 
@@ -31,7 +34,7 @@ _SHAPE = dict(vocab_size=300, dim=64, n_layers=3, n_heads=2, n_kv_heads=1, ffn_d
 _FP4_PREFIX = "model.layers.1."
 #: logits of transformers' bf16 run against ours in fp32, same FP4 weights (measured 45.9 dB)
 LOGITS_SQNR_DB = 40.0
-#: lowest layer SQNR of a re-quantization to NVFP4 (measured: paper 24.3, mxfp4 23.4, high precision 20.0 dB)
+#: lowest layer SQNR of a re-quantization to NVFP4 (measured: paper 24.3, high precision 20.0 dB)
 REQUANT_SQNR_DB = 17.0
 
 
@@ -59,20 +62,34 @@ def tok() -> Tokenizer:
     return Tokenizer.train([_TEXT], vocab_size=300)
 
 
-@pytest.fixture(scope="module")
-def nvfp4_export(tok, tmp_path_factory):
-    """(our model converted as the nvfp4 run trained, the folder export-hf --format nvfp4 wrote, its stdout)."""
-    base = tmp_path_factory.mktemp("nvfp4")
-    model = _model()
-    ckpt = _ckpt(base / "nvfp4.ckpt", model, tok, {"preset": "nvfp4", "overrides": {}})
-    import contextlib
-    import io
+_SPECS = {"nvfp4": {"preset": "nvfp4", "overrides": {}}, "mxfp4": {"preset": "mxfp4", "overrides": {}},
+          "paper-pow2": {"preset": "paper", "overrides": {"scale_mode": "pow2"}}}
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert cli_main(["export-hf", str(ckpt), str(base / "hf"), "--format", "nvfp4"]) == 0
-    convert_to_fp4(model, FP4Config.from_preset("nvfp4"))
-    return model.eval(), base / "hf", buf.getvalue()
+
+@pytest.fixture(scope="module")
+def exports(tok, tmp_path_factory):
+    """``exports(name)``: (our model converted as the run of ``_SPECS[name]`` trained, the folder
+    export-hf --format nvfp4 wrote from its checkpoint, what it printed); each written once."""
+    done = {}
+
+    def export(name: str):
+        if name not in done:
+            base = tmp_path_factory.mktemp(name)
+            model, spec = _model(), _SPECS[name]
+            ckpt = _ckpt(base / "run.ckpt", model, tok, spec)
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                assert cli_main(["export-hf", str(ckpt), str(base / "hf"), "--format", "nvfp4"]) == 0
+            convert_to_fp4(model, FP4Config.from_preset(spec["preset"], **spec["overrides"]))
+            done[name] = model.eval(), base / "hf", buf.getvalue()
+        return done[name]
+
+    return export
+
+
+@pytest.fixture(scope="module")
+def nvfp4_export(exports):
+    return exports("nvfp4")
 
 
 def _scheme(folder: Path):
@@ -140,10 +157,35 @@ def test_transformers_loads_it_and_its_logits_are_close_to_ours(nvfp4_export):
     assert sqnr(got, want) > LOGITS_SQNR_DB
 
 
-@pytest.mark.parametrize("preset", ["paper", "mxfp4", None])
-def test_a_run_without_an_exact_nvfp4_form_is_refused_unless_requantize(preset, tok, tmp_path, capsys):
-    fp4 = {"preset": preset, "overrides": {}} if preset else None
-    ckpt = _ckpt(tmp_path / "run.ckpt", _model(), tok, fp4)
+@pytest.mark.parametrize("name", ["mxfp4", "paper-pow2"])
+def test_power_of_two_scales_decode_bitwise_in_fp32(name, exports):
+    from compressed_tensors.compressors.nvfp4 import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    model, folder, printed = exports(name)
+    _, scheme = _scheme(folder)
+    state = safetensors_torch.load_file(folder / "model.safetensors")
+    fp4 = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")})
+    assert len(fp4) == 7 * _SHAPE["n_layers"]
+    for name in fp4:
+        ours = forward_weight(model.get_submodule(name.removeprefix("model.")))
+        sd = {k.rsplit(".", 1)[1]: v for k, v in state.items() if k.rsplit(".", 1)[0] == name}
+        n, k = ours.shape
+        codes = unpack_fp4_from_uint8(sd["weight_packed"], n, k, dtype=torch.float32)
+        theirs = dequantize(codes, sd["weight_scale"].float(), args=scheme.weights,
+                            global_scale=sd["weight_global_scale"], dtype=torch.float32)
+        assert torch.equal(theirs.view(torch.int32), ours.view(torch.int32)), name
+    assert f"{len(fp4)} of {len(fp4)} layers decode to our fp32 weights bit for bit" in printed, printed
+
+
+@pytest.mark.parametrize("spec", [{"preset": "paper", "overrides": {}}, None, "mxfp4-span"])
+def test_a_run_without_an_exact_nvfp4_form_is_refused_unless_requantize(spec, tok, tmp_path, capsys):
+    model = _model()
+    if spec == "mxfp4-span":  # one 32-block 2**-20 below the rest: beyond E4M3's 17 octaves under one global scale
+        spec = {"preset": "mxfp4", "overrides": {}}
+        with torch.no_grad():
+            model.layers[0].mlp.up_proj.weight[0, :32] *= 2.0**-20
+    ckpt = _ckpt(tmp_path / "run.ckpt", model, tok, spec)
     capsys.readouterr()
     assert cli_main(["export-hf", str(ckpt), str(tmp_path / "hf"), "--format", "nvfp4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

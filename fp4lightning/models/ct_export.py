@@ -19,7 +19,12 @@ Which preset maps exactly:
   bf16 weights compressed-tensors decompresses to (its decompression always yields bf16) equal ours
   rounded to bf16, and the fp32 values differ by at most two ulps. The report says which (and names any
   layer whose bf16 decode no candidate matches; docs/evaluation.md, "Serve it", has the measured rates).
-* every other preset (``paper``, ``mxfp4``, ...) and high-precision runs: no exact representation here.
+* ``mxfp4`` and ``paper`` with ``scale_mode=pow2``: the forward's block (or row) scales are powers of two,
+  so each 16-block keeps the forward's codes with the E4M3 scale ``2**(e - k)`` and the global scale is
+  ``2**-k`` (``k`` = the layer's largest block exponent less 8): exact in fp32, as long as the layer's block
+  exponents span at most 17 octaves (E4M3 holds powers of two from 2**-9 to 2**8); a block below that
+  range is re-quantized like the next case.
+* every other preset (``paper`` with float scales, ...) and high-precision runs: no exact representation.
   Refused unless ``requantize``; then the weights the forward multiplied by are re-quantized to NVFP4
   (16-element blocks, round to nearest) and the weight SQNR is reported per layer.
 
@@ -50,6 +55,8 @@ from fp4lightning.models.hf import save_hf, to_hf_model
 from fp4lightning.models.llama import Llama
 from fp4lightning.nn.linear import FP4Linear, quantize_weight
 from fp4lightning.numerics.block_formats import BlockFP4, quantize_block, quantize_nvfp4
+from fp4lightning.numerics.constants import E8M0_BIAS
+from fp4lightning.numerics.formats import unpack_fp4
 
 __all__ = ["CT_SCHEME", "CT_FORMAT", "NVFP4Weight", "NVFP4Export", "exact_nvfp4", "forward_weight", "nvfp4_weight",
            "ct_global_scale", "save_hf_nvfp4", "require_compressed_tensors"]
@@ -57,6 +64,7 @@ __all__ = ["CT_SCHEME", "CT_FORMAT", "NVFP4Weight", "NVFP4Export", "exact_nvfp4"
 CT_SCHEME = "NVFP4A16"  # compressed-tensors preset: NVFP4 weights, activations left in 16 bits
 CT_FORMAT = "nvfp4-pack-quantized"
 GROUP = 16  # elements per NVFP4 block along K
+E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8  # powers of two E4M3 holds: 2**-9 (subnormal) to 2**8 = 256
 #: fp32 neighbours of 1/g tried each way for the stored global scale
 _G_NEIGHBOURS = 2
 #: the pairs vLLM fuses into one layer with one global scale
@@ -83,8 +91,11 @@ def exact_nvfp4(cfg: FP4Config | None) -> tuple[bool, str]:
     if cfg.block_format == "block16_e4m3":
         return True, "the forward's own NVFP4 codes, E4M3 block scales and fp32 tensor scale"
     if cfg.block_format == "block32_e8m0":
-        return False, "its forward uses MXFP4 (32-element blocks, E8M0 scales), not NVFP4"
-    return False, "its forward scales each row of the weight (the paper's per-channel scales), not 16-blocks"
+        return True, "the forward's MXFP4 codes; its power-of-two block scales as E4M3 under a power-of-two global"
+    if cfg.scale_mode == "pow2":
+        return True, "the forward's codes; its power-of-two row scales as E4M3 under a power-of-two global"
+    return False, ("its per-row scales are floats (scale_mode=float), which no E4M3 block scale under one global "
+                   "scale holds exactly")
 
 
 def forward_weight(layer: nn.Linear) -> torch.Tensor:
@@ -163,9 +174,14 @@ def nvfp4_weight(layer: nn.Linear, name: str, requantize: bool = False) -> NVFP4
                          "NVFP4 needs; export with --format fp32")
     cfg = layer.config if isinstance(layer, FP4Linear) else None
     exact, why = exact_nvfp4(cfg)
-    if exact:
+    if exact and cfg.block_format == "block16_e4m3":
         q = quantize_nvfp4(w, "nearest", None, block_2d=cfg.weight_block_2d)
         return _from_blocks(q, q.dequantize(), None)
+    if exact:
+        got = _pow2_exact(layer)
+        if got is not None:
+            return got
+        why = "its block scales span more than the 17 octaves E4M3 holds under one global scale"
     if not requantize:
         raise UsageError(f"layer {name} cannot be stored in NVFP4 exactly: {why}; pass --requantize to re-quantize "
                          "the weights its forward used to NVFP4 (the weight SQNR is printed), train with the nvfp4 "
@@ -174,6 +190,34 @@ def nvfp4_weight(layer: nn.Linear, name: str, requantize: bool = False) -> NVFP4
     q = quantize_nvfp4(ref, "nearest", None)
     back = q.dequantize()
     return _from_blocks(q, back, _sqnr_db(back, ref))
+
+
+def _pow2_exact(layer: FP4Linear) -> NVFP4Weight | None:
+    """The layer (MXFP4, or the paper quantizer with power-of-two scales) with its codes and its block exponents
+    ``e`` as E4M3 scales ``2**(e - k)`` under the global scale ``2**-k``; None where one is out of E4M3's range."""
+    cfg, w = layer.config, layer.weight.detach().float()
+    n, k = w.shape
+    if cfg.block_format == "block32_e8m0":
+        q = quantize_block(w, "mxfp4", "nearest", None)
+        exps = (q.scales.to(torch.int32) - E8M0_BIAS).repeat_interleave(2, dim=1)  # (N, K/16)
+        packed, reference = q.codes, q.dequantize()
+    else:
+        packed, scale, vals = quantize_weight(w, cfg, torch.float32)
+        mant, e = torch.frexp(scale.double())  # the encode scale is 0.5 * 2**e: the decode scale 2**(1 - e)
+        if (mant != 0.5).any():
+            return None
+        exps = (1 - e).to(torch.int32)[:, None].expand(n, k // GROUP)
+        reference = vals / scale[:, None]
+    nonzero = (unpack_fp4(packed, k).reshape(n, k // GROUP, GROUP) & 0x7).amax(-1) > 0
+    if not nonzero.any():
+        exps, nonzero = torch.zeros_like(exps), torch.ones_like(nonzero)
+    top = int(exps[nonzero].max()) - E4M3_POW2_MAX
+    rel = (exps - top).clamp(max=E4M3_POW2_MAX)
+    if (rel[nonzero] < E4M3_POW2_MIN).any() or not -126 <= top <= 127:
+        return None
+    scale8 = torch.ldexp(torch.ones(()), rel.clamp(min=E4M3_POW2_MIN).float()).to(torch.float8_e4m3fn)
+    G = torch.ldexp(torch.ones(1), torch.tensor([-float(top)]))
+    return NVFP4Weight(packed.contiguous(), scale8.contiguous(), G, reference)
 
 
 def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -206,7 +250,8 @@ class NVFP4Export:
             out.append(f"re-quantized {len(dbs)} layers to NVFP4: weight SQNR against the weights their forward "
                        f"used, median {dbs[len(dbs) // 2]:.2f} dB, lowest {dbs[0]:.2f} dB ({worst})")
         else:
-            out.append("the codes and E4M3 block scales are the training forward's own; "
+            out.append("the codes and block scales are the training forward's own (power-of-two ones as E4M3 under a "
+                       "power-of-two global scale); "
                        f"{len(self.layers) - len(self.fp32_inexact)} of {len(self.layers)} layers decode to our "
                        "fp32 weights bit for bit, the rest to our bf16-rounded weights (fp32 within 2 ulps)")
         if self.bf16_inexact:
