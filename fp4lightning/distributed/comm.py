@@ -26,7 +26,12 @@ This reduce-scatter hook completes its collectives synchronously and returns an 
 future: issuing collectives from future callbacks on background threads could interleave buckets
 differently on different ranks. :func:`fp8_async_gather_hook` needs one collective per bucket, so it
 issues it asynchronously and overlaps it with the rest of backward; at W = 2 its bytes equal the
-reduce-scatter's and it is the default there (``scheme="auto"``, :func:`resolve_scheme`).
+reduce-scatter's and it is the default there (``scheme="auto"``, :func:`resolve_scheme`). So by default
+the amax is MAX-all-reduced (a shared scale) and a gradient is rounded twice (steps 3 and 4) from
+W = 3 on, while at W = 2 each rank scales by its own amax, sends the scale with its codes and rounds
+once; a shared scale there would need a synchronous amax all-reduce before any rank could encode,
+which would undo the overlap. Neither divides by W before sending: the fp32 sum is divided after the
+exchange. Every rank ends with the same bits either way (``tests/test_comm_amax.py``).
 
 The FP8 encoding itself (scales, codes, decode-and-sum) is :mod:`fp4lightning.distributed.fp8_codec`,
 shared with FSDP's FP8 reduce-scatter and the one-device simulation.
