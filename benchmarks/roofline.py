@@ -276,6 +276,8 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 TRITON_BYTES = {
     "_wgrad_finish_kernel": {"y_ptr": "rw"},
     "_refold_outliers_kernel": {"q_ptr": "sparse", "e_ptr": "sparse"},
+    # OCC's quantiles: a gather of the n-element sample from x, the histogram counted and zeroed again
+    "_occ_quantile_kernel": {"x_ptr": "sample", "hist_ptr": "rw"},
 }
 
 
@@ -290,6 +292,8 @@ def _triton_bytes(kernel: str, bound: dict) -> int:
         rule = rules.get(arg)
         if rule == "sparse":
             total += min(_footprint(t), slots * SECTOR)
+        elif rule == "sample":
+            total += min(_footprint(t), int(bound["n"]) * SECTOR)
         else:
             total += _footprint(t) * (2 if rule == "rw" else 1)
     return total

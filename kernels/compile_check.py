@@ -50,7 +50,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp4lightning.numerics.constants import (F8E4M3_EMIN, F8E4M3_MANT_BITS, F8E4M3_MAX, F8E5M2_EMIN,  # noqa: E402
                                     F8E5M2_MANT_BITS, F8E5M2_MAX)
-from fp4lightning.kernels import fp8_gemm, gemm, quantize, scaled_mm  # noqa: E402
+from fp4lightning.kernels import fp8_gemm, gemm, quantile, quantize, scaled_mm  # noqa: E402
 from fp4lightning.kernels._common import DOT_BF16, DOT_FP8E4, DOT_FP8E5, DOT_FP16  # noqa: E402
 
 _I = "i32"
@@ -233,6 +233,14 @@ def _fold_cases():
                                           ROUND_BOUNDS=True),
                               num_warps=warps, num_stages=1, options=dict(enable_fp_fusion=False),
                               elements_per_thread=bm * bk // (32 * warps)))
+    # `paper`'s OCC quantiles of a bf16 activation (kernels/quantile.py): one launch, 1024 samples a program
+    cases.append(dict(name="occ quantiles of a bf16 sample (histogram, one launch)", arch=90, kind="quantize",
+                      fn=quantile._occ_quantile_kernel,
+                      types=dict(x_ptr="*i16", hist_ptr="*i32", ctr_ptr="*i32", out_ptr="*fp32", N=_I, n=_I,
+                                 STRIDE="i64", R0=_I, R1=_I, R2=_I, R3=_I, F0=_I, F1=_I),
+                      consts=dict(SAMPLED=True, INTERP0=True, INTERP1=True, CHUNK=quantile.CHUNK, SCAN=quantile.SCAN,
+                                  BINS=quantile.BINS), num_warps=4, num_stages=1,
+                      options=dict(enable_fp_fusion=False), elements_per_thread=quantile.CHUNK // 128))
     return cases
 
 

@@ -119,3 +119,67 @@ def test_fold_kernel_rounds_fp32_bounds_as_the_cast_did(dtype):
                 a, w = a.masked_fill(nan, 0), w.masked_fill(nan, 0)
             assert torch.equal(_bits(a), _bits(w))
 
+
+# --------------------------------------------------------------------------- OCC's quantiles in one launch
+def _cuda_sort_bounds(x, alpha, method, sample_size):
+    """occ_bounds as it runs on CUDA, emulated on any device: the sample, torch.sort as cub's radix sort
+    orders fp32 keys (by their bits: -NaN first, +NaN last; -0.0 and +0.0 equal, kept in input order),
+    then occ_bounds' interpolation (0-dim fp32 tensors times a Python float)."""
+    from fp4lightning.numerics.occ import lattice_stride, quantile_positions
+    flat = x.reshape(-1)
+    if method == "sample" and flat.numel() > sample_size:
+        flat = flat[(torch.arange(sample_size, device=x.device) * lattice_stride(flat.numel())) % flat.numel()]
+    flat = flat.float()
+    i = flat.view(torch.int32).long()
+    key = i ^ ((i >> 31) & 0x7FFFFFFF)
+    key[key == -1] = 0  # -0.0 ranks with +0.0
+    srt = flat[torch.sort(key, stable=True).indices]
+    out = []
+    for lo_i, frac in quantile_positions(flat.numel(), (1.0 - alpha, alpha)):
+        v = srt[lo_i]
+        if frac > 0 and lo_i + 1 < flat.numel():
+            v = v + (srt[lo_i + 1] - v) * frac
+        out.append(v)
+    return torch.stack(out)
+
+
+def _quantile_inputs():
+    g = torch.randn(300, 700, device=DEV)
+    yield "normal", g.bfloat16(), True
+    yield "heavy tails", (g * torch.exp(2 * torch.randn(300, 1, device=DEV))).bfloat16(), True
+    ties = (torch.randint(-4, 5, (96, 512), device=DEV) / 2).bfloat16()
+    ties[torch.rand(96, 512, device=DEV) < 0.5] = -0.0  # zeros of both signs at the order statistics
+    yield "ties and signed zeros", ties, True
+    yield "all equal", torch.full((80, 128), 0.75, device=DEV).bfloat16(), True
+    special = torch.randn(256, 256, device=DEV)
+    hot = torch.rand(256, 256, device=DEV)
+    special[hot < 0.015] = float("nan")
+    special[hot > 0.99] = -torch.tensor(float("nan"))  # NaN with the sign bit (x86's default NaN)
+    special[(hot > 0.5) & (hot < 0.51)] = float("inf")
+    special[(hot > 0.6) & (hot < 0.601)] = -float("inf")
+    yield "NaN of both signs and infinities", special.bfloat16(), False
+
+
+@pytest.mark.parametrize("alpha", [0.99, 0.97, 0.9])
+@pytest.mark.parametrize("method,sample_size", [("sample", 65536), ("sample", 20000), ("exact", 65536)])
+def test_triton_quantiles_are_the_cuda_sorts(alpha, method, sample_size):
+    from fp4lightning.kernels import quantile as kqt
+    for name, x, finite in _quantile_inputs():
+        assert kqt.occ_quantiles_supported(x, alpha, method, sample_size), name
+        got = kqt.triton_occ_quantiles(x, alpha, method, sample_size)
+        want = _cuda_sort_bounds(x, alpha, method, sample_size)
+        assert torch.equal(_bits(got), _bits(want)), (name, got, want)
+        if finite:  # occ_bounds on this device (CPU: partial sorts), the same order statistics
+            assert torch.equal(_bits(got), _bits(occ_bounds(x, alpha, method, sample_size))), name
+        assert not kqt._WORKSPACE[(str(x.device), False)].any(), name  # zeroed again for the next launch
+
+
+def test_triton_quantiles_refuse_what_they_cannot_match():
+    from fp4lightning.kernels import quantile as kqt
+    x = torch.randn(64, 64, device=DEV).bfloat16()  # 4096 elements: CUDA sorts them by comparison
+    assert not kqt.occ_quantiles_supported(x, 0.99, "sample", 65536)
+    assert not kqt.occ_quantiles_supported(x.float().repeat(2, 1), 0.99, "sample", 65536)  # fp32: 32-bit keys
+    assert not kqt.occ_quantiles_supported(x.repeat(2, 1).t(), 0.99, "sample", 65536)  # not contiguous
+    assert kqt.occ_quantiles_supported(x.repeat(2, 1), 0.99, "sample", 65536)
+    with pytest.raises(ValueError, match="bf16"):
+        kqt.triton_occ_quantiles(x, 0.99)

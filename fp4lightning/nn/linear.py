@@ -46,7 +46,6 @@ from fp4lightning.config import FP4Config
 from fp4lightning.nn.block_linear import block_fp4_linear
 from fp4lightning.numerics.dge import frozen_dge_factor
 from fp4lightning.numerics.formats import decode_packed_fp4
-from fp4lightning.numerics.occ import occ_bounds
 from fp4lightning.ops import gemm
 
 __all__ = ["FP4Linear", "fp4_linear", "check_fp4_shape", "quantize_weight", "reuse_weight_quantization",
@@ -98,7 +97,7 @@ def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_d
         codes, scale, values, inv = gemm.quantize_fp4(x2d, cfg.scale_mode, per_tensor, values_dtype=vals_dtype,
                                                       inverse=True)
         return _Activation(codes, scale, values, scale_inv=inv)
-    bounds = occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
+    bounds = gemm.occ_bounds(x2d, cfg.occ_alpha, cfg.occ_quantile, cfg.occ_sample_size)
     if backend == "scaled_mm" and (cfg.occ_fold_e4m3 or cfg.occ_compensation):
         # The scaled_mm backend runs `paper`'s OCC folded into the E4M3 activation operand (no
         # compensation GeMMs; docs/perf.md "OCC on the GPU", docs/results.md section 10: within

@@ -27,7 +27,8 @@ import torch
 from fp4lightning.numerics.constants import E4M3_FOLD_MAX_SHIFT  # fold_e4m3's largest shift (re-exported here)
 from fp4lightning.numerics.constants import F8E4M3_MAX
 
-__all__ = ["occ_bounds", "occ_clamp", "fold_e4m3", "QUANTILE_METHODS"]
+__all__ = ["occ_bounds", "occ_clamp", "fold_e4m3", "QUANTILE_METHODS", "lattice_stride", "quantile_positions",
+           "CUDA_SORT_MIN"]
 
 QUANTILE_METHODS = ("sample", "exact")
 DEFAULT_SAMPLE_SIZE = 65536
@@ -36,16 +37,36 @@ DEFAULT_SAMPLE_SIZE = 65536
 _LATTICE_PRIME = 2654435761
 #: largest tensor whose quantiles are read from one sort on CUDA (transient memory ~3x its size)
 _SORT_MAX = 1 << 22
+#: torch.sort on CUDA sorts more than this many elements with cub's radix sort (by the keys' bits: -NaN
+#: first, +NaN last, -0.0 and +0.0 equal and kept in input order), fewer with a comparison sort
+CUDA_SORT_MIN = 4096
 _SAMPLE_INDEX: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def lattice_stride(n: int) -> int:
+    """The sample's stride: element ``i`` of the sample of a tensor of ``n`` elements is ``i * stride mod n``."""
+    p = _LATTICE_PRIME
+    while n % p == 0:  # keep the stride coprime with n (practically never needed)
+        p += 2
+    return p
+
+
+def quantile_positions(n: int, probs: tuple[float, ...]) -> list[tuple[int, float]]:
+    """For each probability, the 0-based order statistic ``i`` and the fraction ``f`` of the way to the next
+    one that linear interpolation (torch.quantile's default) takes: ``q = v_i + (v_{i+1} - v_i) f`` (in
+    fp32, f rounded to fp32; no interpolation where f is 0 or ``i`` is the last)."""
+    out = []
+    for p in probs:
+        pos = p * (n - 1)
+        lo_i = int(pos)
+        out.append((lo_i, pos - lo_i))
+    return out
 
 
 def _sample_index(n: int, size: int, device: torch.device) -> torch.Tensor:
     key = (n, size, device)
     if key not in _SAMPLE_INDEX:
-        p = _LATTICE_PRIME
-        while n % p == 0:  # keep the stride coprime with n (practically never needed)
-            p += 2
-        idx = (torch.arange(size, dtype=torch.int64) * p) % n
+        idx = (torch.arange(size, dtype=torch.int64) * lattice_stride(n)) % n
         _SAMPLE_INDEX[key] = idx.to(device)
         if len(_SAMPLE_INDEX) > 256:  # bounded: shapes change with sequence length
             _SAMPLE_INDEX.pop(next(iter(_SAMPLE_INDEX)))
@@ -80,10 +101,7 @@ def _kth_quantiles(flat: torch.Tensor, probs: tuple[float, float]) -> torch.Tens
         return flat.kthvalue(i + 1).values
 
     out = []
-    for p in probs:
-        pos = p * (n - 1)
-        lo_i = int(pos)
-        frac = pos - lo_i
+    for lo_i, frac in quantile_positions(n, probs):
         v_lo = kth(lo_i)
         if frac > 0 and lo_i + 1 < n:
             v_hi = kth(lo_i + 1)

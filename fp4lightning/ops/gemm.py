@@ -43,6 +43,7 @@ from fp4lightning.numerics import cpu_bf16, cpu_fused
 from fp4lightning.numerics.absmax import quantize_rows_reference
 from fp4lightning.numerics.block_formats import block_gemm_reference
 from fp4lightning.numerics.formats import decode_packed_fp4
+from fp4lightning.numerics import occ
 from fp4lightning.numerics.occ import fold_e4m3, occ_clamp
 from fp4lightning.ops import capability
 
@@ -54,6 +55,7 @@ __all__ = [
     "quantize_fp4",
     "quantize_fp4_clamped",
     "quantize_fp4_folded",
+    "occ_bounds",
     "quantize_fp8",
     "quantize_fp8_divided",
     "fp4_gemm",
@@ -89,6 +91,17 @@ def _triton_kernels():
             # on a GPU this silently costs all the speed: say why once
             warnings.warn(f"fp4lightning: Triton kernels unavailable ({type(e).__name__}: {e}); "
                           "using the PyTorch reference path", RuntimeWarning, stacklevel=3)
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _quantile_kernels():
+    """``kernels/quantile.py`` (OCC's quantiles in one launch), or None where it cannot be imported."""
+    try:
+        from fp4lightning.kernels import quantile
+
+        return quantile
+    except Exception:  # triton missing
         return None
 
 
@@ -347,6 +360,17 @@ def quantize_fp4_folded_steps(x2d: torch.Tensor, bounds: torch.Tensor, scale_mod
     scale = torch.where(bad, torch.full_like(scale, float("nan")), torch.ldexp(scale, -shift))
     e4 = e4.masked_fill_(bad[:, None], 0.0)
     return e4.to(torch.float8_e4m3fn), scale
+
+
+def occ_bounds(x2d: torch.Tensor, alpha: float = 0.99, method: str = "sample",
+               sample_size: int = occ.DEFAULT_SAMPLE_SIZE) -> torch.Tensor:
+    """OCC's ``tensor([lo, hi])`` (``fp4lightning.numerics.occ.occ_bounds``); where the quantizers are Triton
+    kernels and the kernel gives the same bits as the sort it replaces (a bf16 activation whose sample
+    CUDA sorts with cub), one launch (``kernels/quantile.py``) instead of about eighteen."""
+    kq = _quantile_kernels() if triton_quantizers(x2d.device) else None
+    if kq is not None and kq.occ_quantiles_supported(x2d, alpha, method, sample_size):
+        return kq.triton_occ_quantiles(x2d, alpha, method, sample_size)
+    return occ.occ_bounds(x2d, alpha, method, sample_size)
 
 
 def quantize_fp4_refold(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
