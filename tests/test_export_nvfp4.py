@@ -135,6 +135,7 @@ def test_compressed_tensors_decompresses_the_forward_weights_bitwise(nvfp4_expor
         assert ulps <= 2, (name, ulps)
         fp32_exact += ulps == 0
     assert f"{fp32_exact} of {len(fp4)} layers decode to our fp32 weights bit for bit" in printed, printed
+    assert "vLLM fuses q/k/v_proj and gate/up_proj" in printed  # per-weight global scales: said, not hidden
 
 
 def test_transformers_loads_it_and_its_logits_are_close_to_ours(nvfp4_export):
@@ -176,6 +177,12 @@ def test_power_of_two_scales_decode_bitwise_in_fp32(name, exports):
                             global_scale=sd["weight_global_scale"], dtype=torch.float32)
         assert torch.equal(theirs.view(torch.int32), ours.view(torch.int32)), name
     assert f"{len(fp4)} of {len(fp4)} layers decode to our fp32 weights bit for bit" in printed, printed
+    # the layers vLLM fuses share one global scale (vLLM keeps one per fused layer)
+    for block in {k.rsplit(".", 2)[0] for k in fp4}:
+        for part, group in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+            got = {state[f"{block}.{part}.{g}.weight_global_scale"].item() for g in group}
+            assert len(got) == 1, (block, group, got)
+    assert "vLLM fuses" not in printed
 
 
 @pytest.mark.parametrize("spec", [{"preset": "paper", "overrides": {}}, None, "mxfp4-span"])

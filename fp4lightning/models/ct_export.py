@@ -31,8 +31,9 @@ Which preset maps exactly:
 Only the layers the run trained in FP4 are quantized; the rest (the head, the blocks ``keep_first_n`` /
 ``keep_last_n`` kept) are listed in the config's ``ignore`` and stored in bf16 with the embeddings and
 norms. vLLM fuses ``q/k/v_proj`` and ``gate/up_proj`` and keeps one global scale per fused layer (the
-largest), so it serves such layers exactly only where their global scales agree:
-:attr:`NVFP4Export.fused_mismatch` lists where they do not.
+largest), so it serves such layers exactly only where their global scales agree. Power-of-two scales can
+share one (:func:`_share_fused_global_scales`); the nvfp4 preset trains one per weight, which no shared scale
+reproduces: :attr:`NVFP4Export.fused_mismatch` lists those groups and the command says so.
 
 The folder is written by ``compressed-tensors`` itself (``apply_quantization_config``, ``ModelCompressor``
 ``compress_model`` / ``update_config``) through :func:`fp4lightning.models.hf.save_hf`, so it is renamed
@@ -65,6 +66,7 @@ CT_SCHEME = "NVFP4A16"  # compressed-tensors preset: NVFP4 weights, activations 
 CT_FORMAT = "nvfp4-pack-quantized"
 GROUP = 16  # elements per NVFP4 block along K
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8  # powers of two E4M3 holds: 2**-9 (subnormal) to 2**8 = 256
+_ZERO_BLOCK = -(2**30)  # the exponent recorded for a block whose codes are all zero (any scale decodes it)
 #: fp32 neighbours of 1/g tried each way for the stored global scale
 _G_NEIGHBOURS = 2
 #: the pairs vLLM fuses into one layer with one global scale
@@ -127,6 +129,7 @@ class NVFP4Weight:
     fp32_exact: bool = True
     sqnr_db: float | None = None
     bf16_exact: bool = True
+    pow2_exps: torch.Tensor | None = None  # (N, K/16) block exponents of power-of-two scales (_ZERO_BLOCK: no code)
 
 
 def ct_global_scale(q: BlockFP4) -> tuple[torch.Tensor, bool, bool]:
@@ -211,13 +214,39 @@ def _pow2_exact(layer: FP4Linear) -> NVFP4Weight | None:
     nonzero = (unpack_fp4(packed, k).reshape(n, k // GROUP, GROUP) & 0x7).amax(-1) > 0
     if not nonzero.any():
         exps, nonzero = torch.zeros_like(exps), torch.ones_like(nonzero)
-    top = int(exps[nonzero].max()) - E4M3_POW2_MAX
-    rel = (exps - top).clamp(max=E4M3_POW2_MAX)
-    if (rel[nonzero] < E4M3_POW2_MIN).any() or not -126 <= top <= 127:
-        return None
-    scale8 = torch.ldexp(torch.ones(()), rel.clamp(min=E4M3_POW2_MIN).float()).to(torch.float8_e4m3fn)
-    G = torch.ldexp(torch.ones(1), torch.tensor([-float(top)]))
-    return NVFP4Weight(packed.contiguous(), scale8.contiguous(), G, reference)
+    exps = torch.where(nonzero, exps, torch.full_like(exps, _ZERO_BLOCK))
+    w = NVFP4Weight(packed.contiguous(), torch.empty(0), torch.empty(0), reference, pow2_exps=exps)
+    return w if _pow2_rebase(w, int(exps.max()) - E4M3_POW2_MAX) else None
+
+
+def _pow2_rebase(w: NVFP4Weight, top: int) -> bool:
+    """Set ``w``'s E4M3 scales to ``2**(e - top)`` and its global scale to ``2**-top`` (from its block exponents
+    ``e``); False, ``w`` unchanged, where a block holding a non-zero code or the global scale falls outside
+    E4M3's powers of two or fp32's normal range."""
+    exps = w.pow2_exps
+    rel = exps[exps != _ZERO_BLOCK] - top
+    if not (bool(((rel >= E4M3_POW2_MIN) & (rel <= E4M3_POW2_MAX)).all()) and -126 <= top <= 127):
+        return False
+    rel = (exps - top).clamp(E4M3_POW2_MIN, E4M3_POW2_MAX).float()
+    w.scale = torch.ldexp(torch.ones(()), rel).to(torch.float8_e4m3fn).contiguous()
+    w.global_scale = torch.ldexp(torch.ones(1), torch.tensor([-float(top)]))
+    return True
+
+
+def _share_fused_global_scales(weights: dict[str, NVFP4Weight]) -> None:
+    """Give the layers vLLM fuses (q/k/v_proj, gate/up_proj) one global scale where all have power-of-two
+    scales that stay in E4M3's range under it, so vLLM, which keeps one per fused layer, decodes them as we do."""
+    for name in weights:
+        prefix, _, leaf = name.rpartition(".")
+        for group in _FUSED:
+            members = [weights.get(f"{prefix}.{g}") for g in group]
+            if leaf != group[0] or any(m is None or m.pow2_exps is None for m in members):
+                continue
+            top = max(-int(torch.log2(m.global_scale)) for m in members)
+            saved = [(m.scale, m.global_scale) for m in members]
+            if not all(_pow2_rebase(m, top) for m in members):
+                for m, (sc, g) in zip(members, saved):
+                    m.scale, m.global_scale = sc, g
 
 
 def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -344,6 +373,7 @@ def save_hf_nvfp4(model: Llama, out_dir: str | os.PathLike, tokenizer=None, requ
     report.fp32_inexact = [n for n, w in weights.items() if not w.fp32_exact]
     report.bf16_inexact = [n for n, w in weights.items() if not w.bf16_exact]
     report.sqnr_db = {n: w.sqnr_db for n, w in weights.items() if w.sqnr_db is not None}
+    _share_fused_global_scales(weights)
     report.fused_mismatch = _fused_mismatch(weights)
     bos = tokenizer.bos_id if tokenizer is not None else None
     eos = tokenizer.eos_id if tokenizer is not None else None
