@@ -546,3 +546,19 @@ def test_atomic_writer_uses_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "x.ckpt").stat().st_mode) == 0o666 & ~umask
+
+
+def test_weights_that_do_not_fit_the_stored_config_are_refused_in_one_line(run4, tmp_path, capsys):
+    ckpt = torch.load(run4 / "checkpoints" / LAST_CKPT, map_location="cpu", weights_only=True)
+    key = next(k for k in ckpt["state_dict"] if k.endswith("mlp.down_proj.weight"))
+    ckpt["state_dict"][key] = ckpt["state_dict"][key][:, :-1].clone()
+    del ckpt["state_dict"][next(k for k in ckpt["state_dict"] if k.endswith("input_layernorm.weight"))]
+    bad = tmp_path / "edited.ckpt"
+    torch.save(ckpt, bad)
+    with pytest.raises(CheckpointError, match=r"do not match the stored model config \(missing: .*; shape: .*down_proj"):
+        load_checkpoint(bad)
+    capsys.readouterr()
+    assert cli_main(["export-hf", str(bad), str(tmp_path / "hf")]) == 2
+    line = _one_line_error(capsys, "fp4lightning export-hf")
+    assert str(bad) in line and "down_proj" in line
+    assert not (tmp_path / "hf").exists()

@@ -360,6 +360,19 @@ def resume_candidates(ckpt_dir: Path) -> list[Path]:
     return sorted(found, key=key, reverse=True)
 
 
+def _state_mismatch(expected: dict, got: dict) -> str:
+    """What differs between a model's state dict and a checkpoint's, in one line ('' when nothing)."""
+    parts = []
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    shapes = [f"{k} {tuple(got[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in got and tuple(got[k].shape) != tuple(v.shape)]
+    for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape", shapes)):
+        if keys:
+            parts.append(f"{what}: {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else ""))
+    return "; ".join(parts)
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", fp4: bool = False) -> LoadedCheckpoint:
     """Load ``(model, tokenizer, recipe)`` from an ``fp4lightning train`` checkpoint.
 
@@ -391,10 +404,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     state = {k[len(_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(_PREFIX)}
     if config.tie_embeddings:
         state.setdefault("lm_head.weight", state.get("embed_tokens.weight"))
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not match the stored model config: {e}") from e
+    mismatch = _state_mismatch(model.state_dict(), state)
+    if mismatch:
+        raise CheckpointError(f"{path}: weights do not match the stored model config ({mismatch}); "
+                              "the file was edited or written by another version: use the run's own checkpoint")
+    model.load_state_dict(state, strict=True, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.float().to(map_location).eval()
