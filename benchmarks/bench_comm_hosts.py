@@ -25,7 +25,10 @@ counters are also read after the forward, whose traffic is the weight all-gather
     sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 1gbit,10gbit --delay-ms 1
     sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 0.5gbit,1gbit,2gbit,5gbit,10gbit,25gbit \\
         --steps 3 --variants fp32,bf16,fp8-e4m3          # where FP8 stops paying
+    sudo .venv/bin/python benchmarks/bench_comm_hosts.py --variants allreduce-fp32,allgather-u8,allgather-u8-x5
     .venv/bin/python benchmarks/bench_comm_hosts.py --loopback  # no namespaces: one machine's loopback
+
+The third line times bare gloo collectives of the model's size between the hosts (``COLLECTIVES``).
 
 Needs root and ``ip netns`` (else it says so and exits 2); ``--loopback`` runs the same two ranks on
 127.0.0.1 without a link limit (bytes from ``lo``'s counters, which count every process's traffic).
@@ -48,7 +51,7 @@ import torch.distributed as dist
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from fp4lightning.distributed.comm import CommState, register_hook  # noqa: E402
+from fp4lightning.distributed.comm import CommState, register_hook, ring_all_reduce_bytes  # noqa: E402
 from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
 from fp4lightning.train.recipe import WIRE_FORMAT  # noqa: E402
 
@@ -60,6 +63,9 @@ MODELS = {
 DDP_VARIANTS = ("fp32", "bf16", "fp8-e4m3", "none")
 FSDP_VARIANTS = ("fsdp-bf16", "fsdp-fp4")
 VARIANTS = DDP_VARIANTS + FSDP_VARIANTS
+#: bare gloo collectives on a buffer of the model's parameter count (no training): what the link and gloo
+#: give each exchange's bytes; ``allgather-u8-x5`` is the same all-gather as five concurrent async pieces
+COLLECTIVES = ("allreduce-fp32", "allreduce-bf16", "allgather-u8", "allgather-u8-x5")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +150,35 @@ class FSDPRun:
         return counted
 
 
+class CollectiveRun:
+    """One of :data:`COLLECTIVES` per step, on a buffer with as many elements as the model has parameters."""
+
+    def __init__(self, model: str, kind: str, world: int):
+        overrides, self.batch, self.seq = MODELS[model]
+        self.cfg = llama_config("tiny", max_seq_len=self.seq, **overrides)
+        with torch.device("meta"):
+            self.model = Llama(self.cfg)
+        n = sum(p.numel() for p in self.model.parameters())
+        self.kind, self.world = kind, world
+        dtype = {"allreduce-fp32": torch.float32, "allreduce-bf16": torch.bfloat16}.get(kind, torch.uint8)
+        self.buf = torch.ones(n, dtype=dtype)
+        self.out = torch.empty(world * n, dtype=dtype) if kind.startswith("allgather") else None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, mark) -> int:
+        mark("fwd")
+        if self.kind.startswith("allreduce"):
+            dist.all_reduce(self.buf)
+        elif self.kind == "allgather-u8":
+            dist.all_gather_into_tensor(self.out, self.buf)
+        else:  # the same bytes in 5 pieces in flight at once (rank-major within each piece)
+            outs = self.out.chunk(5)
+            works = [dist.all_gather_into_tensor(o, b, async_op=True) for o, b in zip(outs, self.buf.chunk(5))]
+            for w in works:
+                w.wait()
+        n, size = self.buf.numel(), self.buf.element_size()
+        return ring_all_reduce_bytes(n, size, self.world) if self.kind.startswith("allreduce") else (self.world - 1) * n
+
+
 def measured_step(run, x, y, dev: str) -> dict:
     """One step of ``run`` between barriers: seconds, this host's veth tx/rx bytes for the whole step
     and up to the end of the forward, and the bytes the code counted."""
@@ -160,7 +195,8 @@ def measured_step(run, x, y, dev: str) -> dict:
 
 
 def _make_run(model: str, variant: str, world: int):
-    return (FSDPRun if variant in FSDP_VARIANTS else DDPRun)(model, variant, world)
+    cls = FSDPRun if variant in FSDP_VARIANTS else CollectiveRun if variant in COLLECTIVES else DDPRun
+    return cls(model, variant, world)
 
 
 def run_phase(runs: dict, tokens: torch.Tensor, steps: int, warmup: int, dev: str) -> dict:
@@ -272,13 +308,17 @@ def run_hosts(args, rates: list) -> dict:
     if reason:
         print(f"bench_comm_hosts: {reason} (or run --loopback)", file=sys.stderr)
         raise SystemExit(2)
-    with tempfile.TemporaryDirectory() as sync_dir, hosts.TwoHosts(rate=rates[0], delay_ms=args.delay_ms) as h:
-        out = os.path.join(sync_dir, "result.json")
-        procs = [h.popen(i, _worker_cmd(i, h.ifname, len(rates), sync_dir, out, args),
-                         env=_worker_env(h.addr(0), 29500, h.ifname, args.threads)) for i in (0, 1)]
-        _drive_phases(procs, sync_dir, lambda rate: set_rate(h, rate), rates)
-        with open(out) as f:
-            return json.load(f)
+    try:
+        with tempfile.TemporaryDirectory() as sync_dir, hosts.TwoHosts(rate=rates[0], delay_ms=args.delay_ms) as h:
+            out = os.path.join(sync_dir, "result.json")
+            procs = [h.popen(i, _worker_cmd(i, h.ifname, len(rates), sync_dir, out, args),
+                             env=_worker_env(h.addr(0), 29500, h.ifname, args.threads)) for i in (0, 1)]
+            _drive_phases(procs, sync_dir, lambda rate: set_rate(h, rate), rates)
+            with open(out) as f:
+                return json.load(f)
+    except hosts.HostsUnavailable as e:  # e.g. --delay-ms on a kernel without netem
+        print(f"bench_comm_hosts: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run_loopback(args) -> dict:
@@ -379,6 +419,8 @@ def print_tables(result: dict, rates: list, args) -> list[dict]:
     cols = [c for c in ("fp32 ms", "bf16 ms", "fp8-e4m3 ms", "none ms", "fsdp-bf16 ms", "fsdp-fp4 ms")
             if c in rows[0]] + [c for c in [r[3] for r in RATIOS] + ["fp8/fp32 exchange", "fp8/bf16 exchange"]
                                 if c in rows[0]]
+    if not cols:
+        return rows
     print("\n### Side by side (ratios: median over rounds of the paired steps)\n")
     print("| link | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
@@ -394,7 +436,8 @@ def main(argv=None) -> int:
                    help="link rates, one phase each (tc spelling; default: 1gbit,10gbit)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way link delay, needs netem (default: 0)")
     p.add_argument("--model", default="mid", choices=sorted(MODELS), help="LLaMA size (default: mid, 29.5M)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {VARIANTS} (default: all)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma list from {VARIANTS + COLLECTIVES} (default: {','.join(VARIANTS)})")
     p.add_argument("--steps", type=int, default=5, help="timed rounds per phase (default: 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first, per phase (default: 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
@@ -403,9 +446,9 @@ def main(argv=None) -> int:
     for hidden in ("--worker", "--rank", "--dev", "--phases", "--sync-dir", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS, **({"action": "store_true"} if hidden == "--worker" else {}))
     args = p.parse_args(argv)
-    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS + COLLECTIVES]
     if bad:
-        p.error(f"--variants: unknown {bad}; choose from {VARIANTS}")
+        p.error(f"--variants: unknown {bad}; choose from {VARIANTS + COLLECTIVES}")
     if args.worker:
         args.phases = int(args.phases)
         worker(int(args.rank), 2, args)

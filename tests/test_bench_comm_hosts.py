@@ -21,11 +21,12 @@ import hosts  # noqa: E402
 
 REASON = hosts.unavailable_reason()
 RATE_BITS = 1e9
-#: FP8 codes are a quarter of fp32's; on the wire both carry the same ~3-4% of TCP/IP headers and ACKs
-#: plus the FP8 payload's fp32 scales: the measured ratio sits just above 0.25
+#: FP8 codes are a quarter of fp32's bytes; on the wire both carry the same small share of headers, and
+#: the FP8 payload its fp32 scales: the measured ratio sits just above 0.25
 FP8_BYTES_RATIO = (0.25, 0.30)
-#: frames carry the payload the hook counts plus headers (1500-byte MTU: ~4.4% at most) and gloo's
-#: own messages: measured tx over counted bytes of the fp32 all-reduce
+#: frames carry the payload the hook counts plus TCP/IP headers and gloo's own messages: measured tx
+#: over counted bytes of the fp32 all-reduce (1.002 measured: veth counts 64 KiB GSO segments, so
+#: headers are few; at most ~4.4% with 1500-byte frames)
 FRAME_OVERHEAD = (1.0, 1.10)
 
 
@@ -49,7 +50,7 @@ def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
     assert FP8_BYTES_RATIO[0] <= row["fp8/fp32 bytes"] <= FP8_BYTES_RATIO[1], row
     for host in rec["raw"]["phases"][0]:  # each host's own counters
         fp32 = host["fp32"][0]
-        assert FRAME_OVERHEAD[0] <= fp32["tx"] / fp32["counted"] <= FRAME_OVERHEAD[1], fp32
+        assert FRAME_OVERHEAD[0] < fp32["tx"] / fp32["counted"] <= FRAME_OVERHEAD[1], fp32
         # the link is limited: no step moved its bytes faster than 1 Gbit/s
         assert fp32["s"] >= 0.95 * fp32["tx"] * 8 / RATE_BITS, fp32
     assert "| fp8-e4m3 |" in stdout and "fp8/fp32 bytes" in stdout
