@@ -29,6 +29,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from fp4lightning.config import FP4Config
 from fp4lightning.console import program
@@ -45,6 +46,7 @@ from fp4lightning.train.checkpoint import AtomicCheckpointIO
 from fp4lightning.train.fingerprint import record_fingerprint
 from fp4lightning.train.loss_log import make_loggers, plot_losses, run_title
 from fp4lightning.train.module import LlamaLightningModule
+from fp4lightning.train.peers import TIMEOUT_ENV, PeerTable, lost_host, process_group_timeout, timed_out
 from fp4lightning.train.recipe import WIRE_FORMAT, RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
 from fp4lightning.train.resume import clear_for_start, describe_resume, latest_checkpoint, plan_start, resume_command
 from fp4lightning.train.run_lock import run_lock
@@ -96,14 +98,18 @@ def precision_setup(cfg: RecipeConfig) -> PrecisionSetup:
 def make_strategy(cfg: RecipeConfig):
     """The strategy, carrying ``trainer.grad_comm`` as its gradient wire format (fp4lightning.distributed.comm)."""
     wire = WIRE_FORMAT[cfg.trainer.grad_comm]
+    timeout = process_group_timeout()  # FP4LIGHTNING_DIST_TIMEOUT; None: Lightning's default
+    extra = {"timeout": timeout} if timeout is not None else {}
     if not is_fsdp(cfg.trainer.strategy):
         if cfg.world_size > 1 and (wire != "fp32" or cfg.trainer.precision in FP4_PRECISIONS):
             # named explicitly: fp4lightning.Trainer alone would pick FP8 E4M3 for every FP4 run
-            return FP4DDPStrategy(grad_format=wire, start_method="popen")
+            return FP4DDPStrategy(grad_format=wire, start_method="popen", **extra)
+        if extra and cfg.world_size > 1 and cfg.trainer.strategy in ("auto", "ddp"):
+            return DDPStrategy(start_method="popen", **extra)  # what "ddp" names, with the timeout
         return cfg.trainer.strategy
     # FSDP2 (fully_shard) applied by LlamaLightningModule.configure_model with FP4 weight all-gather;
     # every rank is a data-parallel rank (no tensor parallelism); sharded (DCP) checkpoint folders
-    return FP4FSDPStrategy(data_parallel_size=cfg.trainer.devices * cfg.trainer.num_nodes, grad_format=wire)
+    return FP4FSDPStrategy(data_parallel_size=cfg.trainer.devices * cfg.trainer.num_nodes, grad_format=wire, **extra)
 
 
 def make_module(cfg: RecipeConfig, precision: PrecisionSetup | None = None, tokenizer_json: str | None = None):
@@ -217,7 +223,7 @@ def build(cfg: RecipeConfig, resume: bool = False, callbacks: list | None = None
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
-        callbacks=[*own_callbacks, *(callbacks or [])],
+        callbacks=[*own_callbacks, PeerTable(), *(callbacks or [])],
         enable_progress_bar=interactive,
         # the resolved recipe and the parameter count are printed instead: Lightning's table adds a FLOPs
         # column of zeros (it would need a forward pass of an example batch to count them)
@@ -320,16 +326,26 @@ def _train(cfg: RecipeConfig, resume: bool, callbacks: list | None, verify_data:
 
 
 def _peer_lost_error(exc: RuntimeError, trainer, out: Path):
-    """A collective's error for a rank that went away (killed, crashed) as one line naming that rank
-    and the last checkpoint (``fp4lightning.distributed.comm.lost_peer``); None for any other error."""
-    peer = lost_peer(exc, trainer.global_rank, trainer.world_size)
-    if peer is None:
+    """A collective's error for a rank that went away (killed, crashed, its host gone) as one line naming
+    that rank (its host's ranks where the error names an address: ``fp4lightning.train.peers``, else
+    ``fp4lightning.distributed.comm.lost_peer``) and the last checkpoint; a collective past the process-group
+    timeout as one line saying so; None for any other error."""
+    table = next((c.peers for c in trainer.callbacks if isinstance(c, PeerTable)), [])
+    peer = lost_host(exc, table, trainer.global_rank) or lost_peer(exc, trainer.global_rank, trainer.world_size)
+    if peer is None and not timed_out(exc):
         return None
     ckpt = latest_checkpoint(out)
     saved = (f"last checkpoint {ckpt} (continue with the same command and --resume)" if ckpt
              else "no checkpoint yet (the run has to start again)")
+    at = f"at step {trainer.global_step}; {saved}"
+    if peer is None:
+        limit = process_group_timeout()
+        waited = f"{TIMEOUT_ENV}={limit.total_seconds():g} s" if limit else f"30 min; set {TIMEOUT_ENV} to shorten it"
+        return PeerLostError(f"a collective got no answer within the process-group timeout ({waited}): another "
+                             f"rank's host is down, the network between the hosts is cut, or a rank hangs; so rank "
+                             f"{trainer.global_rank} stopped {at}")
     return PeerLostError(f"{peer} of {trainer.world_size} stopped (killed or crashed; see its own output), so "
-                         f"rank {trainer.global_rank} stopped too at step {trainer.global_step}; {saved}")
+                         f"rank {trainer.global_rank} stopped too {at}")
 
 
 def _validate_at_end(trainer, module, dm, cfg: RecipeConfig) -> None:
