@@ -55,7 +55,7 @@ class TokenDataModule(L.LightningDataModule):
         run that is extended is in epoch 1) and includes an interrupted accumulation cycle."""
         return self.trainer.global_step * self._accumulate()
 
-    def _restart_cycle(self) -> None:
+    def _restart_cycle(self, saved_accumulate: int | None = None) -> None:
         """On resume: rewind the trainer's batch counters to the start of the accumulation
         cycle a checkpoint interrupted, where the train loader restarts (docs/training.md,
         "Interrupting and resuming"). Lightning steps the optimizer when its micro-batch count
@@ -65,15 +65,27 @@ class TokenDataModule(L.LightningDataModule):
         run-wide ``total`` count, which schedules validation, would stay one micro-batch ahead.
         The rewound counters are those of a checkpoint saved right after the cycle before
         (Lightning's RESTARTED_ON_LAST stage). A validation the checkpoint interrupted runs again
-        in full (:meth:`_restart_validation`)."""
+        in full (:meth:`_restart_validation`).
+
+        ``saved_accumulate`` is the accumulation the checkpoint counted its micro-batches in; a run
+        resumed on another world size has another one, and its counters are converted to the same
+        optimizer steps in its own micro-batches (docs/distributed.md, "Resuming on another world size")."""
         loop = self.trainer.fit_loop.epoch_loop
         self._restart_validation(loop.val_loop.batch_progress)
+        saved, acc = saved_accumulate or self._accumulate(), self._accumulate()
         current = loop.batch_progress.current
-        partial = current.processed % self._accumulate()
+        partial = current.processed % saved
+        counters = (loop.batch_progress.total, loop.batch_progress.current)
         if not partial and current.ready == current.processed:
-            return  # at a cycle boundary: Lightning's own restart logic applies
-        for progress in (loop.batch_progress.total, loop.batch_progress.current):
+            # at a cycle boundary: Lightning's own restart logic applies, to the counts in this run's micro-batches
+            for progress in counters:
+                shift = (progress.processed // saved) * acc - progress.processed
+                progress.ready, progress.started = progress.ready + shift, progress.started + shift
+                progress.processed, progress.completed = progress.processed + shift, progress.completed + shift
+            return
+        for progress in counters:
             n = max(0, progress.processed - partial)
+            n = n if saved == acc else n // saved * acc
             progress.ready = progress.started = progress.processed = progress.completed = n
         if partial:
             # the interrupted cycle's zero_grad is counted: uncount it, so it is counted once

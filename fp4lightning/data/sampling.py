@@ -170,24 +170,43 @@ class ResumableDataLoader(DataLoader):
     iterator, because Lightning and the workers prefetch batches ahead of training, and counts
     only whole accumulation cycles: an interrupted cycle's partial gradient is not in the
     checkpoint, so a resumed run restarts that cycle from its first micro-batch
-    (docs/training.md, "Interrupting and resuming"). ``load_state_dict`` skips that many
-    micro-batches (rounded down to a whole cycle, for checkpoints that counted every processed
-    micro-batch) and calls ``on_restart()`` so the trainer's batch counters can be rewound to the
-    same cycle start (``TokenDataModule._restart_cycle``).
+    (docs/training.md, "Interrupting and resuming"). The state also records the global sample
+    position reached, ``samples_consumed`` (micro-batches x micro-batch size x world size), with
+    the world size and accumulation it was counted under.
+
+    ``load_state_dict`` continues at that global position: each rank skips
+    ``samples_consumed / world_size`` of its positions, so a run resumed on another world size
+    (with the same global batch, hence another accumulation) reads, at every optimizer step, the
+    samples the uninterrupted run would have read at that step (docs/distributed.md, "Resuming on
+    another world size"). A state without ``samples_consumed`` (written before it was recorded) is
+    taken to be of the current world size. Micro-batches are rounded down to a whole cycle, for
+    checkpoints that counted every processed micro-batch. It then calls
+    ``on_restart(saved_accumulate)`` so the trainer's batch counters can be rewound to the same
+    cycle start, in micro-batches of the current accumulation (``TokenDataModule._restart_cycle``).
     """
 
     def __init__(self, *args, progress_fn: Callable[[], int], accumulate: int = 1,
-                 on_restart: Callable[[], None] | None = None, **kwargs):
+                 on_restart: Callable[[int], None] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._progress_fn, self._accumulate, self._on_restart = progress_fn, accumulate, on_restart
 
     def state_dict(self) -> dict:
         # "epoch" is informational: the positions do not depend on it (PositionSampler)
-        return {"batches_consumed": int(self._progress_fn()), "epoch": self.sampler.epoch}
+        n = int(self._progress_fn())
+        world = self.sampler.world_size
+        return {"batches_consumed": n, "epoch": self.sampler.epoch, "samples_consumed": n * self.batch_size * world,
+                "world_size": world, "accumulate": self._accumulate}
 
     def load_state_dict(self, state: dict) -> None:
+        saved_accumulate = int(state.get("accumulate", self._accumulate))
         n = int(state["batches_consumed"])
-        n -= n % self._accumulate
-        self.sampler.skip(n * self.batch_size)
+        n -= n % saved_accumulate
+        samples = int(state.get("samples_consumed", n * self.batch_size * self.sampler.world_size))
+        per_step = self.batch_size * self.sampler.world_size * self._accumulate  # the global batch
+        if samples % per_step:
+            raise ValueError(
+                f"the checkpoint's data loader stopped at global sample {samples}, not a multiple of this run's global "
+                f"batch ({per_step} samples): resume with the data.global_batch_size that wrote it")
+        self.sampler.skip(samples // self.sampler.world_size)
         if self._on_restart is not None:
-            self._on_restart()
+            self._on_restart(saved_accumulate)

@@ -33,7 +33,7 @@ from fp4lightning.train.recipe import RecipeConfig, RecipeError, flat_recipe_dic
 
 __all__ = ["ResumeMismatchError", "DATA_ORDER_KEYS", "METHOD_KEYS", "WORLD_SIZE_KEY", "check_resumable",
            "recorded_method_keys", "plan_start", "clear_for_start", "latest_checkpoint", "describe_resume",
-           "resume_command"]
+           "resume_command", "loader_state"]
 
 
 class ResumeMismatchError(CheckpointError):
@@ -44,7 +44,10 @@ class ResumeMismatchError(CheckpointError):
 #: recipe keys that decide which samples each optimizer step reads (fp4lightning.data.sampling: the
 #: sample at position ``p`` is a function of ``(seed, p)`` over the windows of ``data.seq_len + 1``
 #: tokens of ``data.dir``, split into micro-batches per rank): a resumed run must keep them, or it
-#: re-reads or skips data. ``WORLD_SIZE_KEY`` is ``trainer.devices * trainer.num_nodes``.
+#: re-reads or skips data. ``WORLD_SIZE_KEY`` is ``trainer.devices * trainer.num_nodes``; it may change
+#: where the checkpoint's data loader recorded its global sample position (``samples_consumed``): the
+#: resumed run continues there, every step reading the samples it would have read on the old world size
+#: (docs/distributed.md, "Resuming on another world size").
 WORLD_SIZE_KEY = "trainer.devices x trainer.num_nodes"
 DATA_ORDER_KEYS = ("data.dir", "data.seq_len", "data.micro_batch_size", "data.global_batch_size", WORLD_SIZE_KEY,
                    "seed")
@@ -72,15 +75,24 @@ def _recorded_data_order(recorded: dict) -> dict:
     return {k: flat[k] for k in DATA_ORDER_KEYS if k in flat}
 
 
+def loader_state(ckpt: dict) -> dict:
+    """The training data loader's state a checkpoint holds (``ResumableDataLoader.state_dict``; ``{}`` if none)."""
+    loops = ckpt.get("loops") or {}
+    states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
+    return states[0] if states and isinstance(states[0], dict) else {}
+
+
 def _check_data_order(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:
     """Raise ResumeMismatchError naming every data-order key that changed since ``path`` was written;
     return the keys it does not record (a checkpoint from before this check).
 
     ``data.dir`` is compared by content where the checkpoint has a fingerprint (a moved corpus
-    resumes, one prepared again in place does not), else by path."""
+    resumes, one prepared again in place does not), else by path. The world size may change where
+    the checkpoint's loader recorded its global sample position (see :data:`DATA_ORDER_KEYS`)."""
     recorded = ckpt["hyper_parameters"].get("recipe") or {}
     saved = _recorded_data_order(recorded)
     now = {k: _recipe_value(cfg, k) for k in DATA_ORDER_KEYS}
+    continues = "samples_consumed" in loader_state(ckpt)  # at its global sample position, on any world size
     old_fp, new_fp = ckpt.get("data_fingerprint"), data_fingerprint(cfg.data.dir)
     same_dir = "data.dir" in saved and Path(saved["data.dir"]).resolve() == Path(now["data.dir"]).resolve()
     changed, fixes = [], []
@@ -93,10 +105,12 @@ def _check_data_order(path: Path, ckpt: dict, cfg: RecipeConfig) -> list[str]:
                                "(it was prepared again since)")
                 fixes.append(f"{now[key]} prepared again as it was")
                 continue
-        elif saved[key] == now[key] or (key == "data.dir" and same_dir):
+        elif saved[key] == now[key] or (key == "data.dir" and same_dir) or (key == WORLD_SIZE_KEY and continues):
             continue
         changed.append(f"{key} = {saved[key]!r} in the checkpoint, {now[key]!r} now"
-                       + (" (holding other data)" if key == "data.dir" and old_fp is not None else ""))
+                       + (" (holding other data)" if key == "data.dir" and old_fp is not None else "")
+                       + (" (its data loader predates recording the global sample position, which another world "
+                          "size continues from)" if key == WORLD_SIZE_KEY else ""))
         trainer = recorded.get("trainer", {})
         fixes.append(f"trainer.devices={trainer.get('devices')} trainer.num_nodes={trainer.get('num_nodes')}"
                      if key == WORLD_SIZE_KEY else f"{key}={saved[key]}")
@@ -335,19 +349,33 @@ def describe_resume(cfg: RecipeConfig, ckpt_path: str) -> list[str]:
            "min_lr_ratio": cfg.schedule.min_lr_ratio, "lr": cfg.optimizer.lr}
     names = {"lr": "optimizer.lr"}
     changed = [k for k in new if old[k] is not None and old[k] != new[k]]
+    world = _describe_world_size(cfg, ckpt)
     if not changed:
-        return []
+        return world
 
     def lr_at(h: dict) -> float:
         warmup = max(1, math.ceil(h["warmup_fraction"] * h["max_steps"]))  # as LlamaLightningModule
         return h["lr"] * warmup_cosine(step, h["max_steps"], warmup, h["min_lr_ratio"])
 
-    lines = [f"resume: {names.get(k, 'schedule.' + k)} changed {old[k]} -> {new[k]} since the checkpoint"
-             for k in changed]
+    lines = world + [f"resume: {names.get(k, 'schedule.' + k)} changed {old[k]} -> {new[k]} since the checkpoint"
+                     for k in changed]
     lines.append(f"resume: the warmup + cosine LR schedule is recomputed for the new values: the first resumed step, "
                  f"{step + 1}, runs at LR {lr_at(new):.3e} (the checkpoint's schedule would give {lr_at(old):.3e}); "
                  f"it decays to {new['min_lr_ratio'] * new['lr']:.3e} by step {new['max_steps']}")
     return lines
+
+
+def _describe_world_size(cfg: RecipeConfig, ckpt: dict) -> list[str]:
+    """A line saying what a resume on another world size does to the data (docs/distributed.md)."""
+    state = loader_state(ckpt)
+    saved_world = state.get("world_size")
+    if "samples_consumed" not in state or saved_world is None or saved_world == cfg.world_size:
+        return []
+    step, batch = int(ckpt.get("global_step", 0)), cfg.data.global_batch_size
+    return [f"resume: {cfg.world_size} rank(s) continue the run of {saved_world} (gradient accumulation "
+            f"{state.get('accumulate')} -> {cfg.accumulate_grad_batches}) at global sample {state['samples_consumed']}: "
+            f"step {step + 1} reads samples {step * batch}..{(step + 1) * batch - 1}, as on {saved_world} rank(s), "
+            "each rank other ones of them"]
 
 
 def resume_command(cfg: RecipeConfig, argv: Sequence[str] | None = None) -> str:
