@@ -89,7 +89,8 @@ def _cases(all_configs: bool = False):
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
                    e_ptr="*u8", i_ptr="*fp32", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
     f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", i_ptr="*fp32", M=_I,
-                    N=_I, stride_xm=_I, stride_qm=_I, stride_qn=_I)
+                    N=_I, stride_xm=_I, stride_qm=_I, stride_qn=_I, e_ptr="*fp32", c_ptr="*i32", ROWS=_I,
+                    b_ptr="*fp32", p_ptr="*fp32", cnt_ptr="*i32")
     f_types = dict(a_ptr="*u8", w_ptr="*u8", sa_ptr="*fp32", sw_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
                    M=_I, M_BUCKET=_I, N=_I, KH=_I, stride_am=_I, stride_wn=_I, stride_ym=_I)
     d_types = dict(g_ptr="*fp8e5", w_ptr="*u8", sg_ptr="*fp32", y_ptr="*bf16", M=_I, M_BUCKET=_I, N=_I, K=_I,
@@ -197,9 +198,15 @@ def _quantizer_cases(q_types, f8_types):
         bm, bn, single, warps = quantize.fp8_rows_launch_params(n)
         cases.append(dict(name=f"quantize_fp8 rows e5m2 / divisor, N={n}" + ("" if single else " (two passes)"),
                           arch=90, kind="quantize", fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
-                          consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single, STORE_INV=True),
-                          num_warps=warps,
+                          consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single, STORE_INV=True,
+                                      COL_AMAX=False), num_warps=warps,
                           num_stages=1, elements_per_thread=bm * bn // (32 * warps)))
+        if single:  # COL_AMAX: with a weight gradient to take, the column pass's absmax rides in this pass
+            cases.append(dict(name=f"quantize_fp8 rows e5m2 / divisor + column absmax, N={n}", arch=90,
+                              kind="quantize", fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
+                              consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, STORE_INV=True,
+                                          COL_AMAX=True), num_warps=warps, num_stages=1,
+                              elements_per_thread=bm * bn // (32 * warps)))
     cases += _fold_cases()
     # wgrad's operand dY / s_a, one scale per column, column-major out: absmax pass, then encode
     (am, an, aw), (bm, bn, warps) = quantize.fp8_cols_launch_params(QUANT_TOKENS, QUANT_DIM, column_major=True)
@@ -208,7 +215,14 @@ def _quantizer_cases(q_types, f8_types):
                       elements_per_thread=am * an // (32 * aw)))
     cases.append(dict(name="quantize_fp8 columns e5m2 / divisor, column-major", arch=90, kind="quantize",
                       fn=quantize._quantize_fp8_cols_kernel, types=f8_types,
-                      consts=dict(e5, DIV=2, BLOCK_M=bm, BLOCK_N=bn, STORE_INV=True), num_warps=warps, num_stages=1,
+                      consts=dict(e5, DIV=2, BLOCK_M=bm, BLOCK_N=bn, STORE_INV=True, RESET=True, BIAS=False,
+                                  SUM_BLOCK=max(1, 2048 // bn)), num_warps=warps,
+                      num_stages=1, elements_per_thread=bm * bn // (32 * warps)))
+    # on a GPU with a bias, its gradient rides in the column pass (the strips' last tiles add the partial sums)
+    cases.append(dict(name="quantize_fp8 columns e5m2 / divisor, column-major + bias gradient", arch=90,
+                      kind="quantize", fn=quantize._quantize_fp8_cols_kernel, types=f8_types,
+                      consts=dict(e5, DIV=2, BLOCK_M=bm, BLOCK_N=bn, STORE_INV=True, RESET=True, BIAS=True,
+                                  SUM_BLOCK=max(1, 2048 // bn)), num_warps=warps, num_stages=1,
                       elements_per_thread=bm * bn // (32 * warps)))
     return cases
 

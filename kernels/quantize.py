@@ -638,11 +638,17 @@ def _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, r_ptr, DIV: tl.constexpr):
     ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return _fp8_div(x, rows, cols, M, N, r_ptr, DIV), mask
+
+
+@triton.jit
+def _fp8_div(x, rows, cols, M, N, r_ptr, DIV: tl.constexpr):
+    """``_fp8_tile``'s multiply of a loaded tile by the divisors' reciprocals (none for DIV=0)."""
     if DIV == 1:
         x = x * tl.load(r_ptr + cols, mask=cols < N, other=1.0)[None, :]
     elif DIV == 2:
         x = x * tl.load(r_ptr + rows, mask=rows < M, other=1.0)[:, None]
-    return x, mask
+    return x
 
 
 @triton.jit
@@ -685,20 +691,26 @@ def _store_scale(s_ptr, i_ptr, idx, scale, mask, STORE_INV: tl.constexpr):
 
 @triton.jit
 def _quantize_fp8_rows_kernel(
-    # pointers (q_ptr is a uint8 view of the FP8 output; i_ptr takes 1 / scale with STORE_INV)
-    x_ptr, d_ptr, q_ptr, s_ptr, i_ptr,
-    # sizes
-    M, N,
+    # pointers (q_ptr is a uint8 view of the FP8 output; i_ptr takes 1 / scale with STORE_INV; with
+    # COL_AMAX e_ptr holds the column pass's per-row multipliers and c_ptr takes its column absmax)
+    x_ptr, d_ptr, q_ptr, s_ptr, i_ptr, e_ptr, c_ptr,
+    # sizes (ROWS: rows per program with COL_AMAX, a multiple of BLOCK_M)
+    M, N, ROWS,
     # strides
     stride_xm, stride_qm,
     # meta-parameters
     FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr = False, STORE_INV: tl.constexpr = False,
+    COL_AMAX: tl.constexpr = False,
 ):
     # One scale per row: a program owns BLOCK_M rows. SINGLE_PASS (BLOCK_N >= N): the rows sit
     # in registers, read and divided once; otherwise it walks along N twice (absmax, encode).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
+    if COL_AMAX:  # (SINGLE_PASS only) ROWS rows a program, and the column pass's absmax on the way
+        _fp8_rows_col_amax(x_ptr, d_ptr, q_ptr, s_ptr, i_ptr, e_ptr, c_ptr, M, N, ROWS, stride_xm, stride_qm, FMAX,
+                           MANT, EMIN, DIV, BLOCK_M, BLOCK_N, STORE_INV)
+        return
     if SINGLE_PASS:
         x, mask = _fp8_tile(x_ptr, stride_xm, rows, c, M, N, d_ptr, DIV)
         scale = _fp8_scale(_line_amax(x, 1), FMAX)
@@ -721,6 +733,31 @@ def _quantize_fp8_rows_kernel(
 
 
 @triton.jit
+def _fp8_rows_col_amax(x_ptr, d_ptr, q_ptr, s_ptr, i_ptr, e_ptr, c_ptr, M, N, ROWS, stride_xm, stride_qm,
+                       FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_INV: tl.constexpr):
+    """The one-pass row quantizer over ROWS rows (BLOCK_M at a time) that also takes the column absmax of
+    ``x * e[row]`` (what ``_col_amax_kernel`` takes with DIV=2 and ``r = e``): the same products, a running
+    max per column in registers, then one atomic max per column. The maxima are taken on the fp32 bit
+    patterns with the sign cleared (non-negative floats order like their bits, inf and NaN above every
+    finite value: one integer max, NaN-propagating), a non-finite column's made the NaN it is there."""
+    c = tl.arange(0, BLOCK_N)
+    cmax = tl.zeros([BLOCK_N], tl.int32)
+    r0 = tl.program_id(0) * ROWS
+    for i in range(0, ROWS, BLOCK_M):
+        rows = r0 + i + tl.arange(0, BLOCK_M)
+        raw, mask = _fp8_tile(x_ptr, stride_xm, rows, c, M, N, d_ptr, 0)
+        x = _fp8_div(raw, rows, c, M, N, d_ptr, DIV)
+        scale = _fp8_scale(_line_amax(x, 1), FMAX)
+        _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, c, mask, 1, FMAX, MANT, EMIN)
+        _store_scale(s_ptr, i_ptr, rows, scale, rows < M, STORE_INV)
+        mag = _fp8_div(raw, rows, c, M, N, e_ptr, 2).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        cmax = tl.maximum(cmax, tl.max(mag, axis=0))
+    bits = tl.where(cmax >= 0x7F800000, 0x7FC00000, cmax)  # inf or NaN: NaN, as _col_amax_kernel
+    tl.atomic_max(c_ptr + c, bits, mask=c < N, sem="relaxed")
+
+
+@triton.jit
 def _col_amax_kernel(x_ptr, d_ptr, amax_ptr, M, N, stride_xm, DIV: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     # Column absmax over a 2-D grid of tiles, combined with an integer atomic max on the
@@ -736,26 +773,61 @@ def _col_amax_kernel(x_ptr, d_ptr, amax_ptr, M, N, stride_xm, DIV: tl.constexpr,
 
 @triton.jit
 def _quantize_fp8_cols_kernel(
-    x_ptr, d_ptr, q_ptr, s_ptr, amax_ptr, i_ptr,
+    # pointers (amax_ptr: the column absmax bits; with BIAS b_ptr takes the column sums of x, p_ptr the
+    # tiles' partial sums (num_programs(0), N); cnt_ptr: a zeroed counter per column strip, with BIAS or RESET)
+    x_ptr, d_ptr, q_ptr, s_ptr, amax_ptr, i_ptr, b_ptr, p_ptr, cnt_ptr,
     M, N,
     stride_xm, stride_qm, stride_qn,
     FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, DIV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_INV: tl.constexpr = False,
+    BIAS: tl.constexpr = False, RESET: tl.constexpr = False, SUM_BLOCK: tl.constexpr = 64,
 ):
-    # One scale per column, from the column absmax of _col_amax_kernel; fully parallel tiles.
+    # One scale per column, from the column absmax of _col_amax_kernel; fully parallel tiles. The
+    # last tile of each column strip to finish (a counter) adds the partial sums (BIAS) and puts the
+    # absmax and the counter back to zero (RESET): the buffer is ready for the next launch, no memset.
     pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     amax = tl.load(amax_ptr + cols, mask=cols < N, other=0).to(tl.float32, bitcast=True)
     scale = _fp8_scale(amax, FMAX)
-    x, mask = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, DIV)
+    raw, mask = _fp8_tile(x_ptr, stride_xm, rows, cols, M, N, d_ptr, 0)
+    x = _fp8_div(raw, rows, cols, M, N, d_ptr, DIV)
     _fp8_encode_store(x, scale, q_ptr, stride_qm, stride_qn, rows, cols, mask, 0, FMAX, MANT, EMIN)
     _store_scale(s_ptr, i_ptr, cols, scale, (cols < N) & (pid_m == 0), STORE_INV)
+    if BIAS:
+        tl.store(p_ptr + pid_m * N + cols, tl.sum(raw, axis=0), mask=cols < N)
+    if BIAS or RESET:
+        _cols_last_tile(amax_ptr, b_ptr, p_ptr, cnt_ptr, cols, N, BLOCK_N, BIAS, RESET, SUM_BLOCK)
+
+
+@triton.jit
+def _cols_last_tile(amax_ptr, b_ptr, p_ptr, cnt_ptr, cols, N, BLOCK_N: tl.constexpr, BIAS: tl.constexpr,
+                    RESET: tl.constexpr, SUM_BLOCK: tl.constexpr):
+    """Count this tile done in its strip; the strip's last one (every other has read the absmax and
+    written its partial sum: release / acquire through the counter) writes the column sums, the tiles'
+    partial sums added in order, SUM_BLOCK at a time, and zeroes the absmax and the counter."""
+    tl.debug_barrier()  # the whole program's loads and stores come before its count
+    n_m = tl.num_programs(0)
+    done = tl.atomic_add(cnt_ptr + tl.program_id(1), 1, sem="acq_rel")
+    if done == n_m - 1:
+        ok = cols < N
+        if BIAS:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for g0 in range(0, n_m, SUM_BLOCK):
+                g = g0 + tl.arange(0, SUM_BLOCK)
+                part = tl.load(p_ptr + g.to(tl.int64)[:, None] * N + cols[None, :], mask=(g < n_m)[:, None] & ok[None, :],
+                               other=0.0, cache_modifier=".cg")
+                acc += tl.sum(part, axis=0)
+            tl.store(b_ptr + cols, acc, mask=ok)
+        if RESET:
+            tl.store(amax_ptr + cols, tl.zeros([BLOCK_N], tl.int32), mask=ok)
+        tl.atomic_xchg(cnt_ptr + tl.program_id(1), 0, sem="relaxed")
 
 
 def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, column_major: bool = False,
                  divide_by: torch.Tensor | None = None, inverse: bool = False,
-                 multiply_by: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                 multiply_by: torch.Tensor | None = None, column_amax_of: torch.Tensor | None = None,
+                 column_amax: "ColumnAmax | None" = None, bias_grad: bool = False) -> tuple:
     """Absmax FP8 quantization with one fp32 scale per row (``dim=1``) or column (``dim=0``).
 
     Returns ``(x_fp8, scale)`` with ``x ~ x_fp8 / scale``, bit-identical to
@@ -772,6 +844,14 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     ``multiply_by``: instead of ``divide_by``, its reciprocals ``1 / divide_by`` where they are at hand
     (written by the FP4 quantizer that made the divisor, ``triton_quantize_rows(inverse=True)``): the
     same bits, without the reciprocal launch.
+
+    Fused passes over dY (FP4Linear's backward reads dY once per quantizer): ``column_amax_of`` (``dim=1``,
+    fp32, one multiplier per row) also takes the column absmax of ``x2d * column_amax_of[:, None]`` in the
+    row pass and appends a ``ColumnAmax`` (None where the rows are too long for the one-pass kernel);
+    hand it to the ``dim=0`` call as ``column_amax`` (with ``multiply_by`` the same tensor) instead of a
+    column absmax pass. ``bias_grad`` (``dim=0``) appends the fp32 column sums of ``x2d`` (a bias
+    gradient), summed per tile of the column pass and then over the tiles in a fixed order: the same
+    sum as ``x2d.sum(0, dtype=torch.float32)`` up to the order of the fp32 additions, deterministic.
     """
     x2d = check_rows("x2d", x2d, FLOAT_DTYPES, "the gradient to quantize")
     check_same_device(x2d=x2d)
@@ -783,6 +863,9 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
         raise ValueError("column_major=True is the layout of the per-column (dim=0) quantization only")
     if divide_by is not None and multiply_by is not None:
         raise ValueError("give divide_by or its reciprocals multiply_by, not both")
+    if (column_amax_of is not None and dim != 1) or ((column_amax is not None or bias_grad) and dim != 0):
+        raise ValueError("column_amax_of goes with the row pass (dim=1); column_amax and bias_grad with the "
+                         "column pass (dim=0)")
     div = 0
     if divide_by is not None or multiply_by is not None:
         n_div = x2d.shape[1] if dim == 1 else x2d.shape[0]
@@ -797,25 +880,105 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
     m, n = x2d.shape
     q = torch.empty(n, m, dtype=dtype, device=x2d.device).t() if column_major else \
         torch.empty(m, n, dtype=dtype, device=x2d.device)
-    qb = q.view(torch.uint8)  # the kernels write FP8 bit patterns
-    meta = dict(FMAX=fmax, MANT=mant, EMIN=emin)
+    meta = dict(FMAX=fmax, MANT=mant, EMIN=emin, DIV=div)
     d = divide_by if divide_by is not None else x2d  # placeholder pointer when unused
     scale = torch.empty(m if dim == 1 else n, dtype=torch.float32, device=x2d.device)
     inv = torch.empty_like(scale) if inverse else scale  # placeholder pointer when unused
     if dim == 1:
-        block_m, block_n, single, warps = fp8_rows_launch_params(n)
-        _quantize_fp8_rows_kernel[(triton.cdiv(m, block_m),)](
-            x2d, d, qb, scale, inv, m, n, x2d.stride(0), q.stride(0), **meta, DIV=div, BLOCK_M=block_m,
-            BLOCK_N=block_n, SINGLE_PASS=single, STORE_INV=inverse, num_warps=warps)
+        extra = _fp8_rows(x2d, d, q, scale, inv, meta, inverse, column_amax_of)
     else:
-        amax_bits = torch.zeros(n, dtype=torch.int32, device=x2d.device)
-        (am, an, aw), (block_m, block_n, warps) = fp8_cols_launch_params(m, n, column_major)
+        extra = _fp8_cols(x2d, d, q, scale, inv, meta, inverse, column_major, column_amax, bias_grad)
+    return (q, scale) + ((inv,) if inverse else ()) + extra
+
+
+class ColumnAmax:
+    """The column absmax a row pass took for the column pass (``triton_quantize_fp8(column_amax_of=)``):
+    its bits in a scratch buffer that the column pass reads and zeroes, and the row multipliers it was
+    taken with."""
+
+    __slots__ = ("buf", "multipliers", "token")
+
+    def __init__(self, buf: torch.Tensor, multipliers: torch.Tensor, token):
+        self.buf, self.multipliers, self.token = buf, multipliers, token
+
+
+#: rows the fused row pass (with the column absmax) aims to give each program: enough programs for an
+#: H200's 132 SMs (4 a SM), few enough that the column absmax costs N atomics per program (M / 16 at
+#: 8192 tokens, against M / 32 of the separate column absmax kernel)
+FUSED_ROWS_PROGRAMS = 512 if not INTERPRET else 2
+#: partial sums the column pass's last tile of a strip adds at once (SUM_BLOCK tiles of BLOCK_N columns)
+BIAS_SUM_ELEMENTS = 2048
+#: per (device, is_meta, stream): [int32 scratch, taken (a column pass is still to run), generation]
+_SCRATCH: dict[tuple, list] = {}
+
+
+def _scratch(n: int, like: torch.Tensor):
+    """``(int32 (n,) of zeros, token)``: the column pass's absmax bits (first half) and per-strip counters
+    (second half). Kept per device and stream: the column pass's last tiles put it back to zero, so no
+    memset launch precedes a use; a fresh zeroed buffer while a CUDA graph is captured."""
+    if like.is_cuda and not like.is_meta and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=like.device), None
+    stream = torch.cuda.current_stream(like.device).cuda_stream if like.is_cuda and not like.is_meta else 0
+    key = (str(like.device), like.is_meta, stream)
+    ent = _SCRATCH.get(key)
+    if ent is None or ent[0].numel() < n:
+        ent = _SCRATCH[key] = [torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=like.device), False, 0]
+    elif ent[1]:  # taken by a row pass whose column pass never ran (an error between them)
+        ent[0].zero_()
+    ent[1], ent[2] = True, ent[2] + 1
+    return ent[0][:n], (key, ent[2])
+
+
+def _scratch_current(token) -> bool:
+    ent = _SCRATCH.get(token[0]) if token is not None else None
+    return token is None or (ent is not None and ent[2] == token[1])
+
+
+def _fp8_rows(x2d, d, q, scale, inv, meta, inverse, column_amax_of):
+    """The row pass of ``triton_quantize_fp8``; ``(ColumnAmax or None,)`` with ``column_amax_of``."""
+    m, n = x2d.shape
+    block_m, block_n, single, warps = fp8_rows_launch_params(n)
+    fused = column_amax_of is not None and single
+    e, buf, rows, token = x2d, x2d, block_m, None  # placeholders when not fused
+    if fused:
+        e = check_vector("column_amax_of", column_amax_of, m, (torch.float32,), "one fp32 multiplier per row")
+        check_same_device(x2d=x2d, column_amax_of=e)
+        buf, token = _scratch(2 * n, x2d)
+        rows = block_m * triton.cdiv(m, block_m * FUSED_ROWS_PROGRAMS)
+    _quantize_fp8_rows_kernel[(triton.cdiv(m, rows),)](
+        x2d, d, q.view(torch.uint8), scale, inv, e, buf, m, n, rows, x2d.stride(0), q.stride(0), **meta,
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, STORE_INV=inverse, COL_AMAX=fused, num_warps=warps)
+    if column_amax_of is None:
+        return ()
+    return (ColumnAmax(buf, e, token) if fused else None,)
+
+
+def _fp8_cols(x2d, d, q, scale, inv, meta, inverse, column_major, column_amax, bias_grad):
+    """The column pass of ``triton_quantize_fp8``; ``(bias gradient,)`` with ``bias_grad``."""
+    m, n = x2d.shape
+    (am, an, aw), (block_m, block_n, warps) = fp8_cols_launch_params(m, n, column_major)
+    if column_amax is not None:
+        if column_amax.multipliers.data_ptr() != d.data_ptr() or column_amax.buf.numel() != 2 * n:
+            raise ValueError("column_amax was taken for another tensor or other row multipliers: pass the row "
+                             "pass's column_amax_of as this call's multiply_by")
+        if not _scratch_current(column_amax.token):
+            raise RuntimeError("column_amax was overwritten by another row pass before this column pass")
+        buf, token = column_amax.buf, column_amax.token
+    else:
+        buf, token = _scratch(2 * n, x2d)
         _col_amax_kernel[(triton.cdiv(m, am), triton.cdiv(n, an))](
-            x2d, d, amax_bits, m, n, x2d.stride(0), DIV=div, BLOCK_M=am, BLOCK_N=an, num_warps=aw)
-        _quantize_fp8_cols_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            x2d, d, qb, scale, amax_bits, inv, m, n, x2d.stride(0), qb.stride(0), qb.stride(1), **meta, DIV=div,
-            BLOCK_M=block_m, BLOCK_N=block_n, STORE_INV=inverse, num_warps=warps)
-    return (q, scale, inv) if inverse else (q, scale)
+            x2d, d, buf, m, n, x2d.stride(0), DIV=meta["DIV"], BLOCK_M=am, BLOCK_N=an, num_warps=aw)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    bias = torch.empty(n, dtype=torch.float32, device=x2d.device) if bias_grad else scale
+    part = torch.empty(grid[0], n, dtype=torch.float32, device=x2d.device) if bias_grad else scale
+    qb = q.view(torch.uint8)  # the kernels write FP8 bit patterns
+    _quantize_fp8_cols_kernel[grid](
+        x2d, d, qb, scale, buf, inv, bias, part, buf[n:], m, n, x2d.stride(0), qb.stride(0), qb.stride(1), **meta,
+        BLOCK_M=block_m, BLOCK_N=block_n, STORE_INV=inverse, BIAS=bias_grad, RESET=True,
+        SUM_BLOCK=max(1, BIAS_SUM_ELEMENTS // block_n), num_warps=warps)
+    if token is not None:
+        _SCRATCH[token[0]][1] = False  # zero again once this launch has run (stream order)
+    return (bias,) if bias_grad else ()
 
 
 def fp8_rows_launch_params(n: int) -> tuple[int, int, bool, int]:

@@ -6,7 +6,9 @@ launches they replace: under the Triton interpreter on CPU, compiled on a GPU.
 * the FP8 dY quantizers writing ``1 / scale`` (no ``torch.reciprocal`` before each backward GeMM), and
   the row of ones ``_scaled_mm`` takes as the unused scale kept between calls;
 * the FP4 quantizers writing ``1 / scale`` too: the forward GeMM's epilogue takes them, and backward's
-  dY quantizers multiply by the saved ones (no reciprocal launch in forward or backward).
+  dY quantizers multiply by the saved ones (no reciprocal launch in forward or backward);
+* the column absmax of dY / s_a taken in dY's row pass (no ``_col_amax_kernel``), the bias gradient in
+  its column pass (no ``aten.sum``), and their buffer zeroed by the column pass itself (no ``aten.zeros``).
 """
 import pytest
 import torch
@@ -242,3 +244,116 @@ def test_no_reciprocal_launches_on_the_cuda_path(preset):
     launches = _roofline().trace_layer(preset, 256, 128, 64)
     recips = [x.phase for x in launches if x.name == "aten.reciprocal"]
     assert recips == ([] if preset == "w4a4-direct" else ["forward"]), recips
+
+
+def _dy_pair(m, n, dtype):
+    """dY with the edge rows and columns, and the two multiplier vectors of FP4Linear's backward."""
+    x = _edge_gradient(m, n, dtype)
+    x[8, 10] = float("-inf")
+    w_inv = torch.reciprocal(torch.exp(4 * torch.randn(n, device=DEV)))
+    a_inv = torch.reciprocal(torch.exp(4 * torch.randn(m, device=DEV)))
+    a_inv[11] = 1e30  # a row whose products overflow to inf in the column pass only
+    return x, w_inv, a_inv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n", [(200, 48), (37, 16), (40, 300)], ids=["4-iterations", "1-iteration", "two-pass"])
+def test_row_pass_takes_the_column_absmax_bit_for_bit(dtype, m, n):
+    # what the column pass quantizes with the row pass's column absmax is what it quantized with its own
+    # absmax kernel; the row pass's own outputs do not change; the scratch buffer is zero again after
+    from fp4lightning.kernels import fp4_triton as kt
+    from fp4lightning.kernels import quantize as kq
+    x, w_inv, a_inv = _dy_pair(m, n, dtype)
+    rows0 = kt.triton_quantize_fp8(x, 1, multiply_by=w_inv, inverse=True)
+    cols0 = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, inverse=True, column_major=True)
+    *rows, handle = kt.triton_quantize_fp8(x, 1, multiply_by=w_inv, inverse=True, column_amax_of=a_inv)
+    assert (handle is None) == (n == 300)  # two-pass rows: the column pass takes its own absmax
+    cols = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, inverse=True, column_major=True, column_amax=handle)
+    for got, want in zip(rows + list(cols), list(rows0) + list(cols0)):
+        assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(_bits(got), _bits(want))
+    assert torch.isnan(cols[1]).any() and torch.isfinite(cols[1]).any()  # the edge columns' NaN scales
+    assert all(int(ent[0].count_nonzero()) == 0 for ent in kq._SCRATCH.values() if not ent[0].is_meta)
+
+
+def test_column_absmax_guards_and_recovery():
+    from fp4lightning.kernels import fp4_triton as kt
+    x, w_inv, a_inv = _dy_pair(40, 48, torch.bfloat16)
+    want = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, column_major=True)
+    # a row pass whose column pass never ran (an error between them): the next user zeroes the buffer first
+    kt.triton_quantize_fp8(x * 1e6, 1, multiply_by=w_inv, column_amax_of=a_inv)
+    *_, handle = kt.triton_quantize_fp8(x, 1, multiply_by=w_inv, column_amax_of=a_inv)
+    got = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, column_major=True, column_amax=handle)
+    assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want))
+    # a handle taken with other multipliers, or overwritten by a later row pass, is refused
+    *_, handle = kt.triton_quantize_fp8(x, 1, multiply_by=w_inv, column_amax_of=a_inv)
+    with pytest.raises(ValueError, match="other row multipliers"):
+        kt.triton_quantize_fp8(x, 0, multiply_by=a_inv.clone(), column_major=True, column_amax=handle)
+    kt.triton_quantize_fp8(x, 1, multiply_by=w_inv, column_amax_of=a_inv)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, column_major=True, column_amax=handle)
+    with pytest.raises(ValueError, match="row pass"):
+        kt.triton_quantize_fp8(x, 1, bias_grad=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_pass_takes_the_bias_gradient(dtype, monkeypatch):
+    from fp4lightning.kernels import fp4_triton as kt
+    from fp4lightning.kernels import quantize as kq
+    monkeypatch.setattr(kq, "BIAS_SUM_ELEMENTS", 32)  # two tiles' partial sums at a time: 3 tiles, 2 steps
+    m, n = 600, 48
+    _, _, a_inv = _dy_pair(m, n, dtype)
+    # (1) sums that are exact in fp32 in any order (integers times 2^-8): torch's sum bit for bit, with a
+    # NaN column, an inf column and a column holding +inf and -inf (NaN)
+    x = (torch.randint(-300, 300, (m, n), device=DEV).float() * 2.0 ** -8).to(dtype)
+    x[5, 1], x[6, 2], x[7, 3], x[8, 3] = float("nan"), float("inf"), float("inf"), float("-inf")
+    want = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, inverse=True, column_major=True)
+    *got, bias = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, inverse=True, column_major=True, bias_grad=True)
+    assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want))  # the quantized dY unchanged
+    assert torch.equal(_bits(bias), _bits(x.sum(0, dtype=torch.float32)))
+    # (2) any values: within the error bound of fp32 sums in any order of the float64 sum, and the same
+    # bits on every run (a fixed order, no atomics)
+    x = (torch.randn(m, n, device=DEV) * torch.exp(3 * torch.randn(m, 1, device=DEV))).to(dtype)
+    bias = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, column_major=True, bias_grad=True)[-1]
+    again = kt.triton_quantize_fp8(x, 0, multiply_by=a_inv, column_major=True, bias_grad=True)[-1]
+    assert torch.equal(_bits(bias), _bits(again))
+    exact = x.double().sum(0)
+    assert ((bias.double() - exact).abs() <= m * 2.0 ** -24 * x.double().abs().sum(0)).all()
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_fp4linear_with_the_bias_gradient_in_the_column_pass(preset, monkeypatch):
+    # the GPU's backward (the Triton quantizers, the bias gradient from dY's column pass) against the same
+    # path with torch's sum: dY's gradients bit for bit, the bias gradient within fp32 reordering of it
+    from fp4lightning import FP4Config, FP4Linear
+    from fp4lightning.nn import linear as linear_mod
+    from fp4lightning.ops import gemm
+    monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
+    monkeypatch.setattr(gemm, "triton_quantizers", lambda device: True)
+    torch.manual_seed(0)
+    lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset, occ_quantile="exact")).to(DEV)
+    x = torch.randn(40, 96, device=DEV).bfloat16()
+    dy = torch.randn(40, 48, device=DEV).bfloat16()
+
+    def run(fused):
+        monkeypatch.setattr(linear_mod, "_bias_in_column_pass", lambda dy: fused)
+        xx = x.clone().requires_grad_(True)
+        lin.zero_grad()
+        with torch.autocast(DEV.type, dtype=torch.bfloat16):
+            y = lin(xx)
+        y.backward(dy)
+        return xx.grad, lin.weight.grad.clone(), lin.bias.grad.clone()
+
+    (dx, dw, db), (dx0, dw0, db0) = run(True), run(False)
+    assert torch.equal(dx.view(torch.int16), dx0.view(torch.int16)) and torch.equal(_bits(dw), _bits(dw0))
+    assert db.dtype == db0.dtype == torch.float32
+    assert ((db.double() - db0.double()).abs() <= 40 * 2.0 ** -23 * dy.double().abs().sum(0)).all()
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_no_column_absmax_zeros_or_sum_launches_on_the_cuda_path(preset):
+    # dY's column absmax, its buffer's zeroing and the bias gradient ride in the two dY passes
+    launches = _roofline().trace_layer(preset, 256, 128, 64)
+    names = [x.name for x in launches if x.phase == "backward"]
+    assert not {"aten.zeros", "triton._col_amax_kernel", "aten.sum"} & set(names), names
+    assert names.count("triton._quantize_fp8_rows_kernel") == names.count("triton._quantize_fp8_cols_kernel") == 1
+

@@ -85,6 +85,11 @@ QUANTIZER_SASS_PER_ELEMENT_MAX = {
     "quantize_fp8 rows e5m2 / divisor, N=11008 (two passes)": 41.0,
     "fp8 column absmax / divisor": 19.0,
     "quantize_fp8 columns e5m2 / divisor, column-major": 41.0,
+    # issue 47: the column absmax of the column pass taken in the row pass (measured 44.0: it replaces
+    # the 32.2 of the row pass plus the 15.8 of a second read of dY), and the bias gradient in the column
+    # pass (48.2 against 38.5; the strips' last tiles' partial-sum loop counted in full, run by 1 tile in M / 256)
+    "quantize_fp8 rows e5m2 / divisor + column absmax, N=4096": 47.0,
+    "quantize_fp8 columns e5m2 / divisor, column-major + bias gradient": 51.0,
     # FP4Config.occ_fold_e4m3's quantizer (2 B in, 1 B out per element): measured 31.8 and 38.2;
     # its first version, with the reference's steps spelled out, read 70.5 and 117.8
     "quantize_fp4 folded e4m3 (OCC), K=4096": 35.0,
@@ -949,13 +954,16 @@ def test_fp4linear_triton_fold_errors(monkeypatch):
 def test_fp4linear_triton_glue_is_fused(preset, path, monkeypatch):
     # issue 12, "glue fused on the GPU path": outside the Triton kernels a forward + backward
     # runs no pass over an activation, dY or weight (no division, cast, copy, transpose copy);
-    # only the column-absmax buffer's zero fill and the bias gradient's sum remain (the reciprocals
-    # of the two folded scale vectors come from the FP4 quantizers, issue 47)
+    # only the bias gradient's sum remains, and on a GPU that rides in dY's column pass too (issue 47:
+    # the reciprocals of the two folded scale vectors come from the FP4 quantizers, the column absmax
+    # from dY's row pass, its buffer zeroed by the column pass, kept between calls: one warm-up call)
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "triton")
     monkeypatch.setenv("FP4LIGHTNING_GEMM_PATH", path)
     lin = FP4Linear(96, 48, config=FP4Config.from_preset(preset)).to(DEV)
     x = torch.randn(2, 40, 96, device=DEV).bfloat16().requires_grad_(True)
     dy = torch.randn(2, 40, 48, device=DEV).bfloat16()
+    lin(x.detach().requires_grad_(True)).backward(dy)
+    lin.zero_grad()  # the recorded call accumulates nothing
     rec = _AtenRecorder()
     with rec:
         lin(x).backward(dy)
@@ -964,7 +972,7 @@ def test_fp4linear_triton_glue_is_fused(preset, path, monkeypatch):
              "empty_like",  # an allocation (the dY quantizers' 1/scale outputs), no data touched
              "_is_mkldnn_bf16_supported"}  # a CPU capability query, no data touched
     passes = [op for op in rec.ops if op not in views]
-    assert sorted(passes) == ["sum", "zeros"], passes
+    assert sorted(passes) == ["sum"], passes
     assert x.grad is not None and lin.weight.grad is not None
 
 

@@ -194,26 +194,43 @@ class _FP4LinearFn(torch.autograd.Function):
         resid = tuple(resid) if ctx.compact_shape is not None else resid[0]
         cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
         dy2d = dy.reshape(-1, weight.shape[0])
-        grad_x = grad_w = grad_b = None
+        grad_x = grad_w = grad_b = col_amax = None
+        # On the Triton dY quantizers the column pass's absmax rides in the row pass (with the row multipliers
+        # 1 / s_a it folds in), and on a GPU the bias gradient in the column pass (fp32 sums in the kernel's
+        # order; on CPU, where that path is the tests' form of the GPU's, torch's sum keeps the reference's bits)
+        wgrad = ctx.needs_input_grad[1]
+        fused_bias = ctx.has_bias and ctx.needs_input_grad[2] and wgrad and _bias_in_column_pass(dy)
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 # dA = dY diag(1/s_w) W_q : fold the reduction-dim scale into dY first
-                g1, s_g1, inv_g1 = gemm.quantize_fp8_divided(dy2d, w_scale, dim=1, fmt=cfg.grad_format,
-                                                             carrier=gemm.operand_dtype(cd, dy.device)[0], inverse=True,
-                                                             div_inv=w_inv)
+                g1, s_g1, inv_g1, *col = gemm.quantize_fp8_divided(
+                    dy2d, w_scale, dim=1, fmt=cfg.grad_format, carrier=gemm.operand_dtype(cd, dy.device)[0],
+                    inverse=True, div_inv=w_inv, column_amax_of=a_inv if wgrad and a_inv is not None else None)
+                col_amax = col[0] if col else None
                 grad_x = gemm.fp4_dgrad(g1, s_g1, w_codes, k, cd, g_scale_inv=inv_g1).reshape(*dy.shape[:-1], k)
-            if ctx.needs_input_grad[1]:
-                grad_w = _weight_grad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale,
-                                      a_inv).to(weight.dtype)
+            if wgrad:
+                grad_w, grad_b = _weight_grad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale,
+                                              a_inv, col_amax, fused_bias)
+                grad_w = grad_w.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_b = dy2d.sum(0, dtype=torch.float32).to(weight.dtype)  # no fp32 copy of dY
+                if grad_b is None:
+                    grad_b = dy2d.sum(0, dtype=torch.float32)  # no fp32 copy of dY
+                grad_b = grad_b.to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
+def _bias_in_column_pass(dy: torch.Tensor) -> bool:
+    """Whether the bias gradient is asked of dY's column pass (on a GPU; see ``_FP4LinearFn.backward``)."""
+    return dy.is_cuda
+
+
 def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.Tensor, fold_scale: torch.Tensor | None,
-           resid, weight: torch.Tensor, w_scale: torch.Tensor, a_inv: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``dW = (dY^T (A_qdq + R)) * f'(W s_w)`` from what the forward saved (section 3); ``a_inv``: 1 / the
-    activation scale the forward GeMM read (``fold_scale`` when refolding), where at hand."""
+           resid, weight: torch.Tensor, w_scale: torch.Tensor, a_inv: torch.Tensor | None = None, col_amax=None,
+           bias_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``(dW = (dY^T (A_qdq + R)) * f'(W s_w), the bias gradient or None)`` from what the forward saved
+    (section 3); ``a_inv``: 1 / the activation scale the forward GeMM read (``fold_scale`` when refolding),
+    where at hand; ``col_amax``: dY's column absmax from the row pass; ``bias_grad``: dY's column sums
+    from the column pass where the Triton quantizer takes them (else None)."""
     cfg, k, cd = ctx.cfg, ctx.k, ctx.out_dtype
     # Under bf16 autocast the wgrad GeMM runs in bf16 like nn.Linear's: its
     # operands (E5M2 and E2M1 values) are exact in bf16, only its output is rounded.
@@ -222,9 +239,9 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
     if ctx.refold:  # the forward's folded E4M3 operand, bit for bit, and its row scales
         a_vals = gemm.refold_operand(a_codes, a_scale, fold_scale, resid, ctx.compact_shape)
         a_scale = fold_scale
-    g2, s_g2, inv_g2 = gemm.quantize_fp8_divided(dy2d, a_scale, dim=0, fmt=cfg.grad_format,
-                                                 carrier=gemm.operand_dtype(gemm_dtype, dy2d.device)[0], inverse=True,
-                                                 div_inv=a_inv)
+    g2, s_g2, inv_g2, *bias = gemm.quantize_fp8_divided(
+        dy2d, a_scale, dim=0, fmt=cfg.grad_format, carrier=gemm.operand_dtype(gemm_dtype, dy2d.device)[0],
+        inverse=True, div_inv=a_inv, column_amax=col_amax, bias_grad=bias_grad)
     # OCC compensation's share dY^T R (fp32 sparse product), added before the DGE
     # factor: DGE multiplies the whole dL/dW_q
     comp = None
@@ -245,7 +262,7 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
     )
     if cfg.dge_frozen_factor:  # experiment: STE times f'(W_0 s_w0), see fp4lightning.experiments.dge_probe
         grad_w = grad_w * frozen_dge_factor(weight, w_scale, cfg)
-    return grad_w
+    return grad_w, (bias[0] if bias else None)
 
 
 def quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32,

@@ -433,7 +433,8 @@ def quantize_fp8_reference(x2d: torch.Tensor, dim: int, fmt: str = "e5m2"):
 
 def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: str = "e5m2",
                          carrier: torch.dtype | None = None, inverse: bool = False,
-                         div_inv: torch.Tensor | None = None):
+                         div_inv: torch.Tensor | None = None, column_amax_of: torch.Tensor | None = None,
+                         column_amax=None, bias_grad: bool = False):
     """``quantize_fp8(x2d.float() * (1 / div), dim, fmt)`` with the fold fused in (both paths).
 
     ``div`` (fp32) divides every row for ``dim=1`` (one value per column) and every column
@@ -445,15 +446,25 @@ def quantize_fp8_divided(x2d: torch.Tensor, div: torch.Tensor, dim: int, fmt: st
     where they are not written (the GeMM then takes ``torch.reciprocal(scale)``, the same bits).
     ``div_inv``: ``1 / div`` where it is at hand (the FP4 quantizer wrote it, ``quantize_fp4(inverse=True)``);
     the Triton quantizers multiply by it instead of taking the reciprocal themselves (the same bits).
+
+    Work on dY that rides in these passes on the Triton quantizers (``triton_quantize_fp8``), each
+    appended to the result, None where it did not (the caller then does it apart): ``column_amax_of``
+    (``dim=1``): the column pass's absmax, taken in the row pass with these row multipliers (the column
+    pass's ``div_inv``), handed to the ``dim=0`` call as ``column_amax``; ``bias_grad`` (``dim=0``): the
+    fp32 column sums of ``x2d`` (the bias gradient; fp32 additions in the kernel's order).
     """
     if triton_quantizers(x2d.device) and fmt != "bf16":
         # the fold (one multiply by 1/div per element) happens in the kernel's registers, as the
         # reference computes it: no fp32 copy of dY is written and read back
         fold = dict(divide_by=div.float()) if div_inv is None else dict(multiply_by=div_inv)
-        return _triton_kernels().triton_quantize_fp8(x2d, dim=dim, fmt=fmt, column_major=dim == 0, inverse=inverse,
-                                                     **fold)
+        if column_amax is not None and div_inv is None:
+            column_amax = None  # taken with other multipliers: the column pass takes its own
+        return _triton_kernels().triton_quantize_fp8(
+            x2d, dim=dim, fmt=fmt, column_major=dim == 0, inverse=inverse, column_amax_of=column_amax_of,
+            column_amax=column_amax, bias_grad=bias_grad, **fold)
     out = _quantize_fp8_divided_torch(x2d, div, dim, fmt, carrier)
-    return (*out, None) if inverse else out
+    out = (*out, None) if inverse else out
+    return out + ((None,) if column_amax_of is not None else ()) + ((None,) if bias_grad else ())
 
 
 def _quantize_fp8_divided_torch(x2d, div, dim, fmt, carrier):
