@@ -38,7 +38,8 @@ def _overrides(corpus: str, out: str, strategy: str, world: int, steps: int) -> 
     return tiny_overrides(corpus, out, f"trainer.devices={world}", f"trainer.strategy={strategy}", *METHOD[strategy],
                           f"data.micro_batch_size={MICRO}", f"data.global_batch_size={GLOBAL}",
                           f"schedule.max_steps={steps}", f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
-                          "trainer.val_every_n_steps=1000", "trainer.log_every_n_steps=1000", "trainer.loggers=csv")
+                          f"trainer.val_every_n_steps={SAVED_STEPS + 1}", "trainer.log_every_n_steps=1000",
+                          "trainer.loggers=csv")
 
 
 def _sample_digest(row: torch.Tensor) -> str:
@@ -57,6 +58,9 @@ def _recorder(res: dict, rank: int, out_dir: str, tag: str):
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             res["batches"].append([trainer.global_step, [_sample_digest(row) for row in batch]])
+
+        def on_validation_end(self, trainer, pl_module):
+            res["validated_at"].append(trainer.global_step)
 
         def on_train_end(self, trainer, pl_module):
             res["end_step"] = trainer.global_step
@@ -84,7 +88,7 @@ def _run_phase(rank: int, out_dir: str, corpus: str, runs: str, world: int, step
 
     results = {}
     for strategy in STRATEGIES:
-        res: dict = {"batches": []}
+        res: dict = {"batches": [], "validated_at": []}
         tag = f"{strategy}-w{world}"
         cfg = load_recipe(None, _overrides(corpus, os.path.join(runs, strategy), strategy, world, steps))
         try:
@@ -147,6 +151,10 @@ def _check_resumed(runs: dict, strategy: str, world: int) -> None:
     # the resumed run starts at step 2, takes step 3, and reads positions [2 G, 3 G) by the rule on its ranks
     assert [(r[strategy]["start_step"], r[strategy]["end_step"]) for r in resumed] == [(SAVED_STEPS, SAVED_STEPS + 1)] * world
     _check_batches(runs["corpus"], resumed, strategy, world, range(SAVED_STEPS, SAVED_STEPS + 1))
+    # validation every 3 steps, which Lightning schedules in micro-batches: the saved run validates once at
+    # its end (step 2, fp4lightning's closing validation), the resumed one inside fit after step 3
+    assert [r[strategy]["validated_at"] for r in saved] == [[SAVED_STEPS]] * 4
+    assert [r[strategy]["validated_at"] for r in resumed] == [[SAVED_STEPS + 1]] * world
     # the optimizer state it starts from is the saved one, every tensor equal
     saved_state = torch.load(runs["tmp"] / f"w4/{strategy}-w4.end.pt", weights_only=True)
     start_state = torch.load(runs["tmp"] / f"w{world}/{strategy}-w{world}.start.pt", weights_only=True)
