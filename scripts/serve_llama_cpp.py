@@ -34,6 +34,9 @@ from pathlib import Path
 import numpy as np
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"
+#: llama.cpp for this CPU, without what the Python package does not use (tools, tests, the multimodal library)
+CMAKE_ARGS = ("-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+              "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,8 +47,7 @@ def install(threads: int) -> None:
         return
     except ImportError:
         pass
-    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"),
-               CMAKE_BUILD_PARALLEL_LEVEL=str(threads))
+    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", CMAKE_ARGS), CMAKE_BUILD_PARALLEL_LEVEL=str(threads))
     print(f"installing {LLAMA_CPP} (builds llama.cpp with cmake: minutes) ...", flush=True)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "pip", "install", "-c", str(ROOT / "constraints.txt"), LLAMA_CPP],
