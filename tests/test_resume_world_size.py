@@ -1,15 +1,17 @@
 """Resuming on another world size (docs/distributed.md, "Resuming on another world size").
 
-A run of `fp4lightning train` on 4 gloo ranks (DDP, and FSDP2 with its sharded DCP checkpoint folder) writes a
-checkpoint after 2 optimizer steps; the same checkpoint resumes on 2 ranks and on 1 for one more step. Checked:
-the step count continues (2 -> 3), the optimizer states the resumed run starts from equal the saved ones
-(gathered from every shard), and the samples each rank reads follow the documented rule: micro-batch ``m`` of
-optimizer step ``s`` on rank ``r`` of ``W`` (``A`` micro-batches of ``B`` samples per step) reads the samples at
-global positions ``((s A + m) B + b) W + r``, ``b < B``, so step ``s`` reads positions ``[s G, (s + 1) G)`` for
-the global batch ``G = A B W`` whatever the world size: nothing is repeated or skipped.
+`fp4lightning train` on 4 gloo ranks (DDP with FP8 E4M3 gradient exchange, and FSDP2 with its sharded DCP
+checkpoint folders, FP16 optimizer states and FP8 reduce-scatter) takes 3 steps, writing ``step=000002.ckpt``
+mid-run and ``last.ckpt`` at its end. The mid-run checkpoint resumes on 2 ranks and the final one on 1 (each
+to step 4; Lightning restores the two differently). Checked: the step count continues, the optimizer state the
+resumed run starts from, gathered from every shard, equals the one the 4-rank run held at that step, validation
+comes after the same steps, and the samples each rank reads follow the documented rule: micro-batch ``m`` of
+optimizer step ``s`` on rank ``r`` of ``W`` (``A`` micro-batches of ``B`` samples per step) reads the samples
+at global positions ``((s A + m) B + b) W + r``, ``b < B``, so step ``s`` reads positions ``[s G, (s + 1) G)``
+for the global batch ``G = A B W`` whatever the world size: nothing is repeated or skipped.
 
 Three process groups (4, 2 and 1 ranks, each running the DDP and the FSDP2 run one after the other) are
-spawned once for the module; each test asserts on what its run recorded.
+spawned once for the module; each test asserts on what its runs recorded.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ import pytest
 import torch
 
 MICRO, GLOBAL = 2, 8  # accumulation 1 on 4 ranks, 2 on 2, 4 on 1
-SAVED_STEPS = 2
+SAVED_STEPS = 3  # of the 4-rank run; it writes step=000002.ckpt and last.ckpt (step 3)
+MID = 2  # the mid-run checkpoint's step
+END = 4  # the resumed runs' max_steps
+#: world size -> (checkpoint it resumes from, its step)
+RESUMES = {2: (f"step={MID:06d}.ckpt", MID), 1: ("last.ckpt", SAVED_STEPS)}
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -37,9 +43,9 @@ def _overrides(corpus: str, out: str, strategy: str, world: int, steps: int) -> 
 
     return tiny_overrides(corpus, out, f"trainer.devices={world}", f"trainer.strategy={strategy}", *METHOD[strategy],
                           f"data.micro_batch_size={MICRO}", f"data.global_batch_size={GLOBAL}",
-                          f"schedule.max_steps={steps}", f"trainer.checkpoint_every_n_steps={SAVED_STEPS}",
-                          f"trainer.val_every_n_steps={SAVED_STEPS + 1}", "trainer.log_every_n_steps=1000",
-                          "trainer.loggers=csv")
+                          f"schedule.max_steps={steps}", f"trainer.checkpoint_every_n_steps={MID}",
+                          # Lightning schedules validation in micro-batches: due in the fit of the resumed runs only
+                          f"trainer.val_every_n_steps={END}", "trainer.log_every_n_steps=1000", "trainer.loggers=csv")
 
 
 def _sample_digest(row: torch.Tensor) -> str:
@@ -47,8 +53,9 @@ def _sample_digest(row: torch.Tensor) -> str:
 
 
 def _recorder(res: dict, rank: int, out_dir: str, tag: str):
-    """A callback recording the step the run starts at, the optimizer state it starts from (rank 0 writes the
-    gathered state to ``<tag>.opt.pt``) and the digest of every sample each micro-batch reads."""
+    """A callback recording the steps the run starts and ends at and validates after, the digest of every sample
+    each micro-batch reads, and the optimizer state (rank 0 writes it gathered to ``<tag>.<when>.pt``) at the
+    start, after step ``MID`` and at the end."""
     import lightning as L
 
     class Record(L.Callback):
@@ -58,6 +65,11 @@ def _recorder(res: dict, rank: int, out_dir: str, tag: str):
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             res["batches"].append([trainer.global_step, [_sample_digest(row) for row in batch]])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == MID and not res["mid_saved"]:  # the state step=000002.ckpt holds
+                res["mid_saved"] = True
+                _save_state(trainer, pl_module, rank, os.path.join(out_dir, f"{tag}.mid.pt"))
 
         def on_validation_end(self, trainer, pl_module):
             res["validated_at"].append(trainer.global_step)
@@ -81,45 +93,48 @@ def _save_state(trainer, pl_module, rank: int, path: str) -> None:
         torch.save(state, path)
 
 
-def _run_phase(rank: int, out_dir: str, corpus: str, runs: str, world: int, steps: int, resume: bool) -> dict:
-    """On every rank: the DDP run, then the FSDP2 run, of ``world`` ranks in ``runs/<strategy>``."""
+def _run_phase(rank: int, out_dir: str, corpus: str, runs: str, world: int, steps: int, ckpt: str | None) -> dict:
+    """On every rank: the DDP run, then the FSDP2 run, of ``world`` ranks in ``runs/<strategy>``, resumed from
+    its checkpoint ``ckpt`` (a name in its checkpoints folder) or fresh."""
     from fp4lightning.train.recipe import load_recipe
     from fp4lightning.train.run import train
 
     results = {}
     for strategy in STRATEGIES:
-        res: dict = {"batches": [], "validated_at": []}
+        res: dict = {"batches": [], "validated_at": [], "mid_saved": False}
         tag = f"{strategy}-w{world}"
-        cfg = load_recipe(None, _overrides(corpus, os.path.join(runs, strategy), strategy, world, steps))
+        out = os.path.join(runs, strategy)
+        resume = [f"ckpt_path={os.path.join(out, 'checkpoints', ckpt)}"] if ckpt else []
+        cfg = load_recipe(None, [*_overrides(corpus, out, strategy, world, steps), *resume])
         try:
-            train(cfg, resume=resume, callbacks=[_recorder(res, rank, out_dir, tag)])
+            train(cfg, callbacks=[_recorder(res, rank, out_dir, tag)])
         except Exception as e:  # recorded: the parent says which run failed and why
             res["error"] = f"{type(e).__name__}: {e}"
         results[strategy] = res
     return results
 
 
-def _phase(tmp: Path, corpus: Path, runs: Path, world: int, steps: int, resume: bool) -> list[dict]:
+def _phase(tmp: Path, corpus: Path, runs: Path, world: int, steps: int, ckpt: str | None) -> list[dict]:
     from tests.test_fsdp import _spawn
 
     out = tmp / f"w{world}"
     out.mkdir()
-    fn = functools.partial(_run_phase, corpus=str(corpus), runs=str(runs), world=world, steps=steps, resume=resume)
+    fn = functools.partial(_run_phase, corpus=str(corpus), runs=str(runs), world=world, steps=steps, ckpt=ckpt)
     return _spawn(fn, out, timeout_s=300, world=world)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 4-rank runs (2 steps, checkpoint at step 2), and a copy of them resumed on 2 ranks and on 1 (3 steps)."""
+    """The 4-rank runs (3 steps), and copies of them resumed on 2 ranks (from step 2) and on 1 (from step 3)."""
     from tests.test_data import prepared_test_corpus
 
     corpus = prepared_test_corpus(tmp_path_factory)
     tmp = tmp_path_factory.mktemp("world_size")
     saved = tmp / "runs-w4"
-    out = {4: _phase(tmp, corpus, saved, 4, SAVED_STEPS, resume=False)}
-    for world in (2, 1):
+    out = {4: _phase(tmp, corpus, saved, 4, SAVED_STEPS, None)}
+    for world, (ckpt, _) in RESUMES.items():
         shutil.copytree(saved, tmp / f"runs-w{world}")
-        out[world] = _phase(tmp, corpus, tmp / f"runs-w{world}", world, SAVED_STEPS + 1, resume=True)
+        out[world] = _phase(tmp, corpus, tmp / f"runs-w{world}", world, END, ckpt)
     return {"tmp": tmp, "corpus": corpus, "ranks": out}
 
 
@@ -145,18 +160,18 @@ def _check_resumed(runs: dict, strategy: str, world: int) -> None:
     saved, resumed = runs["ranks"][4], runs["ranks"][world]
     for r in (*saved, *resumed):
         assert "error" not in r[strategy], r[strategy].get("error")
+    start = RESUMES[world][1]
     assert [r[strategy]["end_step"] for r in saved] == [SAVED_STEPS] * 4
-    # the saved run read steps 0 and 1 by the rule, on 4 ranks
+    # the saved run read steps 0..2 by the rule, on 4 ranks, and validated once, at its end
     _check_batches(runs["corpus"], saved, strategy, 4, range(0, SAVED_STEPS))
-    # the resumed run starts at step 2, takes step 3, and reads positions [2 G, 3 G) by the rule on its ranks
-    assert [(r[strategy]["start_step"], r[strategy]["end_step"]) for r in resumed] == [(SAVED_STEPS, SAVED_STEPS + 1)] * world
-    _check_batches(runs["corpus"], resumed, strategy, world, range(SAVED_STEPS, SAVED_STEPS + 1))
-    # validation every 3 steps, which Lightning schedules in micro-batches: the saved run validates once at
-    # its end (step 2, fp4lightning's closing validation), the resumed one inside fit after step 3
     assert [r[strategy]["validated_at"] for r in saved] == [[SAVED_STEPS]] * 4
-    assert [r[strategy]["validated_at"] for r in resumed] == [[SAVED_STEPS + 1]] * world
-    # the optimizer state it starts from is the saved one, every tensor equal
-    saved_state = torch.load(runs["tmp"] / f"w4/{strategy}-w4.end.pt", weights_only=True)
+    # the resumed run starts at the checkpoint's step, ends at END, reads by the rule on its ranks the
+    # positions [start G, END G), and validates after step END inside fit (its micro-batch counters converted)
+    assert [(r[strategy]["start_step"], r[strategy]["end_step"]) for r in resumed] == [(start, END)] * world
+    _check_batches(runs["corpus"], resumed, strategy, world, range(start, END))
+    assert [r[strategy]["validated_at"] for r in resumed] == [[END]] * world
+    # the optimizer state it starts from is the one the 4-rank run held at that step, every tensor equal
+    saved_state = torch.load(runs["tmp"] / f"w4/{strategy}-w4.{'mid' if start == MID else 'end'}.pt", weights_only=True)
     start_state = torch.load(runs["tmp"] / f"w{world}/{strategy}-w{world}.start.pt", weights_only=True)
     _assert_states_equal(saved_state, start_state)
 
@@ -191,16 +206,16 @@ def test_resume_note_and_checkpoints_without_the_position(runs, tmp_path):
     saved = runs["tmp"] / "runs-w4" / "ddp" / "checkpoints" / "last.ckpt"
 
     def cfg(world):
-        return load_recipe(None, _overrides(str(runs["corpus"]), str(tmp_path / "out"), "ddp", world, SAVED_STEPS + 1))
+        return load_recipe(None, _overrides(str(runs["corpus"]), str(tmp_path / "out"), "ddp", world, END))
 
     note = describe_resume(cfg(2), str(saved))[0]  # then the lines on the longer schedule
     assert note.startswith("resume: 2 rank(s) continue the run of 4 (gradient accumulation 1 -> 2) at global "
-                           f"sample {SAVED_STEPS * GLOBAL}: step 3 reads samples 16..23, as on 4 rank(s)"), note
+                           "sample 24: step 4 reads samples 24..31, as on 4 rank(s)"), note
     assert not any("rank(s)" in line for line in describe_resume(cfg(4), str(saved)))
     ckpt = torch.load(saved, weights_only=True)
     (state,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert state["samples_consumed"] == SAVED_STEPS * GLOBAL and state["world_size"] == 4, state
-    ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"batches_consumed": 2, "epoch": 0}]
+    ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [{"batches_consumed": SAVED_STEPS, "epoch": 0}]
     old = tmp_path / "old.ckpt"
     torch.save(ckpt, old)
     assert check_resumable(old, cfg(4)) == []
