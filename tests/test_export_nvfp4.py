@@ -212,6 +212,26 @@ def test_requantize_goes_with_nvfp4_only(nvfp4_export, tmp_path, capsys):
     assert len(err) == 1 and "--requantize goes with --format nvfp4" in err[0], err
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp32"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(fmt, nvfp4_export, tmp_path, capsys):
+    import subprocess
+
+    from tests.test_data import mount_tmpfs
+
+    ckpt = next(nvfp4_export[1].parent.glob("*.ckpt"))
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "200k")  # room for config.json, not for the weights
+    try:
+        capsys.readouterr()
+        assert cli_main(["export-hf", str(ckpt), str(disk / "hf"), "--format", fmt]) == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if "error" in x]  # not the libraries' progress bars
+        assert len(err) == 1 and err[0].startswith("fp4lightning export-hf: error: no space left on device"), err
+        assert str(disk / "hf") in err[0]
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_the_global_scale_decodes_like_ours():
     """compressed-tensors divides the E4M3 block scale by its global scale G where we multiply by g: the G
     chosen gives the same bf16 decode for every block scale and E2M1 value, and the same fp32 one when it

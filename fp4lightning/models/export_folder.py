@@ -7,7 +7,8 @@ new folder in one step where the system can (Linux ``renameat2(RENAME_EXCHANGE)`
 renames, and deleted. A swap killed between those two renames leaves the old folder at
 ``.<name>.old-<pid>``; the next export into the same target puts it back first. Folders of exports
 that were killed are deleted by the next one. Every file and folder written gets the mode the
-umask gives new files (safetensors creates its file 0600 whatever the umask).
+umask gives new files (safetensors creates its file 0600 whatever the umask). A full disk is one line
+(:class:`~fp4lightning.errors.UserError`), the partial folder deleted.
 
 Imports nothing heavy: the command line checks the target before it imports torch.
 """
@@ -25,7 +26,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from fp4lightning.errors import UsageError, check_writable_dir
+from fp4lightning.errors import UsageError, UserError, check_writable_dir
 
 __all__ = ["check_export_target", "export_folder"]
 
@@ -66,8 +67,27 @@ def export_folder(out_dir: str | os.PathLike, overwrite: bool = False, what: str
             yield tmp
             _follow_umask(tmp)
             _move_into_place(tmp, out, overwrite, what)
+    except Exception as e:
+        if _disk_full(e):
+            raise UserError(f"no space left on device while writing {what} {out}; nothing was written and {out} is as "
+                            f"it was: free some space or choose another {what}") from e
+        raise
     finally:
         _remove(tmp)  # the partial export, or after a swap the old folder
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether ``e`` or an exception it came from says the disk (or quota) is full: an ``OSError``, or the
+    writers of safetensors and tokenizers, which report it in words (``... (os error 28)``)."""
+    seen = []
+    while e is not None and e not in seen:
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(m in str(e) for m in ("No space left on device", "Disk quota exceeded")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool, what: str) -> None:
