@@ -222,3 +222,38 @@ def test_resume_note_and_checkpoints_without_the_position(runs, tmp_path):
     with pytest.raises(ResumeMismatchError, match=r"trainer.devices x trainer.num_nodes = 4 in the checkpoint, 2 now "
                        r"\(its data loader predates recording the global sample position"):
         check_resumable(old, cfg(2))
+
+
+def _loader(rank: int, world: int, accumulate: int, steps_done: int = 0, restarts: list | None = None):
+    from fp4lightning.data.sampling import PositionSampler, ResumableDataLoader
+
+    batches = 6 * accumulate  # per rank: 6 optimizer steps
+    return ResumableDataLoader(list(range(10_000)), batch_size=MICRO, sampler=PositionSampler(batches * MICRO, rank, world),
+                               drop_last=True, progress_fn=lambda: steps_done * accumulate, accumulate=accumulate,
+                               on_restart=None if restarts is None else restarts.append)
+
+
+def test_loader_continues_at_the_global_sample_position():
+    """The loader alone (no processes): the state of a 4-rank loader after 3 steps, loaded on 2 ranks and on 1,
+    starts every rank where the rule puts step 3; a position that is not a whole global batch of the new run is
+    refused naming the key; a state without the position (an older checkpoint) is taken as the current world size's."""
+    state = _loader(0, 4, 1, steps_done=3).state_dict()
+    assert state == {"batches_consumed": 3, "epoch": 0, "samples_consumed": 3 * GLOBAL, "world_size": 4, "accumulate": 1}
+    for world in (4, 2, 1):
+        accumulate = GLOBAL // (MICRO * world)
+        step3 = []
+        for rank in range(world):
+            restarts: list = []
+            loader = _loader(rank, world, accumulate, restarts=restarts)
+            loader.load_state_dict(state)
+            assert restarts == [1]  # the checkpoint's accumulation, for the trainer's counters
+            first = [b.tolist() for _, b in zip(range(accumulate), loader)]
+            assert first == [[((3 * accumulate + m) * MICRO + b) * world + rank for b in range(MICRO)]
+                             for m in range(accumulate)], (world, rank)
+            step3 += sum(first, [])
+        assert sorted(step3) == list(range(3 * GLOBAL, 4 * GLOBAL))
+    with pytest.raises(ValueError, match="not a multiple of this run's global batch.*data.global_batch_size"):
+        _loader(0, 2, 2).load_state_dict({**state, "samples_consumed": 3 * GLOBAL + MICRO})
+    old = _loader(1, 2, 2)
+    old.load_state_dict({"batches_consumed": 6, "epoch": 0})  # 3 steps of 2 micro-batches on 2 ranks
+    assert next(iter(old)).tolist() == [3 * GLOBAL + 1, 3 * GLOBAL + 3]
