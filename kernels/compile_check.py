@@ -87,7 +87,7 @@ def _cases(all_configs: bool = False):
     (the first row of the Hopper sweeps for sm_90, of the mma.sync sweeps for sm_80, as
     ``gemm._prune_to_family`` picks them with autotuning off), or every row with ``all_configs``."""
     q_types = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*fp32", r_ptr="*bf16", bounds_ptr="*fp32",
-                   e_ptr="*u8", i_ptr="*fp32", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
+                   e_ptr="*u8", i_ptr="*fp32", b_ptr="*fp32", bo_ptr="*i16", M=_I, K=_I, KH=_I, stride_xm=_I, stride_qm=_I, stride_rm=_I, stride_em=_I)
     f8_types = dict(x_ptr="*bf16", d_ptr="*fp32", q_ptr="*u8", s_ptr="*fp32", amax_ptr="*i32", i_ptr="*fp32", M=_I,
                     N=_I, stride_xm=_I, stride_qm=_I, stride_qn=_I, e_ptr="*fp32", c_ptr="*i32", ROWS=_I,
                     b_ptr="*fp32", p_ptr="*fp32", cnt_ptr="*i32")
@@ -179,12 +179,12 @@ def _quantizer_cases(q_types, f8_types):
     body counted once)."""
     cases = []
 
-    def fp4(name, k, clamp, e4m3=False):
+    def fp4(name, k, clamp, e4m3=False, bias=False):  # FP4Linear's launches write 1 / scale too (STORE_INV)
         bm, bkh, single, warps = quantize.fp4_launch_params((k + 1) // 2)
         cases.append(dict(name=f"{name}, K={k}" + ("" if single else " (two passes)"), arch=90, kind="quantize",
                           fn=quantize._quantize_fp4_kernel, types=q_types, num_warps=warps, num_stages=1,
                           consts=dict(POW2=False, GIVEN_AMAX=False, BLOCK_M=bm, BLOCK_KH=bkh, SINGLE_PASS=single,
-                                      CLAMP=clamp, E4M3=e4m3, STORE_INV=not clamp),  # FP4Linear's: 1 / scale too
+                                      CLAMP=clamp, E4M3=e4m3, STORE_INV=not clamp, BIAS_BF16=bias),
                           elements_per_thread=bm * 2 * bkh // (32 * warps)))
 
     fp4("quantize_fp4 rows", QUANT_DIM, False)
@@ -192,6 +192,8 @@ def _quantizer_cases(q_types, f8_types):
     fp4("quantize_fp4 rows", QUANT_FFN, False)
     fp4("quantize_fp4 rows + E4M3 operand (scaled_mm)", QUANT_DIM, False, e4m3=True)
     fp4("quantize_fp4 rows + E4M3 operand (scaled_mm)", QUANT_FFN, False, e4m3=True)
+    # the weight's launch also casts the layer's fp32 bias for the bf16 epilogue
+    fp4("quantize_fp4 rows + E4M3 operand + bf16 bias (scaled_mm weight)", QUANT_DIM, False, e4m3=True, bias=True)
     e5 = dict(FMAX=F8E5M2_MAX, MANT=F8E5M2_MANT_BITS, EMIN=F8E5M2_EMIN)
     # STORE_INV: the scaled_mm backend's launches also write 1 / scale
     for n in (QUANT_DIM, QUANT_FFN):  # dgrad's operand dY / s_w, one scale per row

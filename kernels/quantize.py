@@ -121,8 +121,9 @@ def _load_block(x_rows, r_rows, k0, ke, row_ok, K, lo, hi, CLAMP: tl.constexpr, 
 @triton.jit
 def _quantize_fp4_kernel(
     # pointers (r_ptr, bounds_ptr: OCC residual out and [lo, hi], used when CLAMP; e_ptr: the E4M3
-    # operand out, used when E4M3; i_ptr: 1 / scale out, used when STORE_INV)
-    x_ptr, q_ptr, s_ptr, amax_ptr, r_ptr, bounds_ptr, e_ptr, i_ptr,
+    # operand out, used when E4M3; i_ptr: 1 / scale out, used when STORE_INV; b_ptr, bo_ptr: one fp32
+    # value a row in, its bf16 bits out, used when BIAS_BF16)
+    x_ptr, q_ptr, s_ptr, amax_ptr, r_ptr, bounds_ptr, e_ptr, i_ptr, b_ptr, bo_ptr,
     # sizes
     M, K, KH,
     # strides (the inner stride is 1)
@@ -130,6 +131,7 @@ def _quantize_fp4_kernel(
     # meta-parameters
     POW2: tl.constexpr, GIVEN_AMAX: tl.constexpr, SINGLE_PASS: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_KH: tl.constexpr, E4M3: tl.constexpr = False, STORE_INV: tl.constexpr = False,
+    BIAS_BF16: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -174,6 +176,17 @@ def _quantize_fp4_kernel(
                               E4M3)
 
     _store_scale(s_ptr, i_ptr, rows, scale, row_ok, STORE_INV)
+    if BIAS_BF16:  # the weight's quantizer casts the layer's bias for the GeMM's epilogue: no cast launch
+        tl.store(bo_ptr + rows, _bf16_bits(tl.load(b_ptr + rows, mask=row_ok, other=0.0)), mask=row_ok)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 -> the bf16 bit patterns (int16) torch's cast gives: nearest-even, NaN -> 0x7FC0. Integer
+    arithmetic, so the interpreter (whose bf16 stores truncate) gives the same bits as a GPU."""
+    u = x.to(tl.int32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, r).to(tl.int16)
 
 
 def fp4_launch_params(kh: int, block_kh: int | None = None) -> tuple[int, int, bool, int]:
@@ -225,7 +238,7 @@ def _tensor_amax(x2d, lohi):
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
 
 
-def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3=False, inverse=False):
+def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3=False, inverse=False, bias=None):
     x2d = _check_input(x2d, scale_mode, bounds)
     m, k = x2d.shape
     kh = (k + 1) // 2
@@ -240,19 +253,25 @@ def _quantize_fp4(x2d, scale_mode, per_tensor, bounds, block_kh, e4m3=False, inv
     e = torch.empty(m, (k + 15) // 16 * 16, dtype=torch.uint8, device=x2d.device) if e4m3 else q
     amax = _tensor_amax(x2d, lohi) if per_tensor else scale
     inv = torch.empty_like(scale) if inverse else scale  # placeholder pointer when unused
+    if bias is not None:
+        bias = check_vector("bias", bias, m, (torch.float32,), "one fp32 value per row: the layer's bias")
+        check_same_device(x2d=x2d, bias=bias)
+    b16 = torch.empty(m, dtype=torch.bfloat16, device=x2d.device) if bias is not None else None
     block_m, blk, single, warps = fp4_launch_params(kh, block_kh)
     _quantize_fp4_kernel[(triton.cdiv(m, block_m),)](
-        x2d, q, scale, amax, resid, scale if lohi is None else lohi, e, inv, m, k, kh, x2d.stride(0), q.stride(0),
-        resid.stride(0), e.stride(0),
+        x2d, q, scale, amax, resid, scale if lohi is None else lohi, e, inv, scale if bias is None else bias,
+        scale if b16 is None else b16.view(torch.int16), m, k, kh, x2d.stride(0), q.stride(0), resid.stride(0),
+        e.stride(0),
         POW2=scale_mode == "pow2", GIVEN_AMAX=per_tensor, SINGLE_PASS=single, CLAMP=bounds is not None,
-        BLOCK_M=block_m, BLOCK_KH=blk, E4M3=e4m3, STORE_INV=inverse, num_warps=warps,
+        BLOCK_M=block_m, BLOCK_KH=blk, E4M3=e4m3, STORE_INV=inverse, BIAS_BF16=bias is not None, num_warps=warps,
     )
     outs = (q, scale, (resid if bounds is not None else None), (e.view(torch.float8_e4m3fn)[:, :k] if e4m3 else None))
-    return outs + ((inv,) if inverse else ())
+    return outs + ((inv,) if inverse else ()) + ((b16,) if bias is not None else ())
 
 
 def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False, *,
-                  block_kh: int | None = None, e4m3: bool = False, inverse: bool = False):
+                  block_kh: int | None = None, e4m3: bool = False, inverse: bool = False,
+                  bias_bf16: torch.Tensor | None = None):
     """Row-wise FP4 quantization: ``(packed uint8 (M, ceil(K/2)), scale fp32 (M,))``.
 
     Bit-identical to ``fp4lightning.numerics.absmax.quantize_rows_reference(x2d, scale_mode, per_tensor)``
@@ -264,10 +283,12 @@ def triton_quantize_rows(x2d: torch.Tensor, scale_mode: str = "float", per_tenso
     to 16 bytes): the scaled_mm backend's forward operand, next to the packed codes kept for
     backward. With ``inverse`` the same pass also writes ``1 / scale`` (IEEE, ``torch.reciprocal``'s
     bits; NaN where the scale is NaN), appended last: what ``_scaled_mm`` multiplies by and what the
-    backward's dY quantizers fold in, so neither takes a reciprocal launch.
+    backward's dY quantizers fold in, so neither takes a reciprocal launch. ``bias_bf16`` (fp32, one value
+    per row: a weight's layer bias) appends ``bias_bf16.to(torch.bfloat16)``, bit for bit, written by the
+    same pass: the bias the GeMM's bf16 epilogue adds, without a cast launch.
     """
-    q, scale, _, e, *inv = _quantize_fp4(x2d, scale_mode, per_tensor, None, block_kh, e4m3, inverse)
-    return (q, scale) + ((e,) if e4m3 else ()) + tuple(inv)
+    q, scale, _, e, *extra = _quantize_fp4(x2d, scale_mode, per_tensor, None, block_kh, e4m3, inverse, bias_bf16)
+    return (q, scale) + ((e,) if e4m3 else ()) + tuple(extra)
 
 
 def triton_quantize_rows_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",

@@ -173,17 +173,21 @@ def _unit_cols(n: int, like: torch.Tensor) -> torch.Tensor:
 def scaled_fp4_gemm(a8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                     out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
                     mm_dtype: torch.dtype | None = None, a_scale_inv: torch.Tensor | None = None,
-                    w_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+                    w_scale_inv: torch.Tensor | None = None, bias_cast: torch.Tensor | None = None) -> torch.Tensor:
     """Forward ``Y = (A8 W8^T) / (s_a s_w^T) + bias``: ``a8`` (M, K) and ``w8`` (N, K) E4M3 row-major
     (the FP4 values, or the folded-OCC operand for ``a8``), ``a_scale`` (M,), ``w_scale`` (N,) fp32.
     ``mm_dtype``: the dtype ``_scaled_mm`` writes where the device refuses ``out_dtype``
     (``ops.capability``): its output is cast to fp32, the bias added, then cast to ``out_dtype``.
-    ``a_scale_inv`` / ``w_scale_inv``: the scales' reciprocals where their quantizers wrote them."""
+    ``a_scale_inv`` / ``w_scale_inv``: the scales' reciprocals where their quantizers wrote them;
+    ``bias_cast``: ``bias.to(out_dtype)`` where the weight's quantizer wrote it (used only for a fused bias)."""
     _check_one_device(a8=a8, w8=w8, a_scale=a_scale, w_scale=w_scale, bias=bias)
     mm = out_dtype if mm_dtype is None else mm_dtype
     fused_bias = bias is not None and mm == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    bias_mm = None
+    if fused_bias:
+        bias_mm = bias_cast if bias_cast is not None and bias_cast.dtype == out_dtype else bias.to(out_dtype)
     y = _scaled(a8, w8.t(), _row_scale(a_scale, a_scale_inv), _row_scale(w_scale, w_scale_inv).reshape(1, -1), mm,
-                bias.to(out_dtype) if fused_bias else None)
+                bias_mm)
     if mm != out_dtype:
         y = y.float()
     if bias is not None and not fused_bias:  # fp32 output: _scaled_mm takes no bias there

@@ -8,7 +8,8 @@ launches they replace: under the Triton interpreter on CPU, compiled on a GPU.
 * the FP4 quantizers writing ``1 / scale`` too: the forward GeMM's epilogue takes them, and backward's
   dY quantizers multiply by the saved ones (no reciprocal launch in forward or backward);
 * the column absmax of dY / s_a taken in dY's row pass (no ``_col_amax_kernel``), the bias gradient in
-  its column pass (no ``aten.sum``), and their buffer zeroed by the column pass itself (no ``aten.zeros``).
+  its column pass (no ``aten.sum``), and their buffer zeroed by the column pass itself (no ``aten.zeros``);
+* the layer's fp32 bias cast to bf16 by the weight's quantizer (no ``aten._to_copy`` in the forward).
 """
 import pytest
 import torch
@@ -357,3 +358,29 @@ def test_no_column_absmax_zeros_or_sum_launches_on_the_cuda_path(preset):
     assert not {"aten.zeros", "triton._col_amax_kernel", "aten.sum"} & set(names), names
     assert names.count("triton._quantize_fp8_rows_kernel") == names.count("triton._quantize_fp8_cols_kernel") == 1
 
+
+@pytest.mark.parametrize("block_kh", [None, 16], ids=["one-pass", "two-pass"])
+def test_weight_quantizer_casts_the_bias_bit_for_bit(block_kh):
+    from fp4lightning.kernels import fp4_triton as kt
+    w = torch.randn(64, 96, device=DEV) * 0.05
+    b = torch.randn(64, device=DEV) * torch.exp(8 * torch.randn(64, device=DEV))
+    one = torch.tensor(1.0)
+    ties = [1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 2.0 ** -130 * 3]  # halfway: to even; a subnormal
+    b[:12] = torch.tensor(ties + [3.4e38, -3.4e38, 0.0, -0.0, float("inf"), float("-inf"), float("nan"),
+                                  float(torch.nextafter(one, 2 * one))], device=DEV)
+    plain = kt.triton_quantize_rows(w, block_kh=block_kh, e4m3=True, inverse=True)
+    *outs, b16 = kt.triton_quantize_rows(w, block_kh=block_kh, e4m3=True, inverse=True, bias_bf16=b)
+    assert all(torch.equal(_bits(g), _bits(p)) for g, p in zip(outs, plain))
+    want = b.to(torch.bfloat16)
+    assert b16.dtype == torch.bfloat16 and torch.equal(torch.isnan(b16), torch.isnan(want))
+    fin = ~torch.isnan(want)
+    assert torch.equal(b16[fin].view(torch.int16), want[fin].view(torch.int16))  # ties to even, inf, -0.0
+    with pytest.raises(ValueError, match="bias"):
+        kt.triton_quantize_rows(w, bias_bf16=b[:10])
+
+
+def test_no_bias_cast_launch_in_the_forward():
+    # the roofline trace's forward: the two quantizers and the GeMM, no cast of the fp32 bias
+    launches = _roofline().trace_layer("w4a4-direct", 256, 128, 64)
+    names = [x.name for x in launches if x.phase == "forward"]
+    assert names == ["triton._quantize_fp4_kernel", "triton._quantize_fp4_kernel", "aten._scaled_mm"], names

@@ -100,8 +100,6 @@ def test_host_sync_is_detected():
     assert roofline.count_host_syncs(rec.launches) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="launch budget of issue 47 not reached yet: 17 / 53 launches "
-                                       "(w4a4-direct / paper; budget 12 / 16)")
 def test_launch_budget(traces):
     failures = []
     for preset, budget in LAUNCH_BUDGET.items():

@@ -140,16 +140,18 @@ def _quantize_activation(x2d: torch.Tensor, cfg: FP4Config, backend: str, vals_d
 
 def _forward_gemm(act: _Activation, w_codes: torch.Tensor, w_scale: torch.Tensor, w_vals: torch.Tensor | None,
                   k: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
-                  vals_dtype: torch.dtype, w_inv: torch.Tensor | None = None) -> torch.Tensor:
+                  vals_dtype: torch.dtype, w_inv: torch.Tensor | None = None,
+                  bias_cast: torch.Tensor | None = None) -> torch.Tensor:
     """The FP4 GeMM plus OCC's compensation product ``R Wdq^T`` (in the folded operand, or a second GeMM).
-    ``w_inv``: ``1 / w_scale`` where the weight's quantizer wrote it."""
+    ``w_inv``: ``1 / w_scale`` where the weight's quantizer wrote it; ``bias_cast``: the bias in bf16, likewise."""
     if act.fold is not None:
         scale = act.scale if act.fold_scale is None else act.fold_scale
         return gemm.fp4_gemm_folded(act.fold, scale, w_codes, w_scale, k, out_dtype, bias=bias, w_values=w_vals,
-                                    values_dtype=vals_dtype, a_scale_inv=act.scale_inv, w_scale_inv=w_inv)
+                                    values_dtype=vals_dtype, a_scale_inv=act.scale_inv, w_scale_inv=w_inv,
+                                    bias_cast=bias_cast)
     if act.comp_r is None:  # no compensation, or (reference path) already folded into act.values
         return gemm.fp4_gemm(act.codes, act.scale, w_codes, w_scale, k, out_dtype, bias=bias, a_values=act.values,
-                             w_values=w_vals, a_scale_inv=act.scale_inv, w_scale_inv=w_inv)
+                             w_values=w_vals, a_scale_inv=act.scale_inv, w_scale_inv=w_inv, bias_cast=bias_cast)
     # Triton / scaled_mm path: R Wdq^T = (R W_q^T) diag(1/s_w) as a dense tensor-core GeMM
     # on the dense R the quantizer just wrote (at ~2% density a bf16 GeMM beats a sparse
     # one, which gathers ~N bytes per non-zero at a fraction of the tensor-core rate);
@@ -173,11 +175,12 @@ class _FP4LinearFn(torch.autograd.Function):
             # holding bf16 values where CPU bf16 GeMMs are emulated, fp4lightning.numerics.cpu_bf16)
             vals_dtype, vals_round = gemm.operand_dtype(out_dtype, x.device)
             act = _quantize_activation(x2d, cfg, gemm.backend_for(x.device), vals_dtype, vals_round)
-            if w_quant is None:
-                w_quant = quantize_weight(weight, cfg, vals_dtype, inverse=True)
-            # a cached or gathered quantization may come without 1 / w_scale (FSDP's triple)
-            w_codes, w_scale, w_vals, w_inv = (*w_quant, None)[:4]
-            y = _forward_gemm(act, w_codes, w_scale, w_vals, k, out_dtype, bias, vals_dtype, w_inv)
+            if w_quant is None:  # the weight's quantizer also casts an fp32 bias for a bf16 epilogue
+                cast = bias is not None and bias.dtype == torch.float32 and out_dtype == torch.bfloat16
+                w_quant = quantize_weight(weight, cfg, vals_dtype, inverse=True, bias_bf16=bias if cast else None)
+            # a cached or gathered quantization may come without 1 / w_scale (FSDP's triple) or the cast bias
+            w_codes, w_scale, w_vals, w_inv, b16 = (*w_quant, None, None)[:5]
+            y = _forward_gemm(act, w_codes, w_scale, w_vals, k, out_dtype, bias, vals_dtype, w_inv, b16)
         compact = isinstance(act.resid, tuple)
         ctx.save_for_backward(act.codes, act.scale, w_codes, w_scale, weight, act.fold_scale, act.scale_inv, w_inv,
                               *(act.resid if compact else (act.resid,)))
@@ -266,12 +269,14 @@ def _weight_grad(ctx, dy2d: torch.Tensor, a_codes: torch.Tensor, a_scale: torch.
 
 
 def quantize_weight(weight: torch.Tensor, cfg: FP4Config, values_dtype: torch.dtype = torch.float32,
-                    inverse: bool = False):
+                    inverse: bool = False, bias_bf16: torch.Tensor | None = None):
     """(packed codes, per-channel scales, decoded values or None) of the weight, as the layer's forward
     quantizes it; FSDP's FP4 all-gather quantizes each rank's rows with it (``distributed.fsdp``).
-    ``inverse``: a fourth element, ``1 / scale`` where the Triton quantizer wrote it (else None)."""
+    ``inverse``: a fourth element, ``1 / scale`` where the Triton quantizer wrote it (else None);
+    ``bias_bf16`` (the layer's fp32 bias): a last element, it in bf16 where that pass wrote it (else None)."""
     return gemm.quantize_fp4(weight.detach(), cfg.scale_mode, cfg.weight_granularity == "per_tensor",
-                             values_dtype=values_dtype, inverse=inverse)
+                             values_dtype=values_dtype, inverse=inverse,
+                             bias_bf16=None if bias_bf16 is None else bias_bf16.detach())
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

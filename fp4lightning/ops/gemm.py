@@ -269,7 +269,8 @@ def operand_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype
 
 # --------------------------------------------------------------------------- FP4 quantize
 def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool = False,
-                 values_dtype: torch.dtype = torch.float32, inverse: bool = False):
+                 values_dtype: torch.dtype = torch.float32, inverse: bool = False,
+                 bias_bf16: torch.Tensor | None = None):
     """Row-wise FP4 quantization -> ``(packed codes (M, ceil(K/2)) uint8, scale (M,) fp32, values)``.
 
     ``values`` is the E2M1-grid tensor in ``values_dtype`` (exact in fp32, bf16 and fp16)
@@ -277,17 +278,20 @@ def quantize_fp4(x2d: torch.Tensor, scale_mode: str = "float", per_tensor: bool 
     On the scaled_mm backend ``values`` is the forward GeMM's E4M3 operand (M, K), whatever
     ``values_dtype``. ``inverse``: a fourth element, ``1 / scale`` as the Triton quantizer writes it
     in the same pass (``torch.reciprocal``'s bits), or None where it is not written (the reference).
+    ``bias_bf16`` (fp32, one value per row of a weight ``x2d``: the layer's bias): a last element,
+    ``bias_bf16.to(torch.bfloat16)`` written by the Triton quantizer's pass (the same bits), or None.
     """
     scaled = backend_for(x2d.device) == "scaled_mm"
+    extra = ((None,) if inverse else ()) + ((None,) if bias_bf16 is not None else ())
     if triton_quantizers(x2d.device):
         # with scaled_mm one pass writes the packed codes (kept for backward) and the forward's E4M3 operand
         out = _triton_kernels().triton_quantize_rows(x2d, scale_mode=scale_mode, per_tensor=per_tensor, e4m3=scaled,
-                                                     inverse=inverse)
+                                                     inverse=inverse, bias_bf16=bias_bf16)
         return out if scaled else out[:2] + (None,) + out[2:]
     codes, scale, values = quantize_rows_reference(x2d, scale_mode, per_tensor=per_tensor, packed=True,
                                                    return_values=True,
                                                    values_dtype=torch.float32 if scaled else values_dtype)
-    return (codes, scale, (values.to(torch.float8_e4m3fn) if scaled else values)) + ((None,) if inverse else ())
+    return (codes, scale, (values.to(torch.float8_e4m3fn) if scaled else values)) + extra
 
 
 def quantize_fp4_clamped(x2d: torch.Tensor, bounds: torch.Tensor, scale_mode: str = "float",
@@ -573,9 +577,10 @@ def fp4_wgrad_reference(
 # On the scaled_mm backend ``a_values`` / ``w_values`` in E4M3 are the operands the quantizers
 # wrote (kernels/scaled_mm.py expands the packed codes when they are not given).
 def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, a_values=None,
-             w_values=None, a_scale_inv=None, w_scale_inv=None):
+             w_values=None, a_scale_inv=None, w_scale_inv=None, bias_cast=None):
     """``a_scale_inv`` / ``w_scale_inv``: ``1 / scale`` where the quantizers wrote it (the scaled_mm
-    backend's epilogue multiplies by them; the same bits as its own reciprocals)."""
+    backend's epilogue multiplies by them; the same bits as its own reciprocals). ``bias_cast``:
+    ``bias.to(bfloat16)`` where the weight's quantizer wrote it (``quantize_fp4(bias_bf16=)``)."""
     backend, mm_dtype = _gemm_backend(a_packed.device, _fits(k, w_packed.shape[0]),
                                       (torch.float8_e4m3fn, out_dtype, _bias_fused(bias, out_dtype)))
     if backend == "scaled_mm":
@@ -583,7 +588,7 @@ def fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, b
         a8 = a_values if _is_e4m3(a_values) else sm.e4m3_rows(a_packed, k)
         w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
         return sm.scaled_fp4_gemm(a8, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype,
-                                  a_scale_inv=a_scale_inv, w_scale_inv=w_scale_inv)
+                                  a_scale_inv=a_scale_inv, w_scale_inv=w_scale_inv, bias_cast=bias_cast)
     if backend == "triton":
         return _triton_kernels().triton_fp4_gemm(a_packed, a_scale, w_packed, w_scale, k, out_dtype=out_dtype, bias=bias)
     return fp4_gemm_reference(a_packed, a_scale, w_packed, w_scale, k, out_dtype, bias, a_values, w_values)
@@ -603,19 +608,19 @@ def fp4_dgrad(g, g_scale, w_packed, k, out_dtype=torch.float32, g_scale_inv=None
 
 
 def fp4_gemm_folded(a_fold, a_scale, w_packed, w_scale, k, out_dtype=torch.float32, bias=None, w_values=None,
-                    values_dtype=None, a_scale_inv=None, w_scale_inv=None):
+                    values_dtype=None, a_scale_inv=None, w_scale_inv=None, bias_cast=None):
     """Forward GeMM on the E4M3 operand of ``quantize_fp4_folded``: ``(E W_q^T) / (s s_w^T) + bias``.
 
     ``values_dtype`` (reference path): the dtype the reference GeMM reads E in (E4M3 values are
     exact in bf16 and fp32); default the compute dtype of ``out_dtype``. ``a_scale_inv`` /
-    ``w_scale_inv``: as in ``fp4_gemm``."""
+    ``w_scale_inv``, ``bias_cast``: as in ``fp4_gemm``."""
     backend, mm_dtype = _gemm_backend(a_fold.device, _fits(k, w_packed.shape[0]),
                                       (torch.float8_e4m3fn, out_dtype, _bias_fused(bias, out_dtype)))
     if backend == "scaled_mm":
         sm = _scaled_mm_kernels()
         w8 = w_values if _is_e4m3(w_values) else sm.e4m3_rows(w_packed, k)
         return sm.scaled_fp4_gemm(a_fold, a_scale, w8, w_scale, out_dtype, bias, mm_dtype=mm_dtype,
-                                  a_scale_inv=a_scale_inv, w_scale_inv=w_scale_inv)
+                                  a_scale_inv=a_scale_inv, w_scale_inv=w_scale_inv, bias_cast=bias_cast)
     if backend == "triton":
         return _triton_kernels().triton_folded_gemm(a_fold, a_scale, w_packed, w_scale, k, out_dtype=out_dtype,
                                                     bias=bias)
