@@ -203,12 +203,13 @@ def _quantizer_cases(q_types, f8_types):
                           consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single, STORE_INV=True,
                                       COL_AMAX=False), num_warps=warps,
                           num_stages=1, elements_per_thread=bm * bn // (32 * warps)))
-        if single:  # COL_AMAX: with a weight gradient to take, the column pass's absmax rides in this pass
-            cases.append(dict(name=f"quantize_fp8 rows e5m2 / divisor + column absmax, N={n}", arch=90,
-                              kind="quantize", fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
-                              consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=True, STORE_INV=True,
-                                          COL_AMAX=True), num_warps=warps, num_stages=1,
-                              elements_per_thread=bm * bn // (32 * warps)))
+        # COL_AMAX: with a weight gradient to take, the column pass's absmax rides in this pass
+        cases.append(dict(name=f"quantize_fp8 rows e5m2 / divisor + column absmax, N={n}" +
+                          ("" if single else " (two passes)"), arch=90, kind="quantize",
+                          fn=quantize._quantize_fp8_rows_kernel, types=f8_types,
+                          consts=dict(e5, DIV=1, BLOCK_M=bm, BLOCK_N=bn, SINGLE_PASS=single, STORE_INV=True,
+                                      COL_AMAX=True), num_warps=warps, num_stages=1,
+                          elements_per_thread=bm * bn // (32 * warps)))
     cases += _fold_cases()
     # wgrad's operand dY / s_a, one scale per column, column-major out: absmax pass, then encode
     (am, an, aw), (bm, bn, warps) = quantize.fp8_cols_launch_params(QUANT_TOKENS, QUANT_DIM, column_major=True)

@@ -728,7 +728,7 @@ def _quantize_fp8_rows_kernel(
     # in registers, read and divided once; otherwise it walks along N twice (absmax, encode).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
-    if COL_AMAX:  # (SINGLE_PASS only) ROWS rows a program, and the column pass's absmax on the way
+    if COL_AMAX and SINGLE_PASS:  # ROWS rows a program, and the column pass's absmax on the way
         _fp8_rows_col_amax(x_ptr, d_ptr, q_ptr, s_ptr, i_ptr, e_ptr, c_ptr, M, N, ROWS, stride_xm, stride_qm, FMAX,
                            MANT, EMIN, DIV, BLOCK_M, BLOCK_N, STORE_INV)
         return
@@ -746,11 +746,27 @@ def _quantize_fp8_rows_kernel(
         # NaN-propagating running max (tl.maximum may drop NaN on the GPU)
         amax = tl.where((blk != blk) | (amax != amax), float("nan"), tl.maximum(amax, blk))
     scale = _fp8_scale(amax, FMAX)
-    # --- pass 2: encode
+    # --- pass 2: encode (COL_AMAX: and the column pass's absmax over these rows, an atomic max a column)
     for n0 in range(0, N, BLOCK_N):
-        x, mask = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N, d_ptr, DIV)
+        raw, mask = _fp8_tile(x_ptr, stride_xm, rows, n0 + c, M, N, d_ptr, 0)
+        x = _fp8_div(raw, rows, n0 + c, M, N, d_ptr, DIV)
         _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, n0 + c, mask, 1, FMAX, MANT, EMIN)
+        if COL_AMAX:
+            _col_amax_store(_col_amax_bits(raw, rows, n0 + c, M, N, e_ptr), c_ptr, n0 + c, N)
     _store_scale(s_ptr, i_ptr, rows, scale, rows < M, STORE_INV)
+
+
+@triton.jit
+def _col_amax_bits(raw, rows, cols, M, N, e_ptr):
+    """Column maxima of ``|raw * e[row]|`` as fp32 bit patterns with the sign cleared: non-negative floats
+    order like their bits, inf and NaN above every finite value (one integer max, NaN-propagating)."""
+    return tl.max(_fp8_div(raw, rows, cols, M, N, e_ptr, 2).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+
+
+@triton.jit
+def _col_amax_store(bits, c_ptr, cols, N):
+    """Atomic max of column absmax bits; a non-finite column's made the NaN ``_col_amax_kernel`` gives."""
+    tl.atomic_max(c_ptr + cols, tl.where(bits >= 0x7F800000, 0x7FC00000, bits), mask=cols < N, sem="relaxed")
 
 
 @triton.jit
@@ -759,9 +775,7 @@ def _fp8_rows_col_amax(x_ptr, d_ptr, q_ptr, s_ptr, i_ptr, e_ptr, c_ptr, M, N, RO
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_INV: tl.constexpr):
     """The one-pass row quantizer over ROWS rows (BLOCK_M at a time) that also takes the column absmax of
     ``x * e[row]`` (what ``_col_amax_kernel`` takes with DIV=2 and ``r = e``): the same products, a running
-    max per column in registers, then one atomic max per column. The maxima are taken on the fp32 bit
-    patterns with the sign cleared (non-negative floats order like their bits, inf and NaN above every
-    finite value: one integer max, NaN-propagating), a non-finite column's made the NaN it is there."""
+    max per column in registers (``_col_amax_bits``), then one atomic max per column."""
     c = tl.arange(0, BLOCK_N)
     cmax = tl.zeros([BLOCK_N], tl.int32)
     r0 = tl.program_id(0) * ROWS
@@ -772,10 +786,8 @@ def _fp8_rows_col_amax(x_ptr, d_ptr, q_ptr, s_ptr, i_ptr, e_ptr, c_ptr, M, N, RO
         scale = _fp8_scale(_line_amax(x, 1), FMAX)
         _fp8_encode_store(x, scale, q_ptr, stride_qm, 1, rows, c, mask, 1, FMAX, MANT, EMIN)
         _store_scale(s_ptr, i_ptr, rows, scale, rows < M, STORE_INV)
-        mag = _fp8_div(raw, rows, c, M, N, e_ptr, 2).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        cmax = tl.maximum(cmax, tl.max(mag, axis=0))
-    bits = tl.where(cmax >= 0x7F800000, 0x7FC00000, cmax)  # inf or NaN: NaN, as _col_amax_kernel
-    tl.atomic_max(c_ptr + c, bits, mask=c < N, sem="relaxed")
+        cmax = tl.maximum(cmax, _col_amax_bits(raw, rows, c, M, N, e_ptr))
+    _col_amax_store(cmax, c_ptr, c, N)
 
 
 @triton.jit
@@ -868,9 +880,8 @@ def triton_quantize_fp8(x2d: torch.Tensor, dim: int, fmt: str = "e5m2", *, colum
 
     Fused passes over dY (FP4Linear's backward reads dY once per quantizer): ``column_amax_of`` (``dim=1``,
     fp32, one multiplier per row) also takes the column absmax of ``x2d * column_amax_of[:, None]`` in the
-    row pass and appends a ``ColumnAmax`` (None where the rows are too long for the one-pass kernel);
-    hand it to the ``dim=0`` call as ``column_amax`` (with ``multiply_by`` the same tensor) instead of a
-    column absmax pass. ``bias_grad`` (``dim=0``) appends the fp32 column sums of ``x2d`` (a bias
+    row pass and appends a ``ColumnAmax``; hand it to the ``dim=0`` call as ``column_amax`` (with
+    ``multiply_by`` the same tensor) instead of a column absmax pass. ``bias_grad`` (``dim=0``) appends the fp32 column sums of ``x2d`` (a bias
     gradient), summed per tile of the column pass and then over the tiles in a fixed order: the same
     sum as ``x2d.sum(0, dtype=torch.float32)`` up to the order of the fp32 additions, deterministic.
     """
@@ -959,19 +970,18 @@ def _fp8_rows(x2d, d, q, scale, inv, meta, inverse, column_amax_of):
     """The row pass of ``triton_quantize_fp8``; ``(ColumnAmax or None,)`` with ``column_amax_of``."""
     m, n = x2d.shape
     block_m, block_n, single, warps = fp8_rows_launch_params(n)
-    fused = column_amax_of is not None and single
+    fused = column_amax_of is not None
     e, buf, rows, token = x2d, x2d, block_m, None  # placeholders when not fused
     if fused:
         e = check_vector("column_amax_of", column_amax_of, m, (torch.float32,), "one fp32 multiplier per row")
         check_same_device(x2d=x2d, column_amax_of=e)
         buf, token = _scratch(2 * n, x2d)
-        rows = block_m * triton.cdiv(m, block_m * FUSED_ROWS_PROGRAMS)
+        if single:  # many rows a program: fewer atomics (two-pass rows: one atomic per column per row block)
+            rows = block_m * triton.cdiv(m, block_m * FUSED_ROWS_PROGRAMS)
     _quantize_fp8_rows_kernel[(triton.cdiv(m, rows),)](
         x2d, d, q.view(torch.uint8), scale, inv, e, buf, m, n, rows, x2d.stride(0), q.stride(0), **meta,
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, STORE_INV=inverse, COL_AMAX=fused, num_warps=warps)
-    if column_amax_of is None:
-        return ()
-    return (ColumnAmax(buf, e, token) if fused else None,)
+    return (ColumnAmax(buf, e, token),) if fused else ()
 
 
 def _fp8_cols(x2d, d, q, scale, inv, meta, inverse, column_major, column_amax, bias_grad):

@@ -89,6 +89,9 @@ QUANTIZER_SASS_PER_ELEMENT_MAX = {
     # the 32.2 of the row pass plus the 15.8 of a second read of dY), and the bias gradient in the column
     # pass (48.2 against 38.5; the strips' last tiles' partial-sum loop counted in full, run by 1 tile in M / 256)
     "quantize_fp8 rows e5m2 / divisor + column absmax, N=4096": 47.0,
+    # two-pass rows (N > 8192): the absmax in the encode pass, one atomic max per column a 4-row block
+    # (measured 46.8, against 37.8 plus the 15.8 of the separate kernel's second read)
+    "quantize_fp8 rows e5m2 / divisor + column absmax, N=11008 (two passes)": 50.0,
     "quantize_fp8 columns e5m2 / divisor, column-major + bias gradient": 51.0,
     # FP4Config.occ_fold_e4m3's quantizer (2 B in, 1 B out per element): measured 31.8 and 38.2;
     # its first version, with the reference's steps spelled out, read 70.5 and 117.8
