@@ -179,7 +179,7 @@ def bench_quantile(dev, m=2048, k=1024, alpha=0.99, reps=5):
 
 #: the parts of FP4Linear's forward+backward that --breakdown times: (module, function, label)
 BREAKDOWN_PARTS = (
-    ("nn.linear", "occ_bounds", "OCC quantile (sampled)"),
+    ("ops.gemm", "occ_bounds", "OCC quantile (sampled)"),
     ("ops.gemm", "quantize_fp4_clamped", "FP4 quantize X (OCC clamp, residual)"),
     ("nn.linear", "_sparse_residual", "OCC residual -> CSR of R^T"),
     ("nn.linear", "quantize_weight", "FP4 quantize W"),

@@ -41,7 +41,7 @@ BUDGET_MARGIN = 1.10
 
 #: what the code traces to today at (M, K, N) (launches, bytes outside the GeMMs): a change that adds
 #: launches or traffic fails `test_launches_do_not_grow`; lower these when the kernels are reduced
-CURRENT = {"w4a4-direct": (17, 621_273_088), "paper": (53, 1_209_790_296)}
+CURRENT = {"w4a4-direct": (9, 487_464_960), "paper": (13, 752_706_378)}
 
 
 def _bytes_budget(preset: str) -> float:
@@ -140,3 +140,29 @@ def test_trace_leaves_the_process_as_it_was(monkeypatch):
     assert gemm.backend_for(torch.device("cpu")) == "reference"
     assert not any(t.is_meta for t in getattr(occ, "_SAMPLE_INDEX", {}).values())
     assert torch.equal(layer(x).detach(), before)
+
+
+#: issue 47, item 3: predicted time against bf16 nn.Linear's, at every 7B shape
+PREDICTED_RATIO_TARGET = {"w4a4-direct": 0.65, "paper": 0.80}
+
+
+@pytest.fixture(scope="module")
+def modelled():
+    return roofline.model()["shapes"]
+
+
+@pytest.mark.parametrize("shape", ["4096x4096", "4096x11008", "11008x4096"])
+def test_predicted_ratios_beat_torchao_float8(modelled, shape):
+    row = modelled[shape]
+    assert row["paper"]["x_bf16"] <= PREDICTED_RATIO_TARGET["paper"], row
+    for preset in PREDICTED_RATIO_TARGET:
+        assert row[preset]["x_bf16"] < row["torchao-float8"]["x_bf16"], (preset, row)
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param("4096x4096", marks=pytest.mark.xfail(strict=True, reason="w4a4-direct is predicted at 0.68x: "
+                 "the three FP8 GeMMs alone are 0.55x and 9 launches moving 487 MB add 0.13x; 0.65x needs the "
+                 "weight's and the input's transposed operands written without their own passes")),
+    "4096x11008", "11008x4096"])
+def test_w4a4_direct_predicted_ratio(modelled, shape):
+    assert modelled[shape]["w4a4-direct"]["x_bf16"] <= PREDICTED_RATIO_TARGET["w4a4-direct"], modelled[shape]
