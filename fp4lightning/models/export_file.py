@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fp4lightning.errors import UsageError, UserError, check_writable_dir
+from fp4lightning.models.export_folder import pid_alive, process_umask
 
 __all__ = ["check_export_file", "export_file"]
 
@@ -43,7 +44,7 @@ def export_file(out: str | os.PathLike, overwrite: bool = False, what: str = "OU
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~process_umask())
         os.replace(tmp, out)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT) or _short_write(e):
@@ -64,25 +65,6 @@ def _remove_dead_leftovers(out: Path) -> None:
     """Delete the temporary files of exports into ``out`` whose process is gone."""
     for path in out.parent.glob(f".{out.name}.export-*"):
         pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+        if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
             path.unlink(missing_ok=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _umask() -> int:
-    """This process's umask (read from /proc where it can be: setting it to read it races other threads)."""
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        with open("/proc/self/status") as f:
-            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

@@ -135,7 +135,7 @@ def _clean_leftovers(out: Path) -> None:
         kind, _, pid = path.name.removeprefix(f".{out.name}.").partition("-")
         if not path.name.startswith(f".{out.name}.") or kind not in ("old", "export") or not pid.isdigit():
             continue
-        if int(pid) != os.getpid() and _alive(int(pid)):
+        if int(pid) != os.getpid() and pid_alive(int(pid)):
             continue  # another export at work
         if kind == "old" and not out.exists() and not out.is_symlink():
             os.rename(path, out)
@@ -144,7 +144,8 @@ def _clean_leftovers(out: Path) -> None:
             _remove(path)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -161,7 +162,7 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _umask() -> int:
+def process_umask() -> int:
     """This process's umask (read from /proc where it can be: setting it to read it races other threads)."""
     with contextlib.suppress(OSError, StopIteration, ValueError):
         with open("/proc/self/status") as f:
@@ -173,7 +174,7 @@ def _umask() -> int:
 
 def _follow_umask(root: Path) -> None:
     """Folders ``0o777`` and files ``0o666`` less the umask, as if each had been created plainly."""
-    mask = _umask()
+    mask = process_umask()
     os.chmod(root, 0o777 & ~mask)
     for folder, dirs, files in os.walk(root):
         for name in dirs:
