@@ -82,9 +82,10 @@ def _data_run(args: argparse.Namespace) -> int:
             opts[key] = getattr(args, key)
     out = prepare(source=opts["source"], out_dir=opts["out"], vocab_size=opts["vocab_size"],
                   val_fraction=opts["val_fraction"], max_tokens=opts["max_tokens"], text_key=opts["text_key"],
-                  cache_dir=args.cache_dir, force=args.force, on_bad_record=args.on_bad_record)
-    # the offline zero-shot tasks from the held-out split (docs/evaluation.md); too little text warns
-    build_offline_tasks(out, strict=False)
+                  cache_dir=args.cache_dir, force=args.force, on_bad_record=args.on_bad_record,
+                  # the offline zero-shot tasks from the held-out split (docs/evaluation.md), written while the
+                  # folder is locked; too little text warns
+                  then=lambda folder: build_offline_tasks(folder, strict=False))
     return 0
 
 

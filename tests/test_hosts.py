@@ -106,6 +106,10 @@ def test_hosts_reach_each_other_and_leave_nothing_behind():
         names = {h.ns(0), h.ns(1)}
         assert names <= _namespaces()
         sleeper = h.popen(1, ["sleep", "300"])
+        # `ip netns exec` enters the namespace and then execs: give a loaded machine time to get there
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in h.pids(1) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sleeper.pid in h.pids(1) and h.pids(0) == []
         assert _send(h, 1 << 16) > 0  # TCP from host 1 to host 0's address
         # each host sees its own loopback and its own end of the link only

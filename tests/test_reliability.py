@@ -577,6 +577,33 @@ def test_two_concurrent_prepares_into_one_folder(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []  # lock file removed too
 
 
+def test_offline_tasks_are_written_while_the_folder_is_locked(tmp_path, monkeypatch):
+    """`data prepare` writes the eval tasks into the prepared folder; a second prepare that swaps the
+    folder in meanwhile made the first one's os.replace fail (seen in CI as exit 1 of one of two
+    concurrent prepares): the tasks must be written before the folder's lock is let go."""
+    import fcntl
+
+    import fp4lightning.eval.tasks as tasks
+
+    src, out = _small_source(tmp_path / "src"), tmp_path / "out"
+    real, seen = tasks.build_offline_tasks, []
+
+    def checked(folder, *a, **kw):
+        with open(tmp_path / ".out.lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("unlocked")
+            except BlockingIOError:
+                seen.append("locked")
+        return real(folder, *a, **kw)
+
+    monkeypatch.setattr(tasks, "build_offline_tasks", checked)
+    assert cli_main(["data", "prepare", "--source", str(src), "--out", str(out), "--vocab-size", "300",
+                     "--val-fraction", "0.5"]) == 0
+    assert seen == ["locked"]
+    assert (out / "eval_tasks").is_dir()
+
+
 def test_failed_reprepare_keeps_the_previous_data(tmp_path):
     from fp4lightning.data import DataSourceError, prepare
 

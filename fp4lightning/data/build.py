@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -241,12 +241,15 @@ def prepare(
     force: bool = False,
     shard_tokens: int = SHARD_TOKENS,
     on_bad_record: str = "error",
+    then: Callable[[Path], object] | None = None,
 ) -> Path:
     """Tokenise ``source`` into ``out_dir`` (see the module docstring); returns ``out_dir``.
 
     Idempotent: if ``out_dir/meta.json`` records the same arguments, nothing is redone.
     ``max_tokens`` caps the tokens written (needed for ``hf:`` corpora such as DCLM);
-    the tokenizer trains on the first ``tokenizer_train_chars`` characters.
+    the tokenizer trains on the first ``tokenizer_train_chars`` characters. ``then(out_dir)`` runs
+    while the folder is still locked (what ``data prepare`` writes into the prepared folder besides
+    the data: the offline eval tasks), so a concurrent ``prepare`` cannot swap the folder under it.
     """
     out_dir = Path(out_dir) if out_dir is not None else default_data_dir(source)
     cache_dir = Path(cache_dir) if cache_dir is not None else out_dir.parent / "downloads"
@@ -257,6 +260,8 @@ def prepare(
     try:
         with _FolderLock(out_dir):
             _prepare_locked(job)
+            if then is not None:
+                then(out_dir)
     except OSError as e:  # the lock file or the build folder could not be written
         if _no_space(e):
             raise _disk_full_error(out_dir, 0) from e
