@@ -1,10 +1,12 @@
 """Shared numerics helpers for the tests."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 
+import pytest
 import torch
 
 
@@ -18,6 +20,26 @@ def sqnr(actual: torch.Tensor, reference: torch.Tensor, dim: int | None = None):
     if dim is None:
         return (10 * torch.log10(ref.pow(2).sum() / err.pow(2).sum().clamp_min(1e-300))).item()
     return 10 * torch.log10(ref.pow(2).sum(dim) / err.pow(2).sum(dim).clamp_min(1e-300))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_scaled_mm_refusal() -> str | None:
+    """None where this torch's CPU ``torch._scaled_mm`` runs every row-wise kind the scaled_mm backend
+    needs (the pinned torch does), else why not: older builds (2.11, the GPU image's) scale per tensor
+    only on CPU, and there the backend refuses or falls back as ``tests/test_capability_probe.py`` checks."""
+    from fp4lightning.ops import capability
+    refused = {capability.kind_name(k): why for k, why in capability.probe(torch.device("cpu")).items() if why}
+    if not refused:
+        return None
+    kind, why = next(iter(refused.items()))
+    return f"torch {torch.__version__}'s CPU _scaled_mm refuses {len(refused)} row-wise kinds ({kind}: {why[:80]})"
+
+
+def needs_cpu_scaled_mm(device: torch.device | None = None):
+    """Skips a test that runs row-wise ``torch._scaled_mm`` on the CPU (or on ``device``, when that is
+    the CPU) where this torch cannot."""
+    why = None if device is not None and device.type != "cpu" else cpu_scaled_mm_refusal()
+    return pytest.mark.skipif(why is not None, reason=why or "")
 
 
 def heavy_tailed(m: int, k: int, outlier_frac: float = 0.01, outlier_scale: float = 20.0) -> torch.Tensor:

@@ -17,6 +17,8 @@ import torch
 from fp4lightning import FP4Config, FP4Linear
 from fp4lightning.ops import capability, gemm
 
+from ._numerics import needs_cpu_scaled_mm
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 KINDS = capability.SCALED_MM_KINDS
@@ -82,10 +84,12 @@ def test_no_rowwise_gemm_means_the_triton_backend(cap, probe):
 
 
 # --------------------------------------------------------------------------- the probe on CPU
+@needs_cpu_scaled_mm()
 def test_probe_runs_every_kind_on_cpu():
     assert capability.probe(torch.device("cpu")) == dict.fromkeys(KINDS)
 
 
+@needs_cpu_scaled_mm()
 def test_a_wrong_result_is_a_refusal(monkeypatch):
     real = capability.probe_call
 
@@ -119,6 +123,7 @@ def _probe_lines(caught) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith(PROBE_LINE)]
 
 
+@needs_cpu_scaled_mm()
 def test_probe_level_refusal_routes_that_kind_with_one_line(fresh_probe, monkeypatch):
     real = capability.probe_call
 
@@ -150,6 +155,7 @@ def _refusing_scaled_mm(real, refuse):
     return call
 
 
+@needs_cpu_scaled_mm()
 @pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
 def test_device_refusing_fp32_outputs_trains_through_bf16(preset, fresh_probe, monkeypatch):
     layer, x, dy = _layer(preset)

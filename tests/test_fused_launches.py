@@ -18,6 +18,8 @@ from fp4lightning.kernels import gemm as kgemm
 from fp4lightning.kernels import scaled_mm as sm
 from fp4lightning.numerics.absmax import quantize_rows_reference
 
+from ._numerics import needs_cpu_scaled_mm
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -48,6 +50,7 @@ def test_wgrad_finish_makes_the_overflow_nan_in_the_same_pass(flag, parts):
         sm.triton_wgrad_finish(acc.clone(), nan_if=torch.zeros(2, dtype=torch.bool, device=DEV))
 
 
+@needs_cpu_scaled_mm(DEV)
 @pytest.mark.parametrize("flag", [False, True])
 def test_scaled_wgrad_nan_if_on_cpu_is_the_where(flag):
     # the CPU form of the same path (cpu_fused epilogue, then torch.where) gives the same bits
@@ -127,6 +130,7 @@ def test_fp8_quantizer_writes_the_reciprocal_of_its_scale(dtype, dim, n):
     assert torch.equal(_bits(inv2), _bits(torch.reciprocal(s2)))
 
 
+@needs_cpu_scaled_mm(DEV)
 @pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
 def test_backward_takes_the_quantizers_reciprocals(preset, monkeypatch):
     # the scaled_mm path with the Triton quantizers (interpreted on CPU): dY's FP8 quantizers write 1 / s
@@ -321,6 +325,7 @@ def test_column_pass_takes_the_bias_gradient(dtype, monkeypatch):
     assert ((bias.double() - exact).abs() <= m * 2.0 ** -24 * x.double().abs().sum(0)).all()
 
 
+@needs_cpu_scaled_mm(DEV)
 @pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
 def test_fp4linear_with_the_bias_gradient_in_the_column_pass(preset, monkeypatch):
     # the GPU's backward (the Triton quantizers, the bias gradient from dY's column pass) against the same

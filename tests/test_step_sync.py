@@ -29,6 +29,8 @@ from fp4lightning.models.config import llama_config
 from fp4lightning.lightning.nonfinite import NonFiniteGuard
 from fp4lightning.lightning.precision import FP4Precision
 
+from ._numerics import needs_cpu_scaled_mm
+
 READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique",
          "aten::_unique2", "aten::unique_consecutive", "aten::equal")
 UPLOADS = ("aten::lift_fresh",)
@@ -77,6 +79,7 @@ def _per_step(prof) -> list[tuple[collections.Counter, bool]]:
     return [(c, logged[0]) for c, logged in steps[:-1]]  # the last one is cut off by the end of training
 
 
+@needs_cpu_scaled_mm()
 def test_fp4_step_reads_the_device_once(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4LIGHTNING_BACKEND", "scaled_mm")
     cfg = dataclasses.replace(llama_config("tiny"), dim=64, n_layers=2, n_heads=2, ffn_dim=128, vocab_size=256,
@@ -153,6 +156,7 @@ def _detect_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@needs_cpu_scaled_mm()
 def test_multi_rank_nonfinite_decision_reads_the_device_once(tmp_path):
     """Over two real gloo ranks the skip decision costs one read per step (it cost three: a read of the
     local flag, an upload of it as a new tensor, a read of the all-reduced one) and agrees on every rank."""
