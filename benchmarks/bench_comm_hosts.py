@@ -1,11 +1,15 @@
 """Gradient exchange between two hosts joined by a rate-limited link: where FP8's bytes cost time.
 
-Two network namespaces ("hosts", :mod:`benchmarks.hosts`) joined by a veth pair whose two directions
-are each limited by ``tc`` (tbf rate, netem delay); one gloo rank per host (``GLOO_SOCKET_IFNAME`` =
-that host's end of the pair), world size 2. Every variant lives in the same two processes and is
-timed in rounds that alternate the variants (the order reversed every other round), so load drift on
-the machine hits all of them alike. For each link setting (``--rates``) the driver changes the link
-between phases; the processes, models and batches stay.
+Two network namespaces ("hosts", :mod:`benchmarks.hosts`) joined by a link whose two directions are
+each limited by a ``tc`` tbf: a veth pair (``--link veth``, the default without a delay), or a TUN
+device per host joined by the harness's userspace wire, which holds every packet for the one-way
+delay (``--link tun``, the default with a ``--delay-ms`` above 0; this needs no netem in the kernel).
+One gloo rank per host (``GLOO_SOCKET_IFNAME`` = that host's end of the link), world size 2. Every
+variant lives in the same two processes and is timed in rounds that alternate the variants (the
+order reversed every other round), so load drift on the machine hits all of them alike. For each link
+setting (every ``--rates`` x every ``--delay-ms``) the driver changes the link between phases; the
+processes, models and batches stay. On the TUN link the driver also reads the wire's counters around
+each phase: its packets, drops, how late packets left, and its CPU time.
 
 Variants (one training step each: forward, backward with the exchange, optimizer step):
   * DDP on the plain fp32 LLaMA (``--model``, AdamW), gradients exchanged as ``trainer.grad_comm``
@@ -17,12 +21,15 @@ Variants (one training step each: forward, backward with the exchange, optimizer
     bf16 weights, ``fsdp-fp4`` gathers packed FP4 codes + row scales (embedding, norms and the head
     are gathered in bf16 by both).
 
-Bytes on the wire are measured, not computed: each host reads its veth's ``tx_bytes`` / ``rx_bytes``
+Bytes on the wire are measured, not computed: each host reads its link's ``tx_bytes`` / ``rx_bytes``
 (``/sys/class/net/DEV/statistics``, inside its namespace) after a barrier before and after every timed
-step, so they are Ethernet frames: TCP/IP headers, ACKs and gloo's own messages included. For FSDP the
-counters are also read after the forward, whose traffic is the weight all-gathers alone.
+step, so they are frames (Ethernet on the veth, bare IP packets on the TUN link): TCP/IP headers,
+ACKs and gloo's own messages included. For FSDP the counters are also read after the forward, whose
+traffic is the weight all-gathers alone.
 
-    sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 1gbit,10gbit --delay-ms 1
+    sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 1gbit,10gbit
+    sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 1gbit --link tun --delay-ms 0,1 \\
+        --variants fp32,bf16,fp8-e4m3,none --steps 4     # the same wire without and with 1 ms each way
     sudo .venv/bin/python benchmarks/bench_comm_hosts.py --rates 0.5gbit,1gbit,2gbit,5gbit,10gbit,25gbit \\
         --steps 3 --variants fp32,bf16,fp8-e4m3          # where FP8 stops paying
     sudo .venv/bin/python benchmarks/bench_comm_hosts.py --variants allreduce-fp32,allgather-u8,allgather-u8-x5
@@ -180,7 +187,7 @@ class CollectiveRun:
 
 
 def measured_step(run, x, y, dev: str) -> dict:
-    """One step of ``run`` between barriers: seconds, this host's veth tx/rx bytes for the whole step
+    """One step of ``run`` between barriers: seconds, this host's link tx/rx bytes for the whole step
     and up to the end of the forward, and the bytes the code counted."""
     marks = {}
     dist.barrier()
@@ -284,41 +291,63 @@ def _worker_env(master: str, port: int, dev: str, threads: int) -> dict:
     return env
 
 
-def _drive_phases(procs, sync_dir: str, set_link, rates: list) -> None:
+def _drive_phases(procs, sync_dir: str, set_link, phases: list) -> None:
     """Per phase: wait for rank 0 to be between phases, set the link, let it go; then wait for the ranks."""
-    for k, rate in enumerate(rates):
+    for k, phase in enumerate(phases):
         ready = os.path.join(sync_dir, f"ready-{k}")
         while not os.path.exists(ready):
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"a rank exited before phase {k} (exit codes {[p.poll() for p in procs]})")
             time.sleep(0.05)
-        set_link(rate)
+        set_link(phase)
         open(os.path.join(sync_dir, f"go-{k}"), "w").close()
     for p in procs:
         if p.wait() != 0:
             raise RuntimeError(f"a rank failed (exit codes {[q.wait() for q in procs]})")
 
 
-def run_hosts(args, rates: list) -> dict:
-    """Both ranks, one per host, every phase; the JSON rank 0 wrote."""
+def wire_delta(before: dict, after: dict) -> dict:
+    """What the wire did between two of its ``TwoHosts.wire_stats()`` readings."""
+    d = {k: after[k] - before[k] for k in ("dropped", "write_errors", "late_ms_sum", "cpu_user_s", "cpu_sys_s", "wall_s")}
+    d["packets"], d["bytes"] = sum(after["packets"]) - sum(before["packets"]), sum(after["bytes"]) - sum(before["bytes"])
+    return d
+
+
+def run_hosts(args, phases: list) -> dict:
+    """Both ranks, one per host, every phase ((rate, one-way delay ms) each); the JSON rank 0 wrote, with
+    the wire's use per phase (``wire``) on the TUN link."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import hosts
 
-    reason = hosts.unavailable_reason()
+    reason = hosts.unavailable_reason(args.link)
     if reason:
         print(f"bench_comm_hosts: {reason} (or run --loopback)", file=sys.stderr)
         raise SystemExit(2)
+    snaps = []
+
+    def set_link(h, phase) -> None:
+        set_rate(h, phase[0])
+        if h.link == "tun":
+            h.set_delay(phase[1])
+            snaps.append(h.wire_stats())
+
     try:
-        with tempfile.TemporaryDirectory() as sync_dir, hosts.TwoHosts(rate=rates[0], delay_ms=args.delay_ms) as h:
+        with tempfile.TemporaryDirectory() as sync_dir, \
+                hosts.TwoHosts(rate=phases[0][0], delay_ms=phases[0][1], link=args.link) as h:
             out = os.path.join(sync_dir, "result.json")
-            procs = [h.popen(i, _worker_cmd(i, h.ifname, len(rates), sync_dir, out, args),
+            procs = [h.popen(i, _worker_cmd(i, h.ifname, len(phases), sync_dir, out, args),
                              env=_worker_env(h.addr(0), 29500, h.ifname, args.threads)) for i in (0, 1)]
-            _drive_phases(procs, sync_dir, lambda rate: set_rate(h, rate), rates)
+            _drive_phases(procs, sync_dir, lambda phase: set_link(h, phase), phases)
+            if snaps:
+                snaps.append(h.wire_stats())
             with open(out) as f:
-                return json.load(f)
-    except hosts.HostsUnavailable as e:  # e.g. --delay-ms on a kernel without netem
+                result = json.load(f)
+    except hosts.HostsUnavailable as e:  # e.g. a delay on a veth, on a kernel without netem
         print(f"bench_comm_hosts: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if snaps:
+        result["wire"] = [wire_delta(a, b) for a, b in zip(snaps, snaps[1:])]
+    return result
 
 
 def run_loopback(args) -> dict:
@@ -377,12 +406,19 @@ RATIOS = (
 )
 
 
-def summarize(result: dict, rates: list) -> list[dict]:
+def phase_label(phase, link: str) -> str:
+    """``1gbit``, or ``1gbit +1 ms`` (one-way delay) on the TUN link or with a delay."""
+    rate, delay = phase
+    return rate if link != "tun" and not delay else f"{rate} +{delay:g} ms"
+
+
+def summarize(result: dict, phases: list, link: str = "veth") -> list[dict]:
     """One row per link setting: median step times and the paired ratios the issue's targets name."""
     rows = []
-    for rate, phase in zip(rates, result["phases"]):
+    for (rate, delay), phase in zip(phases, result["phases"]):
         steps = {v: combine(phase, v) for v in phase[0]}
-        row = {"rate": rate, **{f"{v} ms": statistics.median(m["s"] for m in s) * 1e3 for v, s in steps.items()}}
+        row = {"rate": rate, "delay_ms": delay, "link": link, "label": phase_label((rate, delay), link),
+               **{f"{v} ms": statistics.median(m["s"] for m in s) * 1e3 for v, s in steps.items()}}
         row.update({f"{v} MB": statistics.median(m["tx"] for m in s) / 1e6 for v, s in steps.items()})
         for v, ref, key, name in RATIOS:
             if v in steps and ref in steps:
@@ -394,10 +430,10 @@ def summarize(result: dict, rates: list) -> list[dict]:
     return rows
 
 
-def _print_phase(rate: str, phase: list) -> None:
+def _print_phase(label: str, phase: list, wire: "dict | None") -> None:
     steps = {v: combine(phase, v) for v in phase[0]}
-    print(f"\n### link {rate}\n")
-    print("| variant | step ms min / median / max | MB sent per host per step (veth tx) "
+    print(f"\n### link {label}\n")
+    print("| variant | step ms min / median / max | MB sent per host per step (link tx) "
           "| MB received in the forward (all-gathers): all / the blocks' | counted by the code (MB) |")
     print("|---|---|---|---|---|")
     for v, s in steps.items():
@@ -405,17 +441,24 @@ def _print_phase(rate: str, phase: list) -> None:
         med = {k: statistics.median(m[k] for m in s) / 1e6 for k in ("tx", "fwd_rx", "blocks_rx")}
         print(f"| {v} | {ms[0]:.0f} / {statistics.median(ms):.0f} / {ms[-1]:.0f} | {med['tx']:.2f} "
               f"| {med['fwd_rx']:.2f} / {med['blocks_rx']:.2f} | {s[-1]['counted'] / 1e6:.2f} |")
+    if wire:
+        cpu = wire["cpu_user_s"] + wire["cpu_sys_s"]
+        print(f"\nThe wire over this phase: {wire['packets']} packets, {wire['bytes'] / 1e6:.1f} MB (both directions), "
+              f"{wire['dropped']} dropped; a packet left {wire['late_ms_sum'] * 1e3 / max(wire['packets'], 1):.0f} us "
+              f"after its due time on average; CPU {wire['cpu_user_s']:.2f} s user + {wire['cpu_sys_s']:.2f} s system "
+              f"in {wire['wall_s']:.1f} s ({100 * cpu / wire['wall_s']:.0f}% of one core)")
 
 
-def print_tables(result: dict, rates: list, args) -> list[dict]:
+def print_tables(result: dict, phases: list, args) -> list[dict]:
     overrides, batch, seq = MODELS[args.model]
     print(f"# bench_comm_hosts: 2 hosts x 1 gloo rank, {args.model} LLaMA ({result['numel'] / 1e6:.1f}M parameters, "
           f"batch {batch} x {seq}), {args.steps} timed rounds (+{args.warmup} warm-up) alternating the variants, "
           f"{args.threads} thread(s)/rank, {os.cpu_count()} CPUs shared by both hosts, torch {torch.__version__}, "
           f"{datetime.date.today().isoformat()}")
-    for rate, phase in zip(rates, result["phases"]):
-        _print_phase(rate, phase)
-    rows = summarize(result, rates)
+    wires = result.get("wire") or [None] * len(phases)
+    for ph, phase, wire in zip(phases, result["phases"], wires):
+        _print_phase(phase_label(ph, args.link), phase, wire)
+    rows = summarize(result, phases, args.link)
     cols = [c for c in ("fp32 ms", "bf16 ms", "fp8-e4m3 ms", "none ms", "fsdp-bf16 ms", "fsdp-fp4 ms")
             if c in rows[0]] + [c for c in [r[3] for r in RATIOS] + ["fp8/fp32 exchange", "fp8/bf16 exchange"]
                                 if c in rows[0]]
@@ -425,7 +468,7 @@ def print_tables(result: dict, rates: list, args) -> list[dict]:
     print("| link | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for row in rows:
-        print(f"| {row['rate']} | " + " | ".join(f"{row[c]:.0f}" if c.endswith("ms") else f"{row[c]:.3f}"
+        print(f"| {row['label']} | " + " | ".join(f"{row[c]:.0f}" if c.endswith("ms") else f"{row[c]:.3f}"
                                                for c in cols) + " |")
     return rows
 
@@ -434,7 +477,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="1gbit,10gbit",
                    help="link rates, one phase each (tc spelling; default: 1gbit,10gbit)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way link delay, needs netem (default: 0)")
+    p.add_argument("--delay-ms", default="0",
+                   help="one-way link delays in ms, one phase each per rate, e.g. 0,1 (default: 0); above 0 the "
+                        "TUN link's wire adds them unless --link veth (which needs netem)")
+    p.add_argument("--link", choices=("veth", "tun"), default=None,
+                   help="veth pair, or TUN devices joined by the harness's wire (default: tun with a delay, else veth)")
     p.add_argument("--model", default="mid", choices=sorted(MODELS), help="LLaMA size (default: mid, 29.5M)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list from {VARIANTS + COLLECTIVES} (default: {','.join(VARIANTS)})")
@@ -449,15 +496,27 @@ def main(argv=None) -> int:
     bad = [v for v in args.variants.split(",") if v not in VARIANTS + COLLECTIVES]
     if bad:
         p.error(f"--variants: unknown {bad}; choose from {VARIANTS + COLLECTIVES}")
+    try:
+        delays = [float(d) for d in args.delay_ms.split(",")]
+    except ValueError:
+        p.error(f"--delay-ms: {args.delay_ms!r} is not a comma list of milliseconds, e.g. 0,1")
+    if any(d < 0 for d in delays):
+        p.error(f"--delay-ms: {args.delay_ms!r} has a negative delay")
+    args.link = args.link or ("tun" if any(delays) else "veth")
+    if args.link == "veth" and len(set(delays)) > 1:
+        p.error("--delay-ms: several delays need --link tun (a veth's netem delay is set once)")
     if args.worker:
         args.phases = int(args.phases)
         worker(int(args.rank), 2, args)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # FSDP2 keeps gloo's threads alive past destroy_process_group (see tests/test_fsdp.py)
-    rates = ["loopback"] if args.loopback else args.rates.split(",")
-    result = run_loopback(args) if args.loopback else run_hosts(args, rates)
-    rows = print_tables(result, rates, args)
+    if args.loopback:
+        phases, args.link = [("loopback", 0.0)], "loopback"
+    else:
+        phases = [(rate, delay) for rate in args.rates.split(",") for delay in delays]
+    result = run_loopback(args) if args.loopback else run_hosts(args, phases)
+    rows = print_tables(result, phases, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "raw": result, "argv": sys.argv[1:]}, f)

@@ -1,14 +1,25 @@
-"""Two hosts on one machine: two network namespaces joined by a veth pair with a chosen rate and latency.
+"""Two hosts on one machine: two network namespaces joined by a link with a chosen rate and latency.
 
 Every multi-rank test on loopback sends bytes for free; here a byte costs what the link says. As root,
-``TwoHosts`` makes two namespaces (each its own TCP stack and loopback), joins them with a veth pair,
-puts an address of a private /30 on each end (10.47.0.1 on host 0, 10.47.0.2 on host 1; the two
-namespaces are the only ones that hold them, so nothing outside them is ever contacted), limits each
-end's egress with ``tc``: ``tbf`` for the rate, ``netem`` for a one-way delay (the link's round trip is
-twice the delay), and runs commands in either host. Leaving the ``with`` block, however it is left
-(normal end, an exception, Ctrl-C, SIGTERM, SIGHUP), kills every process it started (their process
-groups) and anything else still inside the namespaces (``ip netns pids``), then deletes both namespaces,
-which deletes the veth pair with them.
+``TwoHosts`` makes two namespaces (each its own TCP stack and loopback), joins them with a link, puts
+an address of a private /30 on each end (10.47.0.1 on host 0, 10.47.0.2 on host 1; the two namespaces
+are the only ones that hold them, so nothing outside them is ever contacted), limits each end's egress
+with a ``tc`` ``tbf`` (the rate), and runs commands in either host. The link is one of:
+
+* ``veth`` (the default without a delay): a veth pair; a one-way delay there needs ``netem`` in the
+  kernel (``CONFIG_NET_SCH_NETEM``), a child ``netem`` qdisc under the ``tbf``.
+* ``tun`` (the default with ``delay_ms > 0``): a TUN device in each namespace (point-to-point, MTU
+  65000, IP packets without a header) and the *wire*, one child process in the root namespace that
+  holds both devices' file descriptors and copies each packet from one to the other after the one-way
+  delay (netem's model: the ``tbf`` serializes, then the packet travels ``delay_ms``; a round trip is
+  twice the delay). The wire keeps each direction's order (a packet never leaves before the one read
+  before it, even when the delay is lowered), and drops a packet only when the bytes it holds in
+  that direction would exceed ``wire_queue_bytes`` (counted, like a full queue). No kernel support
+  beyond TUN is needed. ``h.set_delay(ms)`` changes the delay while the hosts run.
+
+Leaving the ``with`` block, however it is left (normal end, an exception, Ctrl-C, SIGTERM, SIGHUP),
+kills every process it started (their process groups) and anything else still inside the namespaces
+(``ip netns pids``), stops the wire, then deletes both namespaces, which deletes the link with them.
 
 API::
 
@@ -17,7 +28,7 @@ API::
     reason = unavailable_reason()          # None, or one line: why this machine cannot make hosts
     with TwoHosts(rate="1gbit", delay_ms=0) as h:
         h.addr(0), h.addr(1)               # "10.47.0.1", "10.47.0.2"
-        h.ifname                           # "veth0" on both hosts (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)
+        h.ifname                           # "veth0" (or "tun0") on both hosts (GLOO_SOCKET_IFNAME)
         h.ns(0)                            # the namespace's name, unique per process and instance
         p = h.popen(0, ["python", "-c", "..."], env=..., stdout=...)   # subprocess.Popen in host 0,
                                            # its own session (process group), killed at teardown
@@ -25,11 +36,14 @@ API::
         h.kill_host(1)                     # SIGKILL every process inside host 1 (a host that dies)
         h.link_down()                      # or: take the link down (both ends)
         h.pids(0)                          # pids inside host 0 now
+    with TwoHosts(rate="1gbit", delay_ms=1) as h:   # the TUN link and its wire
+        h.set_delay(0)                     # the wire's one-way delay, both directions, from now on
+        h.wire_stats()                     # packets/bytes per direction, drops, the wire's CPU seconds
 
-``TwoHosts(rate=None)`` leaves the link unlimited; ``delay_ms > 0`` needs ``sch_netem`` in the kernel
-(``CONFIG_NET_SCH_NETEM``), and refuses in one line without it. Any failure to build the hosts raises
-``HostsUnavailable`` with one line (not root, no ``ip``/``tc``, no netns support, a missing qdisc).
-Importable by path (``benchmarks/`` is not a package): ``sys.path.insert(0, "benchmarks"); import hosts``.
+``TwoHosts(rate=None)`` leaves the link unlimited (on ``tun`` the wire's own speed is then the limit).
+Any failure to build the hosts raises ``HostsUnavailable`` with one line (not root, no ``ip``/``tc``, no
+netns support, a missing qdisc, no ``/dev/net/tun``). Importable by path (``benchmarks/`` is not a
+package): ``sys.path.insert(0, "benchmarks"); import hosts``.
 
 CLI (the two commands run at once, one per host; ``{addr0}``, ``{addr1}``, ``{ifname}`` and ``{rank}``
 are substituted in each, and ``HOST0_ADDR``, ``HOST1_ADDR``, ``HOST_IFNAME``, ``HOST_RANK`` are set in
@@ -37,20 +51,29 @@ their environments; exit status: the first non-zero one of the two, or 0)::
 
     python benchmarks/hosts.py --check                       # can this machine make the hosts?
     python benchmarks/hosts.py --rate 1gbit --host0 'CMD' --host1 'CMD'
+    python benchmarks/hosts.py --rate 1gbit --delay-ms 1 --host0 'CMD' --host1 'CMD'   # TUN + wire
     python benchmarks/hosts.py --cleanup                     # remove namespaces of dead harness processes
 
-A harness killed with SIGKILL cannot tear down; ``--cleanup`` (or ``cleanup_stale()``) removes the
-namespaces whose creating process is gone.
+A harness killed with SIGKILL cannot tear down: its wire notices (its control socket closes) and
+exits, which removes the TUN devices; ``--cleanup`` (or ``cleanup_stale()``) removes the namespaces
+whose creating process is gone.
 """
 
 import argparse
 import atexit
+import collections
+import fcntl
 import itertools
+import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
+import socket
+import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -59,6 +82,13 @@ import time
 PREFIX = "fp4h"
 SUBNET = "10.47.0"  # a private /30: .1 on host 0, .2 on host 1
 IFNAME = "veth0"
+LINKS = ("veth", "tun")
+TUN_IFNAME = "tun0"
+TUN_MTU = 65000  # large frames: 1 Gbit/s is ~2,000 packets a second for the wire to copy
+TUN_TMP_PREFIX = "fp4w"  # a TUN device's name in the root namespace, until it moves into its host
+WIRE_QUEUE_BYTES = 64 << 20  # per direction: 0.5 s of a 1 Gbit/s link
+TUNSETIFF = 0x400454CA  # _IOW('T', 202, int)
+IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 _NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-[01]$")
 _counter = itertools.count()
 
@@ -75,8 +105,9 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def unavailable_reason() -> "str | None":
-    """None when this machine can make the hosts (root, ``ip netns``, ``tc``), else one line saying why."""
+def unavailable_reason(link: str = "veth") -> "str | None":
+    """None when this machine can make the hosts (root, ``ip netns``, ``tc``; for ``link="tun"`` also
+    ``/dev/net/tun``), else one line saying why."""
     if os.geteuid() != 0:
         return "the two-host harness needs root (it creates network namespaces and a veth pair); run as root"
     for tool in ("ip", "tc"):
@@ -85,6 +116,20 @@ def unavailable_reason() -> "str | None":
     proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
         return f"`ip netns` is unavailable here: {(proc.stderr or proc.stdout).strip()[:200]}"
+    return _tun_unavailable_reason() if link == "tun" else None
+
+
+def _tun_unavailable_reason() -> "str | None":
+    """Creates ``/dev/net/tun`` where a container lacks the node (as ``modprobe tun`` would); None when
+    it opens."""
+    path = "/dev/net/tun"
+    try:
+        if not os.path.exists(path):
+            os.makedirs("/dev/net", exist_ok=True)
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(10, 200))
+        os.close(os.open(path, os.O_RDWR))
+    except OSError as e:
+        return f"the TUN link needs {path} (CONFIG_TUN; `mknod {path} c 10 200`): {e.strerror}"
     return None
 
 
@@ -108,18 +153,41 @@ def _rate_bytes(rate: str) -> float:
     return per_s / 8 if m.group(3) == "bit" else per_s
 
 
-class TwoHosts:
-    """Two namespaces joined by a veth pair; see the module docstring. Use it as a context manager."""
+def _open_tun(name: str) -> int:
+    """A new TUN device ``name`` in this namespace (IP packets, no packet-info header); its fd, non-blocking.
+    The device lives as long as the fd (it is not persistent), wherever the device is moved."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TUN | IFF_NO_PI))
+    except OSError as e:
+        os.close(fd)
+        raise HostsUnavailable(f"creating TUN device {name} failed: {e.strerror}") from None
+    return fd
 
-    def __init__(self, rate: "str | None" = "1gbit", delay_ms: float = 0.0, grace_s: float = 3.0):
+
+class TwoHosts:
+    """Two namespaces joined by a link; see the module docstring. Use it as a context manager."""
+
+    def __init__(self, rate: "str | None" = "1gbit", delay_ms: float = 0.0, grace_s: float = 3.0,
+                 link: "str | None" = None, wire_queue_bytes: int = WIRE_QUEUE_BYTES):
         if rate is not None:
             _rate_bytes(rate)  # fail early on a bad spelling
-        self.rate, self.delay_ms, self.grace_s = rate, float(delay_ms), grace_s
-        tag = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
+        link = link or ("tun" if delay_ms > 0 else "veth")
+        if link not in LINKS:
+            raise ValueError(f"link {link!r}: choose one of {LINKS}")
+        self.rate, self.delay_ms, self.grace_s, self.link = rate, float(delay_ms), grace_s, link
+        self.wire_queue_bytes = int(wire_queue_bytes)
+        n = next(_counter)
+        tag = f"{PREFIX}-{os.getpid()}-{n}"
         self._ns = (f"{tag}-0", f"{tag}-1")
-        self.ifname = IFNAME
+        self._tun_names = tuple(f"{TUN_TMP_PREFIX}{os.getpid():x}-{n % 1000}{i}" for i in (0, 1))
+        self.ifname = TUN_IFNAME if link == "tun" else IFNAME
         self._procs: "list[subprocess.Popen]" = []
         self._created: "list[str]" = []
+        self._tun_fds: "list[int]" = []
+        self._wire: "subprocess.Popen | None" = None
+        self._ctl: "socket.socket | None" = None
+        self._ctl_lines = None
         self._old_handlers: dict = {}
         self._closed = True
 
@@ -172,14 +240,45 @@ class TwoHosts:
         for i in (0, 1):
             _ip("-n", self._ns[i], "link", "set", self.ifname, "down", check=False)
 
+    @property
+    def wire_pid(self) -> "int | None":
+        """The wire process's pid (``tun`` link), else None."""
+        return self._wire.pid if self._wire is not None else None
+
+    def set_delay(self, delay_ms: float) -> None:
+        """The one-way delay of both directions from now on (``tun`` link only; packets already on the
+        wire keep theirs, and none overtakes another)."""
+        if self.link != "tun":
+            raise HostsUnavailable("set_delay needs link='tun' (a veth link's delay is fixed when it is made)")
+        self._wire_call(f"delay {float(delay_ms)!r}")
+        self.delay_ms = float(delay_ms)
+
+    def wire_stats(self) -> "dict | None":
+        """The wire's counters (``tun`` link; None on a veth): ``packets`` and ``bytes`` per direction
+        ([host 0 -> 1, host 1 -> 0]), ``dropped`` (queue bound), ``write_errors`` (a link that is down),
+        ``max_held_bytes``, ``delay_ms``, how late packets left (``late_ms_sum`` over all delivered and
+        ``late_ms_max``), and its own ``cpu_user_s`` / ``cpu_sys_s`` / ``wall_s`` so far (system time
+        includes the receiving host's kernel work: a TUN write delivers the packet). All but the two
+        maxima and ``delay_ms`` are totals since the hosts were made."""
+        return json.loads(self._wire_call("stats")) if self.link == "tun" else None
+
+    def _wire_call(self, cmd: str) -> str:
+        if self._ctl is None:
+            raise HostsUnavailable("the wire is not running (use the hosts inside their `with` block)")
+        self._ctl.sendall(cmd.encode() + b"\n")
+        reply = self._ctl_lines.readline().strip()
+        if not reply or reply.startswith("error"):
+            raise HostsUnavailable(f"the wire did not answer `{cmd}`: {reply or 'it exited'}")
+        return reply
+
     # -- set-up and teardown -----------------------------------------------------------------------
     def __enter__(self) -> "TwoHosts":
-        reason = unavailable_reason()
+        reason = unavailable_reason(self.link)
         if reason:
             raise HostsUnavailable(reason)
-        if self.delay_ms > 0 and not netem_available():
-            raise HostsUnavailable(f"delay_ms={self.delay_ms:g} needs netem, which this kernel lacks "
-                                   "(CONFIG_NET_SCH_NETEM); use delay_ms=0 here")
+        if self.link == "veth" and self.delay_ms > 0 and not netem_available():
+            raise HostsUnavailable(f"delay_ms={self.delay_ms:g} on a veth needs netem, which this kernel lacks "
+                                   "(CONFIG_NET_SCH_NETEM); use link='tun' (the harness's wire) for a delay")
         self._closed = False
         self._install_handlers()
         atexit.register(self.close)
@@ -197,26 +296,73 @@ class TwoHosts:
         for ns in self._ns:
             _ip("netns", "add", ns)
             self._created.append(ns)
+        if self.link == "tun":
+            self._build_tun()
+            return
         a, b = self._ns
         _ip("link", "add", self.ifname, "netns", a, "type", "veth", "peer", "name", self.ifname, "netns", b)
         for i, ns in enumerate(self._ns):
             _ip("-n", ns, "addr", "add", f"{self.addr(i)}/30", "dev", self.ifname)
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", self.ifname, "up")
-            self._shape(ns)
+            self._shape(ns, self.delay_ms)
 
-    def _shape(self, ns: str) -> None:
+    def _build_tun(self) -> None:
+        """A TUN device per host, made here in the root namespace (its fd stays attached when the device
+        moves), then the wire between the two fds."""
+        for i, ns in enumerate(self._ns):
+            tmp = self._tun_names[i]
+            self._tun_fds.append(_open_tun(tmp))
+            _ip("link", "set", "dev", tmp, "netns", ns)
+            _ip("-n", ns, "link", "set", "dev", tmp, "name", self.ifname)
+            _ip("-n", ns, "link", "set", "dev", self.ifname, "mtu", str(TUN_MTU))
+            _ip("-n", ns, "addr", "add", self.addr(i), "peer", f"{self.addr(1 - i)}/32", "dev", self.ifname)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", self.ifname, "up")
+            self._shape(ns, 0.0)  # the wire delays; tc only limits the rate
+        mine, theirs = socket.socketpair()
+        self._ctl, self._ctl_lines = mine, mine.makefile("r")
+        fds = (*self._tun_fds, theirs.fileno())
+        # its own session: a Ctrl-C at the terminal reaches the harness, which stops the wire last
+        self._wire = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--wire", ",".join(map(str, fds)),
+                                       "--delay-ms", repr(self.delay_ms), "--queue-bytes", str(self.wire_queue_bytes)],
+                                      pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL)
+        theirs.close()
+        for fd in self._tun_fds:  # the wire holds the devices now: they go when it does
+            os.close(fd)
+        self._tun_fds.clear()
+        if self._ctl_lines.readline().strip() != "ready":
+            raise HostsUnavailable(f"the wire process did not start (exit code {self._wire.poll()})")
+
+    def _stop_wire(self) -> None:
+        """Close the wire's control socket (it exits on that) and wait for it; SIGKILL if it lingers."""
+        for fd in self._tun_fds:
+            os.close(fd)
+        self._tun_fds.clear()
+        if self._ctl is not None:
+            self._ctl_lines.close()
+            self._ctl.close()
+            self._ctl = self._ctl_lines = None
+        if self._wire is not None and self._wire.poll() is None:
+            try:
+                self._wire.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._wire.kill()
+                self._wire.wait(timeout=5)
+
+    def _shape(self, ns: str, delay_ms: float) -> None:
         tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.ifname]
-        netem = ["netem", "delay", f"{self.delay_ms:g}ms", "limit", "100000"]
+        netem = ["netem", "delay", f"{delay_ms:g}ms", "limit", "100000"]
         steps = []
         if self.rate is not None:
             # burst: 1 ms of the rate, at least one 64 KiB GSO packet; the queue holds 100 ms of it
             burst = max(int(_rate_bytes(self.rate) / 1000), 65536)
             steps.append(tc + ["root", "handle", "1:", "tbf", "rate", self.rate, "burst", str(burst),
                                "latency", "100ms"])
-            if self.delay_ms > 0:
+            if delay_ms > 0:
                 steps.append(tc + ["parent", "1:1", "handle", "10:"] + netem)
-        elif self.delay_ms > 0:
+        elif delay_ms > 0:
             steps.append(tc + ["root", "handle", "1:"] + netem)
         for cmd in steps:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -235,6 +381,7 @@ class TwoHosts:
             for i, ns in enumerate(self._ns):
                 if ns in self._created:
                     self.kill_host(i)
+            self._stop_wire()
             for ns in self._created:
                 _ip("netns", "del", ns, check=False)
             self._created.clear()
@@ -302,10 +449,131 @@ def cleanup_stale() -> "list[str]":
     return names
 
 
+# ---------------------------------------------------------------------------------------------
+# the wire: a child process holding both TUN devices' fds
+
+
+class Wire:
+    """Copies IP packets between two TUN fds, each after its direction's one-way delay, in order.
+
+    Direction ``i`` carries what host ``i`` sends (read from ``fds[i]``) to host ``1 - i`` (written to
+    ``fds[1 - i]``). A packet read at time t is due at max(t + delay, the due time of the packet read
+    before it): FIFO, so lowering the delay never reorders. ``select`` (microsecond timeouts; poll and
+    epoll round to milliseconds) sleeps until the next packet is due or one arrives. A packet that
+    would make a direction hold more than ``queue_bytes`` is dropped and counted. The control socket
+    takes ``delay MS`` and ``stats`` lines and answers each with one line; when it closes, the wire exits.
+    """
+
+    def __init__(self, fds: "tuple[int, int]", ctl: socket.socket, delay_ms: float, queue_bytes: int):
+        self.fds, self.ctl, self.queue_bytes = fds, ctl, queue_bytes
+        self.delay_s = delay_ms / 1e3
+        self.lines = (collections.deque(), collections.deque())  # (due time, packet) per direction
+        self.held = [0, 0]
+        self.packets, self.bytes = [0, 0], [0, 0]
+        self.dropped = self.write_errors = self.max_held = 0
+        self.late_sum = self.late_max = 0.0  # seconds each packet left after its due time
+        self.t0 = time.monotonic()
+        self._ctl_buf = b""
+
+    def run(self) -> None:
+        readable = [*self.fds, self.ctl.fileno()]
+        self.ctl.sendall(b"ready\n")
+        while True:
+            r, _, _ = select.select(readable, [], [], self._timeout())
+            for i, fd in enumerate(self.fds):
+                if fd in r and not self._take(i) and fd in readable:
+                    readable.remove(fd)  # the device is gone (its namespace deleted): stop reading it
+            if self.ctl.fileno() in r and not self._control():
+                return
+            self._deliver(time.monotonic())
+
+    def _timeout(self) -> "float | None":
+        due = [line[0][0] for line in self.lines if line]
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _take(self, i: int) -> bool:
+        """Read what host ``i`` has sent (up to 64 packets); False when its device is gone."""
+        line, now = self.lines[i], time.monotonic()
+        for _ in range(64):
+            try:
+                pkt = os.read(self.fds[i], 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if self.held[i] + len(pkt) > self.queue_bytes:
+                self.dropped += 1
+                continue
+            due = now + self.delay_s
+            line.append((max(due, line[-1][0]) if line else due, pkt))
+            self.held[i] += len(pkt)
+            self.max_held = max(self.max_held, self.held[i])
+        return True
+
+    def _deliver(self, now: float) -> None:
+        for i, line in enumerate(self.lines):
+            while line and line[0][0] <= now:
+                due, pkt = line.popleft()
+                self.held[i] -= len(pkt)
+                self.late_sum += now - due
+                self.late_max = max(self.late_max, now - due)
+                try:
+                    os.write(self.fds[1 - i], pkt)
+                except OSError:  # the receiving end is down (link_down) or gone: the packet is lost
+                    self.write_errors += 1
+                    continue
+                self.packets[i] += 1
+                self.bytes[i] += len(pkt)
+
+    def _control(self) -> bool:
+        """Answer the control lines that have arrived; False when the harness closed the socket."""
+        data = self.ctl.recv(4096)
+        if not data:
+            return False
+        self._ctl_buf += data
+        while b"\n" in self._ctl_buf:
+            cmd, self._ctl_buf = self._ctl_buf.split(b"\n", 1)
+            self.ctl.sendall(self._answer(cmd.decode().split()).encode() + b"\n")
+        return True
+
+    def _answer(self, words: "list[str]") -> str:
+        if words[:1] == ["delay"] and len(words) == 2:
+            self.delay_s = float(words[1]) / 1e3
+            return "ok"
+        if words == ["stats"]:
+            t = os.times()
+            return json.dumps({"packets": self.packets, "bytes": self.bytes, "dropped": self.dropped,
+                               "write_errors": self.write_errors, "max_held_bytes": self.max_held,
+                               "delay_ms": self.delay_s * 1e3, "late_ms_sum": self.late_sum * 1e3,
+                               "late_ms_max": self.late_max * 1e3, "cpu_user_s": t.user, "cpu_sys_s": t.system,
+                               "wall_s": time.monotonic() - self.t0})
+        return f"error: unknown command {' '.join(words)!r}"
+
+
+def _wire_main(spec: str, delay_ms: float, queue_bytes: int) -> int:
+    fd0, fd1, ctl = (int(x) for x in spec.split(","))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness stops the wire (it closes the socket)
+    import ctypes
+    try:  # wake up when a packet is due, not up to the default 50 us later
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
+    except (OSError, AttributeError):
+        pass
+    with socket.socket(fileno=ctl) as sock:
+        Wire((fd0, fd1), sock, delay_ms, queue_bytes).run()
+    return 0
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--wire"]:  # the child TwoHosts starts: --wire FD0,FD1,CTL --delay-ms D --queue-bytes Q
+        return _wire_main(argv[1], float(argv[3]), int(argv[5]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", default="1gbit", help="tbf rate of each end, e.g. 100mbit, 1gbit; 'none': unlimited")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay of each end (needs netem)")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="one-way delay of each direction (on the TUN link: the harness's wire; on a veth: netem)")
+    p.add_argument("--link", choices=LINKS, default=None,
+                   help="veth pair, or TUN devices joined by the harness's wire (default: tun with a delay, else veth)")
     p.add_argument("--host0", help="command for host 0 (a shell-quoted string)")
     p.add_argument("--host1", help="command for host 1")
     p.add_argument("--timeout", type=float, default=None, help="seconds before both commands are killed")
@@ -317,7 +585,9 @@ def main(argv=None) -> int:
         print(f"hosts.py: {reason}", file=sys.stderr)
         return 2
     if args.check:
-        print(f"hosts.py: two hosts can be made here; link delay {'available' if netem_available() else 'unavailable (no netem)'}")
+        tun = unavailable_reason("tun")
+        print(f"hosts.py: two hosts can be made here; veth delay {'available' if netem_available() else 'unavailable (no netem)'}; "
+              f"TUN link with the wire's delay {'available' if tun is None else 'unavailable: ' + tun}")
         return 0
     if args.cleanup:
         names = cleanup_stale()
@@ -327,7 +597,7 @@ def main(argv=None) -> int:
         p.error("give --host0 and --host1 (or --check / --cleanup)")
     rate = None if args.rate.lower() == "none" else args.rate
     try:
-        with TwoHosts(rate=rate, delay_ms=args.delay_ms) as h:
+        with TwoHosts(rate=rate, delay_ms=args.delay_ms, link=args.link) as h:
             subst = {"addr0": h.addr(0), "addr1": h.addr(1), "ifname": h.ifname}
             procs = []
             for i, cmd in enumerate((args.host0, args.host1)):

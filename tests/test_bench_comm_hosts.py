@@ -1,9 +1,10 @@
 """The gradient-exchange benchmark over two hosts (benchmarks/bench_comm_hosts.py) runs end to end.
 
 Its smallest configuration: the tiny LLaMA, DDP with ``trainer.grad_comm`` fp32 and fp8-e4m3, one
-round on a 1 Gbit/s link between two namespaces (benchmarks/hosts.py). The bytes checked are the veth's
-own counters, Ethernet frames with their headers, not what the hooks count. Skipped with the harness's
-reason where it cannot make hosts (not root, no ``ip netns``). The codec runs eagerly
+round on a 1 Gbit/s link between two namespaces (benchmarks/hosts.py): on the veth pair, and on the
+TUN link whose userspace wire adds 0 and then 1 ms each way. The bytes checked are the link's own
+counters, frames with their headers, not what the hooks count. Skipped with the harness's reason
+where it cannot make hosts (not root, no ``ip netns``, no ``/dev/net/tun``). The codec runs eagerly
 (``FP4LIGHTNING_COMPILE=0``, the same bits as compiled): bytes do not depend on it, and compiling would
 cost minutes on a fresh machine.
 """
@@ -20,6 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import hosts  # noqa: E402
 
 REASON = hosts.unavailable_reason()
+TUN_REASON = REASON or hosts.unavailable_reason(link="tun")
 RATE_BITS = 1e9
 #: FP8 codes are a quarter of fp32's bytes; on the wire both carry the same small share of headers, and
 #: the FP8 payload its fp32 scales: the measured ratio sits near 0.25 (0.2499 in one CI run, where the
@@ -31,14 +33,14 @@ FP8_BYTES_RATIO = (0.24, 0.30)
 FRAME_OVERHEAD = (1.0, 1.10)
 
 
-@pytest.mark.skipif(REASON is not None, reason=f"two-host harness: {REASON}")
-def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
+def _bench(tmp_path, *extra: str) -> "tuple[dict, str, int]":
+    """The benchmark's smallest run with ``extra`` arguments: its JSON record, its stdout, its pid."""
     out = tmp_path / "bench.json"
     env = dict(os.environ, FP4LIGHTNING_COMPILE="0", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bench_comm_hosts.py"), "--model", "tiny",
                              "--variants", "fp32,fp8-e4m3", "--rates", "1gbit", "--steps", "1", "--warmup", "0",
-                             "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=ROOT)
+                             "--json", str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
     try:
         stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -46,14 +48,38 @@ def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
         proc.communicate(timeout=60)
         raise
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    rec = json.loads(out.read_text())
-    row = rec["rows"][0]
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if ns.startswith(f"{hosts.PREFIX}-{proc.pid}-")], "the benchmark left its namespaces behind"
+    return json.loads(out.read_text()), stdout, proc.pid
+
+
+def _check_phase(row: dict, phase: list) -> None:
     assert FP8_BYTES_RATIO[0] <= row["fp8/fp32 bytes"] <= FP8_BYTES_RATIO[1], row
-    for host in rec["raw"]["phases"][0]:  # each host's own counters
+    for host in phase:  # each host's own counters
         fp32 = host["fp32"][0]
         assert FRAME_OVERHEAD[0] < fp32["tx"] / fp32["counted"] <= FRAME_OVERHEAD[1], fp32
         # the link is limited: no step moved its bytes faster than 1 Gbit/s
         assert fp32["s"] >= 0.95 * fp32["tx"] * 8 / RATE_BITS, fp32
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"two-host harness: {REASON}")
+def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
+    rec, stdout, _ = _bench(tmp_path)
+    assert rec["rows"][0]["link"] == "veth"
+    _check_phase(rec["rows"][0], rec["raw"]["phases"][0])
     assert "| fp8-e4m3 |" in stdout and "fp8/fp32 bytes" in stdout
-    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if ns.startswith(f"{hosts.PREFIX}-{proc.pid}-")], "the benchmark left its namespaces behind"
+
+
+@pytest.mark.skipif(TUN_REASON is not None, reason=f"two-host harness, TUN link: {TUN_REASON}")
+def test_delay_phases_run_on_the_tun_wire(tmp_path):
+    # without netem a delay used to be refused; now 0 and 1 ms each way run on the same wire, one phase each
+    rec, stdout, _ = _bench(tmp_path, "--delay-ms", "0,1")
+    rows = rec["rows"]
+    assert [(r["link"], r["rate"], r["delay_ms"]) for r in rows] == [("tun", "1gbit", 0.0), ("tun", "1gbit", 1.0)]
+    for row, phase, wire in zip(rows, rec["raw"]["phases"], rec["raw"]["wire"]):
+        _check_phase(row, phase)
+        # the wire carried every byte both hosts counted, dropped none, and says what it cost
+        sent = sum(host[v][0]["tx"] for host in phase for v in ("fp32", "fp8-e4m3"))
+        assert wire["bytes"] >= sent and wire["dropped"] == 0 and wire["write_errors"] == 0, wire
+        assert wire["cpu_user_s"] + wire["cpu_sys_s"] > 0, wire
+    assert "| 1gbit +1 ms |" in stdout and "The wire over this phase" in stdout
