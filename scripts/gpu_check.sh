@@ -2,20 +2,26 @@
 # The GPU check, in stages that each fit one call of the lent GPU machine (docs/perf.md, "GPU check").
 #
 #   bash scripts/gpu_check.sh STAGE [STAGE ...]    # from the repository root, on a CUDA machine
-#   bash scripts/gpu_check.sh all                  # checks layers step train, one after the other
+#   bash scripts/gpu_check.sh all                  # profile layers checks step train, one after the other
 #
-# Stages (each ends within its budget, 150-200 s, scripts/gpu_stage.py STAGE_BUDGET_S; what it measures goes into
+# On a lent machine, two calls (scripts/gpu_stage.py CALLS): `profile layers`, then `checks step train`.
+# Stages (each ends within its budget, 120-280 s, scripts/gpu_stage.py STAGE_BUDGET_S; what it measures goes into
 # docs/perf/h200.json under its key as soon as it is measured, and to $OUT/h200.json when $OUT is set):
-#   checks        the device, the capability probe of torch._scaled_mm (which kinds run, where the
-#                 others go), every kernel against its reference (benchmarks/bench_kernels.py
-#                 --checks-only), tests/test_scaled_mm.py and tests/test_capability_probe.py compiled
+#   profile       where the layers' time goes at the 7B shapes, 8192 tokens: bf16, w4a4-direct, paper,
+#                 torchao float8; synced and back-to-back wall time, the host's time to issue a call,
+#                 the kernels' time (torch.profiler) beside the roofline's launches, a CUDA graph replay
+#                 (benchmarks/profile_linear.py)
 #   layers        the layer table at the 7B shapes, 8192 tokens: bf16 nn.Linear, torchao float8
 #                 row-wise, FP4Linear w4a4-direct and paper on the scaled_mm and Triton paths, each
 #                 figure beside the roofline's prediction (benchmarks/roofline.py)
+#   checks        the device, the capability probe of torch._scaled_mm (which kinds run, where the
+#                 others go), every kernel against its reference (benchmarks/bench_kernels.py
+#                 --checks-only), tests/test_scaled_mm.py and tests/test_capability_probe.py compiled
 #   step          one training step of the llama2-1.3b recipe's model, blocks compiled: bf16-mixed,
-#                 fp4 (paper), torchao float8 (compiled), w4a4-direct (benchmarks/bench_train.py)
+#                 fp4 (paper), w4a4-direct (benchmarks/bench_train.py)
 #   train         the user's command: fp4lightning train recipes/llama2-1.3b.yaml, 12 steps on the
 #                 carried built-in corpus (data/builtin), tokens/s and MFU as logged
+#   step-torchao  the same step with torchao float8 row-wise, compiled (a long compile: optional)
 #   extras        the eager 1.3B step's time split, the weight quantized once per step, the optimizer
 #   kernels       the kernel tests compiled (GPU tests at realistic sizes, then the small shapes)
 #   kernel-bench  the kernel benchmark's timing rows, autotuning on
@@ -32,8 +38,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
-MAIN_STAGES=(checks layers step train)
-ALL_STAGES=" checks layers step train extras kernels kernel-bench "
+MAIN_STAGES=(profile layers checks step train)
+ALL_STAGES=" profile layers checks step train step-torchao extras kernels kernel-bench "
 if [ $# -eq 0 ]; then
   echo "usage: bash scripts/gpu_check.sh STAGE [STAGE ...]; STAGE:${ALL_STAGES}or all" >&2
   exit 2

@@ -3,24 +3,25 @@
 
 Each stage fits one call of the lent GPU machine (at most 600 s a call, about 15 minutes of GPU
 time a task, start-up included): its steps run as child processes under their own time limits
-inside the stage's budget (``STAGE_BUDGET_S``, 2.5-3.3 minutes; the four main stages 11.3 minutes), and what each step measures goes into
-``docs/perf/h200.json`` under the stage's key as soon as it is measured (the layer table row by
-row, the 1.3B step precision by precision, the training run's logged tokens/s as it logs; also
-copied to ``$OUT/h200.json`` when ``$OUT`` is set). A stage cut short keeps what it measured and
-every other stage's part.
+(``STEP_LIMIT_S``) inside the stage's budget (``STAGE_BUDGET_S``, 2-4.7 minutes; the main stages,
+in the two calls of ``CALLS``, 11.9 minutes), and what each step measures goes into
+``docs/perf/h200.json`` under the stage's key as soon as it is measured (the profile and the layer
+table layer by layer, the 1.3B step precision by precision, the training run's logged tokens/s as
+it logs; also copied to ``$OUT/h200.json`` when ``$OUT`` is set). A stage cut short keeps what it
+measured and every other stage's part.
 
-    python scripts/gpu_stage.py stage checks|layers|step|train|extras|kernels|kernel-bench
+    python scripts/gpu_stage.py stage profile|layers|checks|step|train|step-torchao|extras|kernels|kernel-bench
     python scripts/gpu_stage.py imports STAGE ...        # what a stage imports (and its recipe, data)
     python scripts/gpu_stage.py wheels --target DIR      # the carried .whl/*.whl, installed into DIR
 
-Where the budgets come from (docs/perf.md, the H200 run of the Triton kernels): one bf16
-``nn.Linear`` forward + backward at 8192 tokens takes 1.3-3.6 ms and the FP4 layers 2.3-3.7x that,
-so the layer table's timed calls (3 shapes x 7 layers x 23 calls) are a few seconds of GPU work;
-a 1.3B step at 16 x 2048 tokens is about 1 s. What fills a stage is compiling: Triton's JIT for
-every kernel (cached on the machine's disk for the later stages), torchao's and the decoder
-blocks' ``torch.compile``. The limits are those of the single-call script this replaced (kernel
-checks 120 s, scaled_mm tests 120 s, layer table 200 s, 1.3B step 240 s, training 180 s), cut so
-that each stage's sum stays under its budget.
+Where the budgets come from: the first run of these stages on an H200 (docs/perf.md, "GPU check"),
+each limit about 1.3-1.6x the time the step took there (the kernel checks 60 s with process start
+and JIT, the scaled_mm tests 44 s, the layer table 54 s, the 1.3B step 22-34 s a precision, the
+training command 82 s). GPU work is the small part (one layer's forward + backward at 8192 tokens is
+1.5-4.7 ms); what fills a stage is compiling: Triton's JIT for every kernel (cached on the machine's
+disk for the later stages of a call), torchao's and the decoder blocks' ``torch.compile``. The 1.3B
+step with torchao float8 compiled did not finish in 140 s there, so it has a stage of its own
+(``step-torchao``), outside the main ones.
 
 Exit status: 0 all passed, 1 a wrong result, crash or import error, 2 a step ran out of time.
 """
@@ -48,10 +49,29 @@ PY = sys.executable
 RECIPE = "recipes/llama2-1.3b.yaml"
 DATA = "data/builtin"
 ROOFLINE_JSON = ROOT / ".whl" / "roofline.json"  # written by scripts/gpu_pack.sh
-#: each stage ends within its budget: the four main stages add up to 680 s (11.3 min), which leaves
-#: a lent machine's start-up inside the task's 15 minutes of GPU time; two stages fit one call (600 s)
-STAGE_BUDGET_S = {"checks": 150, "layers": 180, "step": 200, "train": 150,
-                  "extras": 230, "kernels": 230, "kernel-bench": 230}
+#: each stage ends within its budget (s); the main stages (``CALLS``) add up to 715 s, which with a lent
+#: machine's start-up (about a minute) stays under 13 of the task's 15 minutes of GPU time
+STAGE_BUDGET_S = {"profile": 150, "layers": 120, "checks": 190, "step": 125, "train": 130,
+                  "step-torchao": 280, "extras": 230, "kernels": 230, "kernel-bench": 230}
+#: each step's time limit (s) inside its stage (cut to what is left of the stage's budget); a stage's
+#: limits add up to at most its budget
+STEP_LIMIT_S = {
+    "profile": {"profile": 140},
+    "layers": {"table": 110},  # the roofline, when .whl/roofline.json is missing, gets what is left
+    "checks": {"probe": 30, "kernel_checks": 80, "scaled_mm_tests": 70},
+    "step": {"bf16-mixed": 45, "fp4": 45, "w4a4-direct": 35},
+    "train": {"train": 125},
+    "step-torchao": {"torchao-float8": 270},
+    "extras": {"step_1.3b_eager": 110, "weight_reuse": 60, "optimizer": 45},
+    "kernels": {"gpu_tests": 110, "small_tests": 110},
+    "kernel-bench": {"timings": 220},
+}
+#: the plan for a lent machine: one ``gpu_check.sh`` call per entry, in this order (each under 600 s):
+#: first what guides the optimisation (where the layers' time goes, the layer table), then correctness,
+#: the 1.3B step and the user's command
+CALLS = (("profile", "layers"), ("checks", "step", "train"))
+#: the stages ``gpu_check.sh all`` runs, in order
+MAIN_STAGES = tuple(s for call in CALLS for s in call)
 #: ``GPU_CHECK_BUDGET_S`` sets every stage's budget at once (lower it when less GPU time is left)
 BUDGET_S = float(os.environ["GPU_CHECK_BUDGET_S"]) if os.environ.get("GPU_CHECK_BUDGET_S") else None
 #: a step is not started with less time than this left in its stage
@@ -63,18 +83,22 @@ POLL_S = 2.0
 TRAIN_OVERRIDES = ["data.source=builtin", f"data.dir={DATA}", "trainer.devices=1", "trainer.strategy=auto",
                    "data.global_batch_size=8", "schedule.max_steps=12", "trainer.log_every_n_steps=2"]
 #: the record's key of each stage
-KEYS = {"checks": "checks", "layers": "layers", "step": "step_1.3b", "train": "train_1.3b", "extras": "extras",
-        "kernels": "kernel_tests", "kernel-bench": "kernel_bench"}
+KEYS = {"profile": "profile", "layers": "layers", "checks": "checks", "step": "step_1.3b", "train": "train_1.3b",
+        "step-torchao": "step_1.3b_torchao", "extras": "extras", "kernels": "kernel_tests",
+        "kernel-bench": "kernel_bench"}
 #: what each stage imports: modules, benchmark scripts (imported, not run), optional modules
 #: (a row reads n/a without them), a recipe with overrides to resolve, a prepared data folder
 COMMON = ["torch", "triton", "fp4lightning", "fp4lightning.ops.gemm", "fp4lightning.kernels.fp4_triton",
           "fp4lightning.kernels.scaled_mm"]
 NEEDS = {
+    "profile": dict(scripts=["benchmarks/profile_linear.py", "benchmarks/bench_linear.py", "benchmarks/roofline.py"],
+                    optional=["torchao.float8"]),
     "checks": dict(modules=["pytest", "tests.test_scaled_mm", "tests.test_capability_probe"],
                    scripts=["benchmarks/bench_kernels.py"]),
     "layers": dict(scripts=["benchmarks/bench_linear.py"], optional=["torchao.float8"]),
-    "step": dict(modules=["omegaconf", "fp4lightning.train.run"], scripts=["benchmarks/bench_train.py"],
-                 optional=["torchao.float8"], recipe=[]),
+    "step": dict(modules=["omegaconf", "fp4lightning.train.run"], scripts=["benchmarks/bench_train.py"], recipe=[]),
+    "step-torchao": dict(modules=["omegaconf", "fp4lightning.train.run", "torchao.float8"],
+                         scripts=["benchmarks/bench_train.py"], recipe=[]),
     "train": dict(modules=["omegaconf", "fp4lightning.cli", "fp4lightning.train.run"], recipe=TRAIN_OVERRIDES,
                   data=DATA),
     "extras": dict(modules=["omegaconf"], scripts=["benchmarks/bench_train.py", "benchmarks/bench_weight_reuse.py",
@@ -122,7 +146,8 @@ def _now() -> str:
 # --------------------------------------------------------------------------- imports
 def _import_script(rel: str) -> None:
     spec = importlib.util.spec_from_file_location(f"gpu_check_{Path(rel).stem}", ROOT / rel)
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(mod)
 
 
 def check_imports(stage: str) -> list[str]:
@@ -190,10 +215,12 @@ class Stage:
     def remaining(self) -> float:
         return self.budget_s - (time.time() - self.t0)
 
-    def run(self, name: str, cmd: list, limit: float, env: dict | None = None, poll=None) -> int | None:
-        """Run ``cmd`` for at most ``limit`` s (less if the stage's budget ends first); ``poll()``
-        returns (record path, value) to write whenever the value changed, or None."""
-        limit = min(limit, self.remaining() - 5)
+    def run(self, name: str, cmd: list, limit: float | None = None, env: dict | None = None,
+            poll=None) -> int | None:
+        """Run ``cmd`` for at most ``limit`` s (default: the step's ``STEP_LIMIT_S``; less if the stage's
+        budget ends first); ``poll()`` returns (record path, value) to write whenever the value changed,
+        or None."""
+        limit = min(STEP_LIMIT_S[self.name][name] if limit is None else limit, self.remaining() - 5)
         if limit < MIN_STEP_S:
             self._status(name, {"status": "skipped", "why": "the stage's time ran out"})
             self.incomplete.append(name)
@@ -300,7 +327,7 @@ def roofline(st: Stage | None = None) -> tuple[dict | None, str]:
         return None, "no benchmarks/roofline.py" if not script.is_file() else "not run"
     out = st.tmp / "roofline.json"
     out.unlink(missing_ok=True)
-    st.run("roofline", ["bash", "-c", f'"{PY}" benchmarks/roofline.py --json > "{out}"'], 90)
+    st.run("roofline", ["bash", "-c", f'"{PY}" benchmarks/roofline.py --json > "{out}"'], 90)  # or what is left
     got = _read_json(out)
     return (got, "benchmarks/roofline.py --json") if isinstance(got, dict) and "shapes" in got else \
         (None, "benchmarks/roofline.py --json gave no {'shapes': ...}")
@@ -332,17 +359,36 @@ def _ratio(a, b):
 # --------------------------------------------------------------------------- the stages
 NO_AUTOTUNE = {"FP4LIGHTNING_AUTOTUNE": "0"}  # autotuning's compiles would take a stage's time
 PYTEST = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfE", "--durations=5"]
-#: the 1.3B step, one process per precision (its figures land as each finishes): (row, limit s, extra args)
-STEP_ROWS = (("bf16-mixed", 60, []), ("fp4", 60, []), ("torchao-float8", 45, ["--compile-torchao"]),
-             ("w4a4-direct", 35, []))
+#: the 1.3B step's rows per stage, one process per precision (its figures land as each finishes):
+#: (row, extra args); each row's limit is in STEP_LIMIT_S
+STEP_ROWS = {"step": (("bf16-mixed", []), ("fp4", []), ("w4a4-direct", [])),
+             "step-torchao": (("torchao-float8", ["--compile-torchao"]),)}
+#: benchmarks/profile_linear.py's arguments in the profile stage (its defaults: the three 7B shapes at
+#: 8192 tokens, 10 timed calls of each kind, 3 under the profiler, the CUDA graph replay)
+PROFILE_ARGS: list[str] = []
+
+
+def stage_profile(st: Stage) -> None:
+    """Where the layer table's time goes, per 7B shape and layer (bf16, w4a4-direct, paper, torchao
+    float8): synced and back-to-back wall time, the host's time to issue a call, the kernels' time
+    from torch.profiler (GeMMs and the rest, per kernel) beside the roofline's launches, a CUDA graph's
+    replay (benchmarks/profile_linear.py)."""
+    out = st.tmp / "profile.json"
+    out.unlink(missing_ok=True)
+
+    def poll():
+        got = _read_json(out)
+        return None if got is None else (f"{st.key}/result", got)
+
+    st.run("profile", [PY, "benchmarks/profile_linear.py", *PROFILE_ARGS, "--json", out], env=NO_AUTOTUNE, poll=poll)
 
 
 def stage_checks(st: Stage) -> None:
     """The device, torch's _scaled_mm kinds (the capability probe), then correctness: every kernel
     against its reference and the scaled_mm backend's tests, compiled."""
-    st.run("probe", [PY, str(Path(__file__).resolve()), "probe"], 45)
-    st.run("kernel_checks", [PY, "benchmarks/bench_kernels.py", "--checks-only"], 60, NO_AUTOTUNE)
-    st.run("scaled_mm_tests", PYTEST + ["tests/test_scaled_mm.py", "tests/test_capability_probe.py"], 45, NO_AUTOTUNE)
+    st.run("probe", [PY, str(Path(__file__).resolve()), "probe"])
+    st.run("kernel_checks", [PY, "benchmarks/bench_kernels.py", "--checks-only"], env=NO_AUTOTUNE)
+    st.run("scaled_mm_tests", PYTEST + ["tests/test_scaled_mm.py", "tests/test_capability_probe.py"], env=NO_AUTOTUNE)
 
 
 def stage_layers(st: Stage) -> None:
@@ -356,8 +402,8 @@ def stage_layers(st: Stage) -> None:
         got = _read_json(table)
         return None if got is None else (f"{st.key}/table", with_predictions(got, pred))
 
-    st.run("table", [PY, "benchmarks/bench_linear.py", "--layer-table", "--iters", "20", "--json", table], 175,
-           NO_AUTOTUNE, poll)
+    st.run("table", [PY, "benchmarks/bench_linear.py", "--layer-table", "--iters", "20", "--json", table],
+           env=NO_AUTOTUNE, poll=poll)
     if pred is None:
         pred, source = roofline(st)
         if pred is not None and _read_json(table) is not None:
@@ -367,9 +413,10 @@ def stage_layers(st: Stage) -> None:
 
 def stage_step(st: Stage) -> None:
     """The whole training step of the llama2-1.3b recipe's model, decoder blocks compiled as the recipe
-    does: bf16-mixed, fp4 (paper), torchao float8 row-wise (compiled) and w4a4-direct."""
+    does: bf16-mixed, fp4 (paper) and w4a4-direct (``step``); torchao float8 row-wise, compiled
+    (``step-torchao``; its tokens/s against the ``step`` stage's bf16-mixed row in the record)."""
     update(f"{st.key}/pred", None)  # the roofline models one layer, not a step
-    for row, limit, extra in STEP_ROWS:
+    for row, extra in STEP_ROWS[st.name]:
         out = st.tmp / f"step_{row}.json"
         out.unlink(missing_ok=True)
 
@@ -380,9 +427,10 @@ def stage_step(st: Stage) -> None:
             return f"{st.key}/rows/{row}", {**got[row], "setup": got.get("setup")}
 
         st.run(row, [PY, "benchmarks/bench_train.py", "--recipe", RECIPE, "--steps", "3", "--start-micro-batch", "16",
-                     "--compile", *extra, "--precisions", row, "--json", out], limit, NO_AUTOTUNE, poll)
-    rows = read_record().get(st.key, {}).get("rows", {})
-    base = (rows.get("bf16-mixed") or {}).get("tokens_per_s")
+                     "--compile", *extra, "--precisions", row, "--json", out], env=NO_AUTOTUNE, poll=poll)
+    rec = read_record()
+    rows = rec.get(st.key, {}).get("rows", {})
+    base = ((rec.get(KEYS["step"], {}).get("rows") or {}).get("bf16-mixed") or {}).get("tokens_per_s")
     if base:
         update(f"{st.key}/tokens_per_s_vs_bf16", {r: _ratio(v.get("tokens_per_s"), base) for r, v in rows.items()})
 
@@ -418,7 +466,7 @@ def stage_train(st: Stage) -> None:
         got = train_metrics(run_dir)
         return None if got is None else (f"{st.key}/metrics", got)
 
-    st.run("train", cmd, 145, NO_AUTOTUNE, poll)
+    st.run("train", cmd, env=NO_AUTOTUNE, poll=poll)
 
 
 def stage_extras(st: Stage) -> None:
@@ -427,33 +475,32 @@ def stage_extras(st: Stage) -> None:
     split = st.tmp / "step_eager.json"
     split.unlink(missing_ok=True)
     st.run("step_1.3b_eager", [PY, "benchmarks/bench_train.py", "--recipe", RECIPE, "--steps", "2",
-                               "--start-micro-batch", "16", "--precisions", "bf16-mixed,fp4", "--json", split], 110,
-           NO_AUTOTUNE, lambda: None if _read_json(split) is None else (f"{st.key}/step_1.3b_eager", _read_json(split)))
+                               "--start-micro-batch", "16", "--precisions", "bf16-mixed,fp4", "--json", split],
+           env=NO_AUTOTUNE,
+           poll=lambda: None if _read_json(split) is None else (f"{st.key}/step_1.3b_eager", _read_json(split)))
     reuse = st.tmp / "weight_reuse.json"
     reuse.unlink(missing_ok=True)
     st.run("weight_reuse", [PY, "benchmarks/bench_weight_reuse.py", "--device", "cuda", "--tokens", "8192",
-                            "--accum", "4", "--json", reuse], 60,
+                            "--accum", "4", "--json", reuse],
            poll=lambda: None if _read_json(reuse) is None else (f"{st.key}/weight_reuse", _read_json(reuse)))
-    st.run("optimizer", [PY, "benchmarks/bench_optim.py", "--step-time", "--step-params", "200", "--step-steps", "10"],
-           45)
+    st.run("optimizer", [PY, "benchmarks/bench_optim.py", "--step-time", "--step-params", "200", "--step-steps", "10"])
 
 
 def stage_kernels(st: Stage) -> None:
     """The kernel tests compiled: the GPU tests at realistic sizes, then the small-shape ones."""
-    st.run("gpu_tests", PYTEST + ["-m", "gpu", "tests/test_kernels.py"], 110, NO_AUTOTUNE)
+    st.run("gpu_tests", PYTEST + ["-m", "gpu", "tests/test_kernels.py"], env=NO_AUTOTUNE)
     st.run("small_tests", PYTEST + ["-m", "not gpu and not slow", "tests/test_kernels.py",
-                                    "tests/test_block_kernels.py"], 110, NO_AUTOTUNE)
+                                    "tests/test_block_kernels.py"], env=NO_AUTOTUNE)
 
 
 def stage_kernel_bench(st: Stage) -> None:
     """The kernel benchmark's timing rows, autotuning on (benchmarks/bench_kernels.py --skip-checks)."""
-    st.run("timings", [PY, "benchmarks/bench_kernels.py", "--skip-checks"], 220)
+    st.run("timings", [PY, "benchmarks/bench_kernels.py", "--skip-checks"])
 
 
-STAGES = {"checks": stage_checks, "layers": stage_layers, "step": stage_step, "train": stage_train,
-          "extras": stage_extras, "kernels": stage_kernels, "kernel-bench": stage_kernel_bench}
-#: the stages `all` runs, in order: correctness, the layer table, the 1.3B step, the user's command
-MAIN_STAGES = ("checks", "layers", "step", "train")
+STAGES = {"profile": stage_profile, "layers": stage_layers, "checks": stage_checks, "step": stage_step,
+          "train": stage_train, "step-torchao": stage_step, "extras": stage_extras, "kernels": stage_kernels,
+          "kernel-bench": stage_kernel_bench}
 
 
 def probe_device() -> int:
