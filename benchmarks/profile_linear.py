@@ -19,6 +19,9 @@ imports), for one forward + backward under bf16 autocast:
   machine without a GPU** everything runs on the CPU, synchronously: ``busy_ms`` is then the
   profiler's CPU op self time and ``kernels`` lists aten ops, not kernels;
 * ``pred``: the roofline's H200 prediction (total, GeMMs, the rest, launches, and its launch list);
+* ``peak_mb``: on CUDA, the most memory one call holds above what was allocated before it
+  (``torch.cuda.max_memory_allocated``: saved tensors, operands, scratch; the 1.3B step used more memory in
+  FP4 than in bf16); None on CPU;
 * ``graph_ms``: the call captured once in a CUDA graph and replayed (no host work at all), or why
   capture failed.
 
@@ -248,13 +251,29 @@ def print_layer(shape: str, name: str, r: dict, top: int) -> None:
         left = f"{got['us_per_call']:9.1f} us x{got['per_call']:<4g} {got['kind']:5s} {got['name'][:70]}" if got else ""
         right = f"{want['us']:8.1f} us x{want['launches']:<2d} {want['kind']:6s} {want['name'][:50]}" if want else ""
         print(f"|   {left:<105s} || {right}", flush=True)
+    if r.get("peak_mb") is not None:
+        print(f"|   peak memory of one call: {r['peak_mb']:.1f} MiB above what it started with", flush=True)
     for x in r["runtime"][:4]:
         print(f"|   host: {x['name']} x{x['per_call']:g} per call, {x['us_per_call']:.1f} us", flush=True)
 
 
 # --------------------------------------------------------------------------- the run
+def peak_mb(call, dev: torch.device) -> float | None:
+    """``peak_mb`` of one ``call`` (module docstring): CUDA's allocator high-water mark above the memory
+    allocated before it; None off CUDA (the CPU allocator keeps no high-water mark)."""
+    if dev.type != "cuda":
+        return None
+    _sync(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    call()
+    _sync(dev)
+    return round((torch.cuda.max_memory_allocated(dev) - before) / 2 ** 20, 1)
+
+
 def measure_layer(call, dev: torch.device, iters: int, calls: int) -> dict:
     r = wall_times(call, dev, iters)
+    r["peak_mb"] = peak_mb(call, dev)
     r.update(profile_calls(call, dev, calls))
     # on CPU everything is host time: nothing to compare
     r["bound"] = ("host" if r["host_ms"] > r["busy_ms"] else "gpu") if dev.type == "cuda" else None

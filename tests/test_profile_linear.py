@@ -57,6 +57,7 @@ def test_every_figure_is_positive_and_the_kernels_add_up(record):
         for key in ("sync_ms", "b2b_ms", "host_ms", "profiled_ms", "busy_ms", "gemm_ms"):
             assert r[key] > 0, (name, key, r[key])
         assert r["other_ms"] >= 0 and r["bound"] is None  # on CPU everything is host time
+        assert r["peak_mb"] is None  # the CPU allocator keeps no high-water mark
         ks = r["kernels"]
         assert ks and all(k["kind"] in ("gemm", "other") and k["per_call"] > 0 and k["us_per_call"] >= 0 for k in ks)
         assert [k["us_per_call"] for k in ks] == sorted((k["us_per_call"] for k in ks), reverse=True)
