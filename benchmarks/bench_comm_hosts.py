@@ -310,6 +310,7 @@ def wire_delta(before: dict, after: dict) -> dict:
     """What the wire did between two of its ``TwoHosts.wire_stats()`` readings."""
     d = {k: after[k] - before[k] for k in ("dropped", "write_errors", "late_ms_sum", "cpu_user_s", "cpu_sys_s", "wall_s")}
     d["packets"], d["bytes"] = sum(after["packets"]) - sum(before["packets"]), sum(after["bytes"]) - sum(before["bytes"])
+    d["sched"] = after["sched"]
     return d
 
 
@@ -446,7 +447,7 @@ def _print_phase(label: str, phase: list, wire: "dict | None") -> None:
         print(f"\nThe wire over this phase: {wire['packets']} packets, {wire['bytes'] / 1e6:.1f} MB (both directions), "
               f"{wire['dropped']} dropped; a packet left {wire['late_ms_sum'] * 1e3 / max(wire['packets'], 1):.0f} us "
               f"after its due time on average; CPU {wire['cpu_user_s']:.2f} s user + {wire['cpu_sys_s']:.2f} s system "
-              f"in {wire['wall_s']:.1f} s ({100 * cpu / wire['wall_s']:.0f}% of one core)")
+              f"in {wire['wall_s']:.1f} s ({100 * cpu / wire['wall_s']:.0f}% of one core; scheduling: {wire['sched']})")
 
 
 def print_tables(result: dict, phases: list, args) -> list[dict]:

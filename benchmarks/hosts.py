@@ -62,6 +62,7 @@ whose creating process is gone.
 import argparse
 import atexit
 import collections
+import ctypes
 import fcntl
 import itertools
 import json
@@ -258,8 +259,9 @@ class TwoHosts:
         ([host 0 -> 1, host 1 -> 0]), ``dropped`` (queue bound), ``write_errors`` (a link that is down),
         ``max_held_bytes``, ``delay_ms``, how late packets left (``late_ms_sum`` over all delivered and
         ``late_ms_max``), and its own ``cpu_user_s`` / ``cpu_sys_s`` / ``wall_s`` so far (system time
-        includes the receiving host's kernel work: a TUN write delivers the packet). All but the two
-        maxima and ``delay_ms`` are totals since the hosts were made."""
+        includes the receiving host's kernel work: a TUN write delivers the packet), ``sched`` ("fifo":
+        it runs at real-time priority 1, else "other"). All but the two maxima, ``delay_ms`` and
+        ``sched`` are totals since the hosts were made."""
         return json.loads(self._wire_call("stats")) if self.link == "tun" else None
 
     def _wire_call(self, cmd: str) -> str:
@@ -464,8 +466,9 @@ class Wire:
     takes ``delay MS`` and ``stats`` lines and answers each with one line; when it closes, the wire exits.
     """
 
-    def __init__(self, fds: "tuple[int, int]", ctl: socket.socket, delay_ms: float, queue_bytes: int):
-        self.fds, self.ctl, self.queue_bytes = fds, ctl, queue_bytes
+    def __init__(self, fds: "tuple[int, int]", ctl: socket.socket, delay_ms: float, queue_bytes: int,
+                 sched: str = "other"):
+        self.fds, self.ctl, self.queue_bytes, self.sched = fds, ctl, queue_bytes, sched
         self.delay_s = delay_ms / 1e3
         self.lines = (collections.deque(), collections.deque())  # (due time, packet) per direction
         self.held = [0, 0]
@@ -545,7 +548,8 @@ class Wire:
             return json.dumps({"packets": self.packets, "bytes": self.bytes, "dropped": self.dropped,
                                "write_errors": self.write_errors, "max_held_bytes": self.max_held,
                                "delay_ms": self.delay_s * 1e3, "late_ms_sum": self.late_sum * 1e3,
-                               "late_ms_max": self.late_max * 1e3, "cpu_user_s": t.user, "cpu_sys_s": t.system,
+                               "late_ms_max": self.late_max * 1e3, "sched": self.sched,
+                               "cpu_user_s": t.user, "cpu_sys_s": t.system,
                                "wall_s": time.monotonic() - self.t0})
         return f"error: unknown command {' '.join(words)!r}"
 
@@ -553,13 +557,21 @@ class Wire:
 def _wire_main(spec: str, delay_ms: float, queue_bytes: int) -> int:
     fd0, fd1, ctl = (int(x) for x in spec.split(","))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the harness stops the wire (it closes the socket)
-    import ctypes
     try:  # wake up when a packet is due, not up to the default 50 us later
         ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
     except (OSError, AttributeError):
         pass
+    # the wire is the network, not a host: as the kernel's softirq work for a veth does, it runs before
+    # the ranks' compute (real-time priority 1: it uses a few % of a core, and the kernel's real-time
+    # throttling bounds it). At normal priority a due packet waits for a CPU behind both ranks, which
+    # lengthens the delay it was given
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        sched = "fifo"
+    except (OSError, AttributeError):
+        sched = "other"
     with socket.socket(fileno=ctl) as sock:
-        Wire((fd0, fd1), sock, delay_ms, queue_bytes).run()
+        Wire((fd0, fd1), sock, delay_ms, queue_bytes, sched).run()
     return 0
 
 
