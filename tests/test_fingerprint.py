@@ -105,3 +105,39 @@ def test_resolved_needs_p_below_005_not_two_standard_errors():
     assert verdict(t).startswith("not resolved (p = ") and "no difference larger than" in verdict(t)
     assert verdict(paired_t([0.010, 0.011, 0.0105])) == "resolved (p < 0.001)"
     assert verdict(paired_t([0.01])) == "n/a (1 seed)"
+
+
+def test_two_fp4_recipes_pair_on_the_paths_they_share(tmp_path):
+    """``compare --variants nvfp4,mxfp4`` trained every run and then refused to pair them ("did not compute
+    the same numbers (the fp4 path's numbers)"): two FP4 recipes' ``fp4`` parts differ on every machine. The
+    parts a pair's recipes choose apart are left out; the environment and the shared parts still decide."""
+    from fp4lightning.experiments.compare import join_summaries
+    from fp4lightning.train.fingerprint import parts_set_apart
+
+    nv, mx = ["trainer.precision=fp4", "fp4.preset=nvfp4"], ["trainer.precision=fp4", "fp4.preset=mxfp4"]
+    fp = {o[1]: numerics_fingerprint("cpu", "bfloat16", FP4Config.from_preset(o[1].split("=")[1])) for o in (nv, mx)}
+    a, b = fp["fp4.preset=nvfp4"], fp["fp4.preset=mxfp4"]
+    assert disagreement(a, b) == "the fp4 path's numbers"
+    assert parts_set_apart(nv, mx) == {"fp4"} and disagreement(a, b, parts_set_apart(nv, mx)) is None
+    assert parts_set_apart(nv, nv) == set()
+    moved = {**b, "env": {**b["env"], "cpu_kernels": "AVX2"}}  # another machine is still named
+    assert disagreement(a, moved, {"fp4"}) == f"cpu_kernels {a['env']['cpu_kernels']} vs AVX2"
+    other_high = {**b, "parts": {**b["parts"], "high": "0" * 16}}  # so is another high-precision path
+    assert disagreement(a, other_high, {"fp4"}) == "the high path's numbers"
+    states = ["trainer.precision=fp4", "fp4.preset=paper", "optimizer.states=fp16"]
+    assert parts_set_apart(states, [*states[:2], "optimizer.states=fp8-fp16"]) == {"states"}
+    assert parts_set_apart(states, [*states[:2], "trainer.grad_comm=fp8-e4m3"]) == {"states", "comm"}
+
+    def summary(name, overrides, fingerprint, losses):
+        doc = {"recipe": "recipes/tiny.yaml", "steps": 400, "tokens": 1, "run_set": {"model.name": "tiny"},
+               "variants": {name: {"preset": name, "lr": 0.002, "seeds": [1, 2, 3], "overrides": overrides,
+                                   "numerics": [fingerprint] * 3, "final_val_loss": losses}}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        return path
+
+    paths = [summary("nvfp4", nv, a, [4.86, 4.88, 4.87]), summary("mxfp4", mx, b, [4.91, 4.90, 4.92])]
+    joined, table = join_summaries(paths, reference="mxfp4")
+    assert "| same |" in table, table
+    with pytest.raises(Exception, match="did not compute the same numbers .*cpu_kernels"):
+        join_summaries([paths[0], summary("mxfp4", mx, moved, [4.91, 4.90, 4.92])], reference="mxfp4")

@@ -52,7 +52,7 @@ from fp4lightning.errors import UsageError
 from fp4lightning.experiments.stats import paired_t, verdict
 from fp4lightning.eval.run import evaluate_checkpoint, headline_metrics, metric_kind
 from fp4lightning.lightning.precision_names import HIGH_PRECISION_VARIANTS
-from fp4lightning.train.fingerprint import disagreement, read_fingerprint
+from fp4lightning.train.fingerprint import disagreement, parts_set_apart, read_fingerprint
 from fp4lightning.train.recipe import flat_recipe_dict, load_recipe, recipe_to_dict
 
 __all__ = ["compare", "variant_overrides", "parse_variant", "Variant", "spread", "paired_gap", "paired_diff",
@@ -549,11 +549,13 @@ def _train_run(v: Variant, seed: int, cfg, run_dir: Path, resume: bool, why: str
 
 
 def check_pairs(name: str, reference: str, mine: dict[int, dict | None], theirs: dict[int, dict | None],
-                allow_mixed: bool) -> str:
+                allow_mixed: bool, overrides: tuple[list[str], list[str]] = ([], [])) -> str:
     """Whether the runs of ``name`` and ``reference`` of each seed both have computed the same numbers
-    (:func:`~fp4lightning.train.fingerprint.disagreement` of their fingerprints): ``"same"``; else a
-    :class:`UsageError` naming the first difference, or with ``allow_mixed`` the words the table shows."""
-    why = {seed: disagreement(mine[seed], theirs[seed]) for seed in mine if seed in theirs}
+    (:func:`~fp4lightning.train.fingerprint.disagreement` of their fingerprints, leaving out the parts their
+    recipe ``overrides`` choose differently): ``"same"``; else a :class:`UsageError` naming the first
+    difference, or with ``allow_mixed`` the words the table shows."""
+    apart = parts_set_apart(*overrides)
+    why = {seed: disagreement(mine[seed], theirs[seed], apart) for seed in mine if seed in theirs}
     bad = {seed: w for seed, w in why.items() if w}
     if not bad:
         return "same"
@@ -594,7 +596,8 @@ def _aggregate(summary: dict, parsed: list[Variant], metrics: dict[str, list[dic
         if v.name != reference:
             s["numerics_vs_reference"] = check_pairs(
                 v.name, reference, {r["seed"]: r["numerics"] for r in s["runs"]},
-                {r["seed"]: r["numerics"] for r in ref["runs"]}, allow_mixed)
+                {r["seed"]: r["numerics"] for r in ref["runs"]}, allow_mixed,
+                (v.overrides(), next(p for p in parsed if p.name == reference).overrides()))
             for key in ("train", "val"):
                 s[f"{key}_gap"] = paired_gap(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
                 s[f"{key}_diff"] = paired_diff(s[f"{key}_loss"]["values"], ref[f"{key}_loss"]["values"])
@@ -863,7 +866,8 @@ def _joined_table(joined: dict, seeds_of: dict[str, dict[int, float]], numerics_
         gap_cell = per_seed = ci = resolved = numerics = "-"
         if name != reference and shared:
             numerics = check_pairs(name, reference, {k: numerics_of[name].get(k) for k in shared},
-                                   {k: numerics_of[reference].get(k) for k in shared}, allow_mixed)
+                                   {k: numerics_of[reference].get(k) for k in shared}, allow_mixed,
+                                   (v.get("overrides", []), joined["variants"][reference].get("overrides", [])))
             g = paired_gap([got[k] for k in shared], [ref[k] for k in shared])
             gap_cell = _pm(g, "+.2f", 100) + f"% ({len(shared)} seed{'s' if len(shared) > 1 else ''})"
             per_seed = ", ".join(f"{100 * x:+.2f}%" for x in g["values"])

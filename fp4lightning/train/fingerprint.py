@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # computing a fingerprint imports torch; comparing two (compare-join) does not
     import torch
 
-__all__ = ["numerics_fingerprint", "fingerprint_of_recipe", "record_fingerprint", "disagreement", "read_fingerprint", "FILE_NAME",
+__all__ = ["numerics_fingerprint", "fingerprint_of_recipe", "record_fingerprint", "disagreement", "read_fingerprint",
+           "parts_set_apart", "FILE_NAME",
            "FINGERPRINT_VERSION"]
 
 #: the file a run writes beside its checkpoints (``fp4lightning train``)
@@ -176,10 +177,27 @@ def fingerprint_of_recipe(cfg, device: torch.device | str = "cpu") -> dict[str, 
                                 WIRE_FORMAT[cfg.trainer.grad_comm])
 
 
-def disagreement(a: dict | None, b: dict | None) -> str | None:
+#: the recipe overrides that choose what each part computes (the ``fp4`` part: the FP4 recipe; ``states``:
+#: the optimizer-state layout; ``comm``: the gradient wire format)
+_PART_KEYS = {"fp4": ("trainer.precision", "fp4."), "states": ("optimizer.states",), "comm": ("trainer.grad_comm",)}
+
+
+def parts_set_apart(overrides_a: list[str], overrides_b: list[str]) -> set[str]:
+    """The parts two runs' recipe overrides (``key=value`` strings) make compute different things on
+    purpose: two FP4 recipes (``nvfp4`` and ``mxfp4``), two optimizer-state layouts, two wire formats. Their
+    hashes differ on every machine, so they say nothing about the machine or the code, and
+    :func:`disagreement` leaves them out."""
+    def chosen(overrides, prefixes):
+        return sorted(o for o in overrides if o.split("=", 1)[0].startswith(prefixes))
+    return {part for part, prefixes in _PART_KEYS.items()
+            if chosen(overrides_a, prefixes) != chosen(overrides_b, prefixes)}
+
+
+def disagreement(a: dict | None, b: dict | None, set_apart: set[str] | frozenset = frozenset()) -> str | None:
     """None when fingerprints ``a`` and ``b`` agree (same environment, same hash for every part both
-    have); else what differs, in words. A missing fingerprint (a run from before they were recorded)
-    cannot be shown to agree."""
+    have, but the parts ``set_apart`` that the two runs' recipes choose differently:
+    :func:`parts_set_apart`); else what differs, in words. A missing fingerprint (a run from before they
+    were recorded) cannot be shown to agree."""
     if not a or not b:
         return "no numerics fingerprint recorded" + ("" if (a or b) else " for either run")
     for fp in (a, b):
@@ -193,7 +211,7 @@ def disagreement(a: dict | None, b: dict | None) -> str | None:
              for k in sorted(set(env_a) | set(env_b))
              if env_a.get(k) != env_b.get(k) and (k in env_a and k in env_b or k != "fp4_backend")]
     pa, pb = a.get("parts", {}), b.get("parts", {})
-    diffs += [f"the {k} path's numbers" for k in sorted(set(pa) & set(pb)) if pa[k] != pb[k]]
+    diffs += [f"the {k} path's numbers" for k in sorted((set(pa) & set(pb)) - set(set_apart)) if pa[k] != pb[k]]
     return "; ".join(diffs) or None
 
 
