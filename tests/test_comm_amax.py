@@ -73,14 +73,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=max(WORLDS), timeout=timedelta(seconds=60))
-    from fp4lightning.distributed import comm
-
     res = {}
     for world in WORLDS:
-        for scheme in ("auto", "reduce_scatter", "chunked"):
-            # "chunked": the async all-gather hook with its payload (78 bytes) split into 8 concurrent gathers
-            comm.GATHER_CHUNK_BYTES = 8 if scheme == "chunked" else 1 << 20
-            got = _synced(rank, world, "async_all_gather" if scheme == "chunked" else scheme)
+        for scheme in ("auto", "reduce_scatter"):
+            got = _synced(rank, world, scheme)
             if got is not None:
                 res[f"{world}-{scheme}"] = [g.tolist() for g in got]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -156,7 +152,3 @@ def test_default_hook_amax_and_roundings_at_2_3_4_ranks(tmp_path):
             got = [torch.tensor(t, dtype=torch.float32) for t in results[0]]
             want = own if (world == 2 and scheme == "auto") else shared  # own amax, one rounding; else MAX, two
             assert not _differs(got, want), key
-        # the async all-gather hook at any W, its payload in 8 concurrent pieces: own amax, one rounding
-        results = [r[f"{world}-chunked"] for r in ranks[:world]]
-        assert all(r == results[0] for r in results), f"{world}-chunked: ranks differ"
-        assert not _differs([torch.tensor(t, dtype=torch.float32) for t in results[0]], own), f"{world}-chunked"

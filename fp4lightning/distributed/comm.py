@@ -84,13 +84,6 @@ SCHEMES = ("auto", "reduce_scatter", "all_gather", "async_all_gather")
 # recent torch deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-#: :func:`fp8_async_gather_hook` splits a bucket's payload into concurrent all-gathers of about this many
-#: bytes (at most ``GATHER_MAX_CHUNKS``): one gloo all-gather of a 7 MB bucket between two hosts on a
-#: 1 Gbit/s link took 76-107 ms, against 56 ms of wire time; four concurrent ones of its quarters 60-73 ms
-#: and eight 59-65 ms (docs/perf.md, "Gradient exchange over a network"). The bytes sent are the same.
-GATHER_CHUNK_BYTES = 1 << 20
-GATHER_MAX_CHUNKS = 8
-
 
 @dataclass
 class CommState:
@@ -359,8 +352,7 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
 
     Each rank scales every gradient tensor of the bucket by the power of two of its *own* amax
     (``2^floor(log2(FP8_MAX / amax))``), casts to FP8 and puts the scales (fp32 bytes) in front of the
-    codes (:func:`_own_scale_payload`); asynchronous ``all_gather`` calls (``async_op=True``) move the payload
-    in pieces of about :data:`GATHER_CHUNK_BYTES`, all in flight at once, issued
+    codes (:func:`_own_scale_payload`); one ``all_gather`` (``async_op=True``) moves the payload, issued
     from the hook on the autograd thread in bucket order (the same order on every rank), and backward
     continues while it is in flight. The future's callback only decodes: every rank sums the W decoded
     payloads in rank order in fp32, each exactly rescaled by its sender's power-of-two scale, so the result
@@ -378,32 +370,17 @@ def fp8_async_gather_hook(state: CommState, bucket: dist.GradBucket) -> torch.fu
     state.buckets += 1
 
     payload = _own_scale_payload(buf, sizes, fmt)
-    chunks, futures = _gather_chunks(payload, world, group)
+    gathered = torch.empty(world, payload.numel(), dtype=torch.uint8, device=buf.device)
+    work = _all_gather_single(gathered.view(-1), payload, group=group, async_op=True)
     state.add_bytes((world - 1) * payload.numel())
 
     def _reduce(fut: torch.futures.Future) -> Tensor:
-        for f in fut.wait():
-            f.wait()  # raises a chunk's error
-        gathered = chunks[0][1] if len(chunks) == 1 else torch.cat([out for _, out in chunks], dim=1)
+        fut.wait()
         if not _sum_own_scale_payloads(gathered, buf, sizes, fmt):
             state.step_nonfinite = True
         return buf
 
-    return torch.futures.collect_all(futures).then(_reduce)
-
-
-def _gather_chunks(payload: Tensor, world: int, group) -> tuple[list, list]:
-    """Asynchronous all-gathers of ``payload`` in :data:`GATHER_CHUNK_BYTES` pieces, issued together:
-    ``([(piece, its (W, len) gather), ...], [futures])``; the pieces' gathers, concatenated along dim 1,
-    are the whole payload's (W, P) gather."""
-    k = max(1, min(GATHER_MAX_CHUNKS, -(-payload.numel() // GATHER_CHUNK_BYTES)))
-    chunks, futures = [], []
-    for piece in payload.tensor_split(k):
-        out = torch.empty(world, piece.numel(), dtype=payload.dtype, device=payload.device)
-        work = _all_gather_single(out.view(-1), piece, group=group, async_op=True)
-        chunks.append((piece, out))
-        futures.append(work.get_future())
-    return chunks, futures
+    return work.get_future().then(_reduce)
 
 
 def allreduce_counting_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
