@@ -58,7 +58,8 @@ import torch.distributed as dist
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from fp4lightning.distributed.comm import CommState, register_hook, ring_all_reduce_bytes  # noqa: E402
+from fp4lightning.distributed.comm import (  # noqa: E402
+    CommState, hook_for_format, register_hook, resolve_scheme, ring_all_reduce_bytes)
 from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
 from fp4lightning.train.recipe import WIRE_FORMAT  # noqa: E402
 
@@ -101,19 +102,39 @@ class DDPRun:
         self.model = Llama(self.cfg)
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
         self.fmt, self.state = fmt, None
+        self.buckets: list = []  # this step's (bucket bytes, issued, done), seconds after backward began
         if fmt != "none":
             wire = WIRE_FORMAT[fmt]
             self.state = CommState(grad_format=wire)  # what FP4DDPStrategy(grad_format=wire) holds
-            register_hook(self.ddp, self.state, wire, world)
+            # register_hook's choice (the default group, the scheme for this world size), timed per bucket
+            self.state.scheme = resolve_scheme(self.state.scheme, world)
+            self.ddp.register_comm_hook(self.state, self._timed(hook_for_format(wire, self.state.scheme)))
+        assert register_hook  # the Trainer's path; the lines above are its body with the timing added
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def _timed(self, hook):
+        """``hook`` that also records, per bucket, the bytes it sends, when it was issued and when it was done."""
+        def timed(state, bucket):
+            issued, before = time.perf_counter(), state.total_bytes
+            fut = hook(state, bucket)
+            sent = state.total_bytes - before  # what the hook counts this rank sending for the bucket
+
+            def done(f):
+                self.buckets.append((sent, issued - self.t_backward, time.perf_counter() - self.t_backward))
+                return f.value()
+            return fut.then(done)
+        return timed
 
     def step(self, x: torch.Tensor, y: torch.Tensor, mark) -> int:
         """One training step; returns the bytes the hooks counted as sent by this rank."""
+        self.buckets = []
         with self.ddp.no_sync() if self.fmt == "none" else contextlib.nullcontext():
             logits = self.ddp(x)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
             mark("fwd")
+            self.t_backward = time.perf_counter()
             loss.backward()
+            self.backward_s = time.perf_counter() - self.t_backward
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return self.state.pop_step()[0] if self.state else 0
@@ -197,8 +218,11 @@ def measured_step(run, x, y, dev: str) -> dict:
     seconds = time.perf_counter() - t0
     dist.barrier()  # the peer's last bytes have arrived: a barrier travels behind them
     c1 = wire_counters(dev)
-    return {"s": seconds, "tx": c1[0] - c0[0], "rx": c1[1] - c0[1], "fwd_rx": marks["fwd"][1] - c0[1],
-            "root_rx": marks["root"][1] - c0[1] if "root" in marks else 0, "counted": counted}
+    out = {"s": seconds, "tx": c1[0] - c0[0], "rx": c1[1] - c0[1], "fwd_rx": marks["fwd"][1] - c0[1],
+           "root_rx": marks["root"][1] - c0[1] if "root" in marks else 0, "counted": counted}
+    if isinstance(run, DDPRun):
+        out["backward_s"], out["buckets"] = run.backward_s, sorted(run.buckets, key=lambda b: b[1])
+    return out
 
 
 def _make_run(model: str, variant: str, world: int):
@@ -450,6 +474,54 @@ def _print_phase(label: str, phase: list, wire: "dict | None") -> None:
               f"in {wire['wall_s']:.1f} s ({100 * cpu / wire['wall_s']:.0f}% of one core; scheduling: {wire['sched']})")
 
 
+def timeline(steps: list[dict]) -> "dict | None":
+    """Medians over a DDP variant's timed steps of when its exchange ran, in ms after backward began: the
+    first and the last bucket issued (the last marks the end of the backward's compute), the last one
+    done, and the rate the buckets moved at (this host's bytes per second): those done before the last
+    was issued, from the first issued to the last of them done, and those done after, from then to the
+    last done; None without buckets (``none``)."""
+    rows = [m for m in steps if m.get("buckets")]
+    if not rows:
+        return None
+
+    def rate(m, during):
+        """MB/s of the buckets done before the last one was issued (during), or after it (after)."""
+        end = m["buckets"][-1][1]  # the last bucket issued: backward's compute is over
+        chosen = [b for b in m["buckets"] if (b[2] <= end) == during]
+        if not chosen:
+            return None
+        t0 = min(b[1] for b in chosen) if during else end
+        return sum(b[0] for b in chosen) / 1e6 / max(max(b[2] for b in chosen) - t0, 1e-9)
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    return {"backward_ms": med(m["backward_s"] * 1e3 for m in rows), "buckets": len(rows[0]["buckets"]),
+            "first_issued_ms": med(m["buckets"][0][1] * 1e3 for m in rows),
+            "last_issued_ms": med(m["buckets"][-1][1] * 1e3 for m in rows),
+            "last_done_ms": med(max(b[2] for b in m["buckets"]) * 1e3 for m in rows),
+            "mb_s_during_backward": med(rate(m, True) for m in rows),
+            "mb_s_after_backward": med(rate(m, False) for m in rows)}
+
+
+def _print_timeline(phase: list) -> None:
+    rows = {v: timeline(phase[0][v]) for v in phase[0]}  # rank 0's steps
+    rows = {v: r for v, r in rows.items() if r}
+    if not rows:
+        return
+    print("\nExchange timeline (rank 0; ms after backward began, medians over the timed steps; MB/s: this "
+          "host's bytes over the time its buckets were in flight):\n")
+    print("| variant | buckets | backward ms | first bucket issued | last issued | last done "
+          "| MB/s while backward computes | MB/s after |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def f(v):
+        return "-" if v is None else f"{v:.0f}"
+    for v, r in rows.items():
+        print(f"| {v} | {r['buckets']} | {f(r['backward_ms'])} | {f(r['first_issued_ms'])} | {f(r['last_issued_ms'])} "
+              f"| {f(r['last_done_ms'])} | {f(r['mb_s_during_backward'])} | {f(r['mb_s_after_backward'])} |")
+
+
 def print_tables(result: dict, phases: list, args) -> list[dict]:
     overrides, batch, seq = MODELS[args.model]
     print(f"# bench_comm_hosts: 2 hosts x 1 gloo rank, {args.model} LLaMA ({result['numel'] / 1e6:.1f}M parameters, "
@@ -459,6 +531,7 @@ def print_tables(result: dict, phases: list, args) -> list[dict]:
     wires = result.get("wire") or [None] * len(phases)
     for ph, phase, wire in zip(phases, result["phases"], wires):
         _print_phase(phase_label(ph, args.link), phase, wire)
+        _print_timeline(phase)
     rows = summarize(result, phases, args.link)
     cols = [c for c in ("fp32 ms", "bf16 ms", "fp8-e4m3 ms", "none ms", "fsdp-bf16 ms", "fsdp-fp4 ms")
             if c in rows[0]] + [c for c in [r[3] for r in RATIOS] + ["fp8/fp32 exchange", "fp8/bf16 exchange"]

@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_comm_hosts  # noqa: E402
 import hosts  # noqa: E402
 
 REASON = hosts.unavailable_reason()
@@ -68,6 +69,16 @@ def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
     assert rec["rows"][0]["link"] == "veth"
     _check_phase(rec["rows"][0], rec["raw"]["phases"][0])
     assert "| fp8-e4m3 |" in stdout and "fp8/fp32 bytes" in stdout
+    # the exchange's timeline: every bucket issued inside backward, each done after it was issued, the
+    # buckets' bytes those the hook counted, and no bucket moved faster than the link
+    for m in rec["raw"]["phases"][0][0]["fp8-e4m3"]:
+        b = m["buckets"]
+        assert b and sum(x[0] for x in b) == m["counted"], m
+        assert all(0 <= x[1] <= m["backward_s"] + 1e-3 and x[2] > x[1] for x in b), b
+        assert all(x[0] * 8 / (x[2] - x[1]) <= 1.05 * RATE_BITS for x in b if x[0] > 1e6), b
+    t = bench_comm_hosts.timeline(rec["raw"]["phases"][0][0]["fp8-e4m3"])
+    assert t["first_issued_ms"] <= t["last_issued_ms"] <= t["last_done_ms"] and t["buckets"] >= 1, t
+    assert "Exchange timeline" in stdout and bench_comm_hosts.timeline([{"s": 0.1}]) is None  # no exchange: no row
 
 
 @pytest.mark.skipif(TUN_REASON is not None, reason=f"two-host harness, TUN link: {TUN_REASON}")
