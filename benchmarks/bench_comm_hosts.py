@@ -58,8 +58,7 @@ import torch.distributed as dist
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from fp4lightning.distributed.comm import (  # noqa: E402
-    CommState, hook_for_format, register_hook, resolve_scheme, ring_all_reduce_bytes)
+from fp4lightning.distributed.comm import CommState, register_hook, ring_all_reduce_bytes  # noqa: E402
 from fp4lightning.models.llama import Llama, llama_config  # noqa: E402
 from fp4lightning.train.recipe import WIRE_FORMAT  # noqa: E402
 
@@ -92,6 +91,16 @@ def _batches(cfg, batch: int, seq: int, n: int, rank: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (n, batch, seq + 1), generator=gen)
 
 
+class _TimedRegistration:
+    """Stands for ``run.ddp`` in ``register_hook``: registers the hook it chose wrapped by ``run._timed``."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def register_comm_hook(self, state, hook) -> None:
+        self.run.ddp.register_comm_hook(state, self.run._timed(hook))
+
+
 class DDPRun:
     """One DDP replica with ``trainer.grad_comm`` = ``fmt``'s hook (``none``: no exchange, ``no_sync``)."""
 
@@ -106,10 +115,7 @@ class DDPRun:
         if fmt != "none":
             wire = WIRE_FORMAT[fmt]
             self.state = CommState(grad_format=wire)  # what FP4DDPStrategy(grad_format=wire) holds
-            # register_hook's choice (the default group, the scheme for this world size), timed per bucket
-            self.state.scheme = resolve_scheme(self.state.scheme, world)
-            self.ddp.register_comm_hook(self.state, self._timed(hook_for_format(wire, self.state.scheme)))
-        assert register_hook  # the Trainer's path; the lines above are its body with the timing added
+            register_hook(_TimedRegistration(self), self.state, wire, world)  # the Trainer's hook, timed per bucket
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def _timed(self, hook):
