@@ -432,3 +432,57 @@ def test_occ_fold_e4m3_errors():
     with pytest.raises(ValueError, match="occ_fold_e4m3"):
         FP4Config(occ_compensation=False, occ_fold_e4m3=True)
     assert "comp folded in e4m3" in repr(FP4Linear(32, 16, config=FP4Config(occ_fold_e4m3=True)))
+
+
+def test_fused_calls_restore_the_recompile_limit(monkeypatch):
+    """A fused call sets Dynamo's recompile limit to RECOMPILE_LIMIT only while it runs (compiling inside
+    it sees that limit); the user's own value is back after it, after a nested call, and after a call
+    that raised."""
+    from fp4lightning.numerics import cpu_fused
+
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
+    cfg = torch._dynamo.config
+    users = cfg.recompile_limit  # not monkeypatch: its undo deletes the key, which hides it from Dynamo
+    cfg.recompile_limit = 3
+    try:
+        _check_recompile_limit_restored(cpu_fused, cfg)
+    finally:
+        cfg.recompile_limit = users
+
+
+def _check_recompile_limit_restored(cpu_fused, cfg):
+    seen = []
+
+    def inner(x):
+        seen.append(cfg.recompile_limit)  # read while Dynamo traces the function
+        return x + 1
+
+    f = cpu_fused.fused_pass(inner)
+    assert torch.equal(f(torch.ones(4)), torch.full((4,), 2.0)) and cfg.recompile_limit == 3
+    assert seen and set(seen) == {cpu_fused.RECOMPILE_LIMIT}
+    with cpu_fused._recompile_limit():
+        with cpu_fused._recompile_limit():
+            assert cfg.recompile_limit == cpu_fused.RECOMPILE_LIMIT
+        assert cfg.recompile_limit == cpu_fused.RECOMPILE_LIMIT
+    assert cfg.recompile_limit == 3
+    with pytest.raises(KeyError), cpu_fused._recompile_limit():
+        raise KeyError("x")
+    assert cfg.recompile_limit == 3
+
+
+def test_eager_below_runs_small_inputs_eagerly(monkeypatch):
+    """``fused_pass(eager_below=N)`` sends a first argument of fewer than N elements to the eager
+    function (no compile), and larger ones to the compiled one."""
+    from fp4lightning.numerics import cpu_fused
+
+    monkeypatch.setenv("FP4LIGHTNING_COMPILE", "1")
+    calls = []
+
+    def plus(x):
+        calls.append(torch.compiler.is_compiling())
+        return x + 1
+
+    f = cpu_fused.fused_pass(eager_below=16)(plus)
+    f(torch.ones(15))
+    f(torch.ones(16))
+    assert calls[0] is False and calls[-1] is True, (calls, cpu_fused._FAILED)

@@ -18,9 +18,11 @@ or more at the first steps of a process; :mod:`fp4lightning.numerics.compile_pro
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
+from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -53,21 +55,26 @@ def compile_enabled(device: torch.device) -> bool:
 RECOMPILE_LIMIT = 64
 
 
-def fused_pass(fn):
+def fused_pass(fn=None, *, eager_below: int = 0):
     """Decorator: run ``fn`` compiled where ``compile_enabled``, else (or if compiling fails) eagerly.
 
     ``fn`` is a group of elementwise passes in plain PyTorch whose first argument is a tensor (its
     device decides); its compiled form must give the eager bits (see the module docstring). The
     eager function stays reachable as ``.eager``. The other numerics modules (the block quantizer)
-    and the FP8 gradient all-reduce fuse their passes with it too.
+    and the FP8 gradient all-reduce fuse their passes with it too. ``@fused_pass(eager_below=N)``:
+    a first argument of fewer than N elements runs eagerly (same bits), for passes of a few ops,
+    whose eager form costs less than a compiled call's fixed cost on small tensors.
     """
+    if fn is None:
+        return functools.partial(fused_pass, eager_below=eager_below)
     compiled = None
     too_many_variants = False
 
     @functools.wraps(fn)
     def wrapper(x, *args, **kwargs):
         nonlocal compiled, too_many_variants
-        if not compile_enabled(x.device) or too_many_variants or _dispatch_mode_active():
+        if (not compile_enabled(x.device) or too_many_variants or x.numel() < eager_below
+                or _dispatch_mode_active()):
             return fn(x, *args, **kwargs)
         try:
             if compiled is None:
@@ -75,7 +82,7 @@ def fused_pass(fn):
                 # trip is a rounding here, e.g. cpu_bf16.gemm_plan's; Inductor would drop it)
                 compiled = torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
             # watching: the first compile says so, and a line every 20 s while compiling goes on
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), watching():
+            with _recompile_limit(), watching():
                 return compiled(x, *args, **kwargs)
         except Exception as e:
             too_many_variants = _compile_failed(fn, e)
@@ -83,6 +90,20 @@ def fused_pass(fn):
 
     wrapper.eager = fn
     return wrapper
+
+
+@contextlib.contextmanager
+def _recompile_limit() -> Iterator[None]:
+    """Dynamo's recompile limit set to :data:`RECOMPILE_LIMIT` for one fused call, the previous value back
+    after it. Two attribute writes: ``torch._dynamo.config.patch`` around a compiled call on a small tensor
+    cost about as much as the call. (torch keeps these settings per thread, as ``patch`` does.)"""
+    cfg = torch._dynamo.config
+    saved = cfg.recompile_limit
+    cfg.recompile_limit = RECOMPILE_LIMIT
+    try:
+        yield
+    finally:
+        cfg.recompile_limit = saved
 
 
 def _dispatch_mode_active() -> bool:
