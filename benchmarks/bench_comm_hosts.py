@@ -34,6 +34,11 @@ traffic is the weight all-gathers alone.
         --steps 3 --variants fp32,bf16,fp8-e4m3          # where FP8 stops paying
     sudo .venv/bin/python benchmarks/bench_comm_hosts.py --variants allreduce-fp32,allgather-u8,allgather-u8-x5
     .venv/bin/python benchmarks/bench_comm_hosts.py --loopback  # no namespaces: one machine's loopback
+    sudo .venv/bin/python benchmarks/bench_comm_hosts.py --pin   # each host on its own CPU(s)
+
+Both hosts share this machine's CPUs. By default every process may run anywhere; ``--pin`` gives each rank
+(its threads, gloo's included) its own ``--threads`` CPUs, as two machines would have. The kernel's
+network work (TCP, the veth, the ``tbf``) and the TUN wire run on whichever CPU the kernel picks.
 
 The third line times bare gloo collectives of the model's size between the hosts (``COLLECTIVES``).
 
@@ -258,8 +263,18 @@ def _wait_for_link(sync_dir: str, phase: int) -> None:
         time.sleep(0.05)
 
 
+def pinned_cpus(rank: int, threads: int) -> "set[int]":
+    """``--pin``: rank r's CPUs, ``threads`` of them, host 0 on the lowest; refuses when the machine has too few."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 * threads:
+        raise SystemExit(f"--pin needs {2 * threads} CPUs ({threads} per host), this process may use {len(cpus)}")
+    return set(cpus[rank * threads:(rank + 1) * threads])
+
+
 def worker(rank: int, world: int, args) -> None:
     """One rank: build every variant, then per phase (link setting) measure them; rank 0 writes JSON."""
+    if args.pin:  # before any thread starts (gloo's, OpenMP's): they inherit the mask
+        os.sched_setaffinity(0, pinned_cpus(rank, args.threads))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     variants = args.variants.split(",")
@@ -267,6 +282,8 @@ def worker(rank: int, world: int, args) -> None:
     first = runs[variants[0]]
     tokens = _batches(first.cfg, first.batch, first.seq, max(args.steps + args.warmup, 1), rank)
     numel = sum(p.numel() for p in first.model.parameters())
+    cpus = [None] * world  # the CPUs each rank may run on (--pin: its own)
+    dist.all_gather_object(cpus, sorted(os.sched_getaffinity(0)))
     results = []
     for phase in range(args.phases):
         if rank == 0 and args.sync_dir:
@@ -278,7 +295,7 @@ def worker(rank: int, world: int, args) -> None:
         results.append(both)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"numel": numel, "phases": results}, f)
+            json.dump({"numel": numel, "cpus": cpus, "phases": results}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -311,7 +328,7 @@ def _worker_cmd(rank: int, dev: str, phases: int, sync_dir: str, out: str, args)
     return [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--dev", dev,
             "--model", args.model, "--variants", args.variants, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--threads", str(args.threads), "--phases", str(phases),
-            "--sync-dir", sync_dir, "--out", out]
+            "--sync-dir", sync_dir, "--out", out] + (["--pin"] if args.pin else [])
 
 
 def _worker_env(master: str, port: int, dev: str, threads: int) -> dict:
@@ -569,6 +586,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first, per phase (default: 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
     p.add_argument("--loopback", action="store_true", help="both ranks on 127.0.0.1, no namespaces, no link limit")
+    p.add_argument("--pin", action="store_true",
+                   help="give each host its own CPUs (--threads each; sched_setaffinity), as two separate machines "
+                        "would have; by default both hosts' processes run on any of the machine's CPUs")
     p.add_argument("--json", help="also write the summary rows and raw measurements here")
     for hidden in ("--worker", "--rank", "--dev", "--phases", "--sync-dir", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS, **({"action": "store_true"} if hidden == "--worker" else {}))

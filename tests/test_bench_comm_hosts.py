@@ -65,8 +65,10 @@ def _check_phase(row: dict, phase: list) -> None:
 
 @pytest.mark.skipif(REASON is not None, reason=f"two-host harness: {REASON}")
 def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
-    rec, stdout, _ = _bench(tmp_path)
+    rec, stdout, _ = _bench(tmp_path, "--pin")
     assert rec["rows"][0]["link"] == "veth"
+    a, b = rec["raw"]["cpus"]  # --pin: each host on its own CPU
+    assert len(a) == len(b) == 1 and not set(a) & set(b), rec["raw"]["cpus"]
     _check_phase(rec["rows"][0], rec["raw"]["phases"][0])
     assert "| fp8-e4m3 |" in stdout and "fp8/fp32 bytes" in stdout
     # the exchange's timeline: every bucket issued inside backward, each done after it was issued, the
