@@ -15,6 +15,14 @@ backward with gradient sync, AdamW step), both as ratios against fp32.
 
     .venv/bin/python benchmarks/bench_comm.py [--world 2] [--steps 10] [--models tiny,mid]
     .venv/bin/python benchmarks/bench_comm.py --network-model   # formulas only, no processes
+    .venv/bin/python benchmarks/bench_comm.py --codec --models mid  # the FP8 hook's CPU per step, one process
+
+``--codec`` times, in this process (no process group), the CPU the default W = 2 FP8 hook spends on one
+step's buckets (the model's fp32 gradients in reverse parameter order, cut at DDP's default 25 MiB cap;
+DDP's reducer may cut its first bucket elsewhere): the encode (amax, scales, FP8 codes:
+``_own_scale_payload``) and the decode-and-mean of two ranks' payloads (``_sum_own_scale_payloads``), each
+against a copy of the same fp32 bytes (``clone``, what reading and writing them once costs). Medians over
+``--steps`` steps, ``--threads`` threads.
 
 ``--network-model`` prints the modelled time on the wire per rank (bytes / link bandwidth) for DDP
 gradient sync and FSDP2 weight all-gather + gradient reduce-scatter, using the byte formulas the hooks
@@ -159,6 +167,56 @@ def _network_model() -> None:
                 print(f"| {name} | {w} | {scheme} | {b / 1e9:.3f} | {b * 8 / 25e9:.3f} | {b * 8 / 100e9:.3f} |")
 
 
+def _buckets(model_name: str, cap_bytes: int = 25 * 2**20) -> list[list[int]]:
+    """The model's gradient sizes in buckets: reverse parameter order, a bucket closed once it holds
+    ``cap_bytes`` of fp32 (DDP's default cap)."""
+    overrides, _, seq = MODELS[model_name]
+    with torch.device("meta"):
+        model = Llama(llama_config("tiny", max_seq_len=seq, **overrides))
+    buckets, cur, size = [], [], 0
+    for p in reversed(list(model.parameters())):
+        cur.append(p.numel())
+        size += 4 * p.numel()
+        if size >= cap_bytes:
+            buckets, cur, size = buckets + [cur], [], 0
+    return buckets + ([cur] if cur else [])
+
+
+def _codec(args) -> None:
+    """``--codec``: the FP8 hook's CPU per step (see the module docstring)."""
+    from fp4lightning.distributed.comm import _own_scale_payload, _sum_own_scale_payloads
+
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}, {args.threads} thread(s)\n")
+    print("| model | buckets | tensors | elements | encode ms | decode-and-mean ms (W = 2) | fp32 copy ms | "
+          "encode / copy | decode / copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        sizes = _buckets(name)
+        bufs = [torch.randn(sum(b), generator=gen) * 1e-3 for b in sizes]
+        times: dict[str, list[float]] = {"enc": [], "dec": [], "copy": []}
+        for step in range(args.warmup + args.steps):
+            t = {"enc": 0.0, "dec": 0.0, "copy": 0.0}
+            for buf, b in zip(bufs, sizes):
+                t0 = time.perf_counter()
+                payload = _own_scale_payload(buf, b, "e4m3")
+                t1 = time.perf_counter()
+                gathered = torch.stack([payload, payload])  # what the all-gather returns at W = 2
+                t2 = time.perf_counter()
+                _sum_own_scale_payloads(gathered, buf, b, "e4m3")
+                t3 = time.perf_counter()
+                buf.clone()
+                t4 = time.perf_counter()
+                t["enc"], t["dec"], t["copy"] = t["enc"] + t1 - t0, t["dec"] + t3 - t2, t["copy"] + t4 - t3
+            if step >= args.warmup:
+                for k in t:
+                    times[k].append(1e3 * t[k])
+        enc, dec, copy = (statistics.median(times[k]) for k in ("enc", "dec", "copy"))
+        print(f"| {name} | {len(sizes)} | {sum(map(len, sizes))} | {sum(map(sum, sizes)) / 1e6:.1f}M | {enc:.1f} | "
+              f"{dec:.1f} | {copy:.1f} | {enc / copy:.2f} | {dec / copy:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="number of gloo ranks (type: int, default: 2)")
@@ -167,9 +225,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (type: int, default: 1)")
     p.add_argument("--models", default="tiny,mid", help=f"comma list from {sorted(MODELS)} (default: tiny,mid)")
     p.add_argument("--network-model", action="store_true", help="print the bytes/bandwidth model and exit")
+    p.add_argument("--codec", action="store_true", help="time the FP8 hook's encode and decode per step and exit")
     args = p.parse_args()
     if args.network_model:
         return _network_model()
+    if args.codec:
+        return _codec(args)
     mp.spawn(_worker, args=(args.world, _free_port(), args), nprocs=args.world, join=True)
 
 

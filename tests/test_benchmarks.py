@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,3 +61,25 @@ def test_bench_weight_reuse_runs_and_checks_its_bits(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["same_bits"] is True and got["accum"] == 2 and "quantized once per step" in proc.stdout
+
+
+def test_bench_comm_codec_times_the_fp8_hooks_buckets():
+    """``bench_comm.py --codec`` runs the W = 2 FP8 hook's encode and decode on the model's DDP buckets
+    and prints one row per model; the buckets hold every parameter once, in reverse order, cut at 25 MiB."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_comm
+    from fp4lightning.models.llama import Llama, llama_config
+
+    overrides, _, seq = bench_comm.MODELS["mid"]
+    with torch.device("meta"):
+        sizes = [p.numel() for p in Llama(llama_config("tiny", max_seq_len=seq, **overrides)).parameters()]
+    buckets = bench_comm._buckets("mid")
+    assert [n for b in buckets for n in b] == sizes[::-1] and len(buckets) > 1
+    assert all(4 * sum(b) >= 25 * 2**20 for b in buckets[:-1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", FP4LIGHTNING_COMPILE="0")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_comm.py"), "--codec",
+                           "--models", "tiny", "--steps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = [line for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert len(row) == 1 and float(row[0].split("|")[5]) > 0, proc.stdout
