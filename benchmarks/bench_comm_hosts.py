@@ -295,7 +295,7 @@ def worker(rank: int, world: int, args) -> None:
         results.append(both)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"numel": numel, "cpus": cpus, "phases": results}, f)
+            json.dump({"numel": numel, "tokens": first.batch * first.seq, "cpus": cpus, "phases": results}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -328,7 +328,8 @@ def _worker_cmd(rank: int, dev: str, phases: int, sync_dir: str, out: str, args)
     return [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--dev", dev,
             "--model", args.model, "--variants", args.variants, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--threads", str(args.threads), "--phases", str(phases),
-            "--sync-dir", sync_dir, "--out", out] + (["--pin"] if args.pin else [])
+            "--sync-dir", sync_dir, "--out", out] + (["--pin"] if args.pin else []) + \
+        (["--seq", str(args.seq)] if args.seq else [])
 
 
 def _worker_env(master: str, port: int, dev: str, threads: int) -> dict:
@@ -549,7 +550,9 @@ def print_tables(result: dict, phases: list, args) -> list[dict]:
     overrides, batch, seq = MODELS[args.model]
     print(f"# bench_comm_hosts: 2 hosts x 1 gloo rank, {args.model} LLaMA ({result['numel'] / 1e6:.1f}M parameters, "
           f"batch {batch} x {seq}), {args.steps} timed rounds (+{args.warmup} warm-up) alternating the variants, "
-          f"{args.threads} thread(s)/rank, {os.cpu_count()} CPUs shared by both hosts, torch {torch.__version__}, "
+          f"{args.threads} thread(s)/rank, "
+          f"{'each host pinned to its own CPU(s) of ' if args.pin else ''}{os.cpu_count()} CPUs shared by both hosts, "
+          f"torch {torch.__version__}, "
           f"{datetime.date.today().isoformat()}")
     wires = result.get("wire") or [None] * len(phases)
     for ph, phase, wire in zip(phases, result["phases"], wires):
@@ -582,6 +585,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="mid", choices=sorted(MODELS), help="LLaMA size (default: mid, 29.5M)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list from {VARIANTS + COLLECTIVES} (default: {','.join(VARIANTS)})")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per step (one sequence; default: the model's, 64 for mid): less compute per step")
     p.add_argument("--steps", type=int, default=5, help="timed rounds per phase (default: 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first, per phase (default: 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
@@ -593,6 +598,11 @@ def main(argv=None) -> int:
     for hidden in ("--worker", "--rank", "--dev", "--phases", "--sync-dir", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS, **({"action": "store_true"} if hidden == "--worker" else {}))
     args = p.parse_args(argv)
+    if args.seq is not None:
+        if args.seq < 1:
+            p.error(f"--seq: {args.seq} is not a positive number of tokens")
+        overrides, batch, _ = MODELS[args.model]
+        MODELS[args.model] = (overrides, batch, args.seq)  # this process's, and each worker's (it gets --seq)
     bad = [v for v in args.variants.split(",") if v not in VARIANTS + COLLECTIVES]
     if bad:
         p.error(f"--variants: unknown {bad}; choose from {VARIANTS + COLLECTIVES}")

@@ -65,8 +65,10 @@ def _check_phase(row: dict, phase: list) -> None:
 
 @pytest.mark.skipif(REASON is not None, reason=f"two-host harness: {REASON}")
 def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
-    rec, stdout, _ = _bench(tmp_path, "--pin")
+    rec, stdout, _ = _bench(tmp_path, "--pin", "--seq", "16")
     assert rec["rows"][0]["link"] == "veth"
+    assert "batch 1 x 16)" in stdout and "each host pinned to its own CPU(s)" in stdout
+    assert rec["raw"]["tokens"] == 16  # the ranks trained on --seq tokens a step
     a, b = rec["raw"]["cpus"]  # --pin: each host on its own CPU
     assert len(a) == len(b) == 1 and not set(a) & set(b), rec["raw"]["cpus"]
     _check_phase(rec["rows"][0], rec["raw"]["phases"][0])
