@@ -573,6 +573,36 @@ def print_tables(result: dict, phases: list, args) -> list[dict]:
     return rows
 
 
+#: the ratios ``--repeat`` summarizes across runs
+ACROSS = ("fp8/fp32 time", "fp8/bf16 time", "bf16/fp32 time", "fp8/fp32 exchange", "fsdp fp4/bf16 time")
+
+
+def across_runs(rows_per_run: "list[list[dict]]") -> "list[dict]":
+    """Per link setting and ratio of :data:`ACROSS`: each run's value (fresh processes, a fresh link per run),
+    their mean and the 95% t-interval of the mean (``fp4lightning.experiments.stats``)."""
+    from fp4lightning.experiments.stats import paired_t
+
+    out = []
+    for i, first in enumerate(rows_per_run[0]):
+        for col in ACROSS:
+            if col not in first:
+                continue
+            values = [rows[i][col] for rows in rows_per_run]
+            t = paired_t(values)
+            out.append({"label": first["label"], "ratio": col, "values": values, "mean": t["mean"], "ci95": t["ci95"]})
+    return out
+
+
+def print_across_runs(rows_per_run: "list[list[dict]]") -> None:
+    print(f"\n### Across the {len(rows_per_run)} runs (each run's median ratio; mean and 95% interval of the mean)\n")
+    print("| link | ratio | per run | min / max | mean | 95% interval |")
+    print("|---|---|---|---|---|---|")
+    for r in across_runs(rows_per_run):
+        lo, hi = r["ci95"] or (float("nan"), float("nan"))
+        print(f"| {r['label']} | {r['ratio']} | {', '.join(f'{v:.3f}' for v in r['values'])} | "
+              f"{min(r['values']):.3f} / {max(r['values']):.3f} | {r['mean']:.3f} | [{lo:.3f}, {hi:.3f}] |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="1gbit,10gbit",
@@ -588,6 +618,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None,
                    help="tokens per step (one sequence; default: the model's, 64 for mid): less compute per step")
     p.add_argument("--steps", type=int, default=5, help="timed rounds per phase (default: 5)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run everything this many times, fresh processes and link each time, and summarize the "
+                        "ratios across the runs (default: 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first, per phase (default: 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
     p.add_argument("--loopback", action="store_true", help="both ranks on 127.0.0.1, no namespaces, no link limit")
@@ -598,6 +631,8 @@ def main(argv=None) -> int:
     for hidden in ("--worker", "--rank", "--dev", "--phases", "--sync-dir", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS, **({"action": "store_true"} if hidden == "--worker" else {}))
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat: {args.repeat} is not a positive number of runs")
     if args.seq is not None:
         if args.seq < 1:
             p.error(f"--seq: {args.seq} is not a positive number of tokens")
@@ -625,11 +660,17 @@ def main(argv=None) -> int:
         phases, args.link = [("loopback", 0.0)], "loopback"
     else:
         phases = [(rate, delay) for rate in args.rates.split(",") for delay in delays]
-    result = run_loopback(args) if args.loopback else run_hosts(args, phases)
-    rows = print_tables(result, phases, args)
+    runs = []
+    for k in range(args.repeat):
+        if args.repeat > 1:
+            print(f"\n## run {k + 1} of {args.repeat}\n")
+        result = run_loopback(args) if args.loopback else run_hosts(args, phases)
+        runs.append({"rows": print_tables(result, phases, args), "raw": result})
+    if args.repeat > 1:
+        print_across_runs([r["rows"] for r in runs])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "raw": result, "argv": sys.argv[1:]}, f)
+            json.dump({**runs[0], "runs": runs, "argv": sys.argv[1:]}, f)
     return 0
 
 

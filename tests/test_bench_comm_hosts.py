@@ -65,8 +65,14 @@ def _check_phase(row: dict, phase: list) -> None:
 
 @pytest.mark.skipif(REASON is not None, reason=f"two-host harness: {REASON}")
 def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
-    rec, stdout, _ = _bench(tmp_path, "--pin", "--seq", "16")
+    rec, stdout, _ = _bench(tmp_path, "--pin", "--seq", "16", "--repeat", "2")
     assert rec["rows"][0]["link"] == "veth"
+    assert len(rec["runs"]) == 2 and "### Across the 2 runs" in stdout  # --repeat: two runs, then the summary
+    values = [run["rows"][0]["fp8/fp32 time"] for run in rec["runs"]]
+    across = bench_comm_hosts.across_runs([run["rows"] for run in rec["runs"]])
+    row = next(r for r in across if r["ratio"] == "fp8/fp32 time")
+    assert row["values"] == values and row["mean"] == pytest.approx(sum(values) / 2)
+    assert row["ci95"][0] <= row["mean"] <= row["ci95"][1]
     assert "batch 1 x 16)" in stdout and "each host pinned to its own CPU(s)" in stdout
     assert rec["raw"]["tokens"] == 16  # the ranks trained on --seq tokens a step
     a, b = rec["raw"]["cpus"]  # --pin: each host on its own CPU
