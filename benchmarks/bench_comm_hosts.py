@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -277,6 +278,8 @@ def worker(rank: int, world: int, args) -> None:
         os.sched_setaffinity(0, pinned_cpus(rank, args.threads))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.nice_compute:  # this thread only (Linux nice is per thread): gloo's threads keep nice 0
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice_compute)
     variants = args.variants.split(",")
     runs = {v: _make_run(args.model, v, world) for v in variants}
     first = runs[variants[0]]
@@ -284,6 +287,8 @@ def worker(rank: int, world: int, args) -> None:
     numel = sum(p.numel() for p in first.model.parameters())
     cpus = [None] * world  # the CPUs each rank may run on (--pin: its own)
     dist.all_gather_object(cpus, sorted(os.sched_getaffinity(0)))
+    nice = [None] * world  # each rank's training thread's nice value (--nice-compute)
+    dist.all_gather_object(nice, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
     results = []
     for phase in range(args.phases):
         if rank == 0 and args.sync_dir:
@@ -295,7 +300,8 @@ def worker(rank: int, world: int, args) -> None:
         results.append(both)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"numel": numel, "tokens": first.batch * first.seq, "cpus": cpus, "phases": results}, f)
+            json.dump({"numel": numel, "tokens": first.batch * first.seq, "cpus": cpus, "nice": nice,
+                       "phases": results}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -329,7 +335,8 @@ def _worker_cmd(rank: int, dev: str, phases: int, sync_dir: str, out: str, args)
             "--model", args.model, "--variants", args.variants, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--threads", str(args.threads), "--phases", str(phases),
             "--sync-dir", sync_dir, "--out", out] + (["--pin"] if args.pin else []) + \
-        (["--seq", str(args.seq)] if args.seq else [])
+        (["--seq", str(args.seq)] if args.seq else []) + \
+        (["--nice-compute", str(args.nice_compute)] if args.nice_compute else [])
 
 
 def _worker_env(master: str, port: int, dev: str, threads: int) -> dict:
@@ -551,6 +558,7 @@ def print_tables(result: dict, phases: list, args) -> list[dict]:
     print(f"# bench_comm_hosts: 2 hosts x 1 gloo rank, {args.model} LLaMA ({result['numel'] / 1e6:.1f}M parameters, "
           f"batch {batch} x {seq}), {args.steps} timed rounds (+{args.warmup} warm-up) alternating the variants, "
           f"{args.threads} thread(s)/rank, "
+          f"{f'training threads at nice {args.nice_compute}, ' if args.nice_compute else ''}"
           f"{'each host pinned to its own CPU(s) of ' if args.pin else ''}{os.cpu_count()} CPUs shared by both hosts, "
           f"torch {torch.__version__}, "
           f"{datetime.date.today().isoformat()}")
@@ -618,6 +626,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None,
                    help="tokens per step (one sequence; default: the model's, 64 for mid): less compute per step")
     p.add_argument("--steps", type=int, default=5, help="timed rounds per phase (default: 5)")
+    p.add_argument("--nice-compute", type=int, default=0,
+                   help="diagnosis: lower each rank's training thread (forward, backward, the hooks, the optimizer) "
+                        "by this nice value (0-19), so that gloo's threads and the kernel's network work get the CPU "
+                        "first when both want it (default: 0)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run everything this many times, fresh processes and link each time, and summarize the "
                         "ratios across the runs (default: 1)")
@@ -631,6 +643,8 @@ def main(argv=None) -> int:
     for hidden in ("--worker", "--rank", "--dev", "--phases", "--sync-dir", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS, **({"action": "store_true"} if hidden == "--worker" else {}))
     args = p.parse_args(argv)
+    if not 0 <= args.nice_compute <= 19:
+        p.error(f"--nice-compute: {args.nice_compute} is not a nice value from 0 to 19")
     if args.repeat < 1:
         p.error(f"--repeat: {args.repeat} is not a positive number of runs")
     if args.seq is not None:

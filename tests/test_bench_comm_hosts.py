@@ -94,8 +94,9 @@ def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
 @pytest.mark.skipif(TUN_REASON is not None, reason=f"two-host harness, TUN link: {TUN_REASON}")
 def test_delay_phases_run_on_the_tun_wire(tmp_path):
     # without netem a delay used to be refused; now 0 and 1 ms each way run on the same wire, one phase each
-    rec, stdout, _ = _bench(tmp_path, "--delay-ms", "0,1")
+    rec, stdout, _ = _bench(tmp_path, "--delay-ms", "0,1", "--nice-compute", "5")
     rows = rec["rows"]
+    assert rec["raw"]["nice"] == [5, 5] and "training threads at nice 5" in stdout  # --nice-compute reached the ranks
     assert [(r["link"], r["rate"], r["delay_ms"]) for r in rows] == [("tun", "1gbit", 0.0), ("tun", "1gbit", 1.0)]
     for row, phase, wire in zip(rows, rec["raw"]["phases"], rec["raw"]["wire"]):
         _check_phase(row, phase)
