@@ -318,16 +318,17 @@ def _rate_bytes_per_s(rate: str) -> float:
     raise SystemExit(f"--rates: {rate!r} is not a tc rate; write e.g. 500mbit, 1gbit, 2.5gbit")
 
 
-def set_rate(hosts_, rate: str) -> None:
+def set_rate(hosts_, rate: str, burst_ms: float = 1.0) -> int:
     """Change the tbf rate of both ends of the link (``benchmarks/hosts.py`` puts tbf at the root, handle
-    1:, with the same burst rule: 1 ms of the rate, at least 64 KiB)."""
-    burst = max(int(_rate_bytes_per_s(rate) / 1000), 65536)
+    1:, with the same burst rule: ``burst_ms`` (1 ms there) of the rate, at least 64 KiB)."""
+    burst = max(int(_rate_bytes_per_s(rate) * burst_ms / 1000), 65536)
     for i in (0, 1):
         cmd = ["ip", "netns", "exec", hosts_.ns(i), "tc", "qdisc", "change", "dev", hosts_.ifname, "root",
                "handle", "1:", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         if proc.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd[4:])}` failed: {proc.stderr.strip()}")
+    return burst
 
 
 def _worker_cmd(rank: int, dev: str, phases: int, sync_dir: str, out: str, args) -> list[str]:
@@ -379,10 +380,10 @@ def run_hosts(args, phases: list) -> dict:
     if reason:
         print(f"bench_comm_hosts: {reason} (or run --loopback)", file=sys.stderr)
         raise SystemExit(2)
-    snaps = []
+    snaps, bursts = [], []
 
     def set_link(h, phase) -> None:
-        set_rate(h, phase[0])
+        bursts.append(set_rate(h, phase[0], args.burst_ms))
         if h.link == "tun":
             h.set_delay(phase[1])
             snaps.append(h.wire_stats())
@@ -403,6 +404,7 @@ def run_hosts(args, phases: list) -> dict:
         raise SystemExit(2) from None
     if snaps:
         result["wire"] = [wire_delta(a, b) for a, b in zip(snaps, snaps[1:])]
+    result["tbf_burst_bytes"] = bursts  # per phase, both ends
     return result
 
 
@@ -559,6 +561,7 @@ def print_tables(result: dict, phases: list, args) -> list[dict]:
           f"batch {batch} x {seq}), {args.steps} timed rounds (+{args.warmup} warm-up) alternating the variants, "
           f"{args.threads} thread(s)/rank, "
           f"{f'training threads at nice {args.nice_compute}, ' if args.nice_compute else ''}"
+          f"{f'tbf burst {args.burst_ms:g} ms of the rate, ' if args.burst_ms != 1.0 and not args.loopback else ''}"
           f"{'each host pinned to its own CPU(s) of ' if args.pin else ''}{os.cpu_count()} CPUs shared by both hosts, "
           f"torch {torch.__version__}, "
           f"{datetime.date.today().isoformat()}")
@@ -630,6 +633,9 @@ def main(argv=None) -> int:
                    help="diagnosis: lower each rank's training thread (forward, backward, the hooks, the optimizer) "
                         "by this nice value (0-19), so that gloo's threads and the kernel's network work get the CPU "
                         "first when both want it (default: 0)")
+    p.add_argument("--burst-ms", type=float, default=1.0,
+                   help="diagnosis: the tbf's burst, in ms of the rate (default: 1; at least 64 KiB): how long the "
+                        "link may fall behind (a sender that waited for the CPU) and catch up at the veth's speed")
     p.add_argument("--repeat", type=int, default=1,
                    help="run everything this many times, fresh processes and link each time, and summarize the "
                         "ratios across the runs (default: 1)")
@@ -643,6 +649,8 @@ def main(argv=None) -> int:
     for hidden in ("--worker", "--rank", "--dev", "--phases", "--sync-dir", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS, **({"action": "store_true"} if hidden == "--worker" else {}))
     args = p.parse_args(argv)
+    if not args.burst_ms > 0:
+        p.error(f"--burst-ms: {args.burst_ms} is not a positive number of milliseconds")
     if not 0 <= args.nice_compute <= 19:
         p.error(f"--nice-compute: {args.nice_compute} is not a nice value from 0 to 19")
     if args.repeat < 1:

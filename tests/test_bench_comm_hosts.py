@@ -65,7 +65,7 @@ def _check_phase(row: dict, phase: list) -> None:
 
 @pytest.mark.skipif(REASON is not None, reason=f"two-host harness: {REASON}")
 def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
-    rec, stdout, _ = _bench(tmp_path, "--pin", "--seq", "16", "--repeat", "2")
+    rec, stdout, _ = _bench(tmp_path, "--pin", "--seq", "16", "--repeat", "2", "--burst-ms", "2")
     assert rec["rows"][0]["link"] == "veth"
     assert len(rec["runs"]) == 2 and "### Across the 2 runs" in stdout  # --repeat: two runs, then the summary
     values = [run["rows"][0]["fp8/fp32 time"] for run in rec["runs"]]
@@ -74,6 +74,7 @@ def test_fp8_exchange_sends_a_quarter_of_fp32s_bytes_on_the_wire(tmp_path):
     assert row["values"] == values and row["mean"] == pytest.approx(sum(values) / 2)
     assert row["ci95"][0] <= row["mean"] <= row["ci95"][1]
     assert "batch 1 x 16)" in stdout and "each host pinned to its own CPU(s)" in stdout
+    assert "tbf burst 2 ms of the rate" in stdout and rec["raw"]["tbf_burst_bytes"] == [250_000]  # 2 ms of 1 Gbit/s
     assert rec["raw"]["tokens"] == 16  # the ranks trained on --seq tokens a step
     a, b = rec["raw"]["cpus"]  # --pin: each host on its own CPU
     assert len(a) == len(b) == 1 and not set(a) & set(b), rec["raw"]["cpus"]
