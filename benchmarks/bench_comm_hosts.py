@@ -310,18 +310,12 @@ def worker(rank: int, world: int, args) -> None:
 # the driver: two hosts (or loopback), the link per phase, the tables
 
 
-def _rate_bytes_per_s(rate: str) -> float:
-    units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
-    for unit, mult in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * mult
-    raise SystemExit(f"--rates: {rate!r} is not a tc rate; write e.g. 500mbit, 1gbit, 2.5gbit")
-
-
 def set_rate(hosts_, rate: str, burst_ms: float = 1.0) -> int:
     """Change the tbf rate of both ends of the link (``benchmarks/hosts.py`` puts tbf at the root, handle
-    1:, with the same burst rule: ``burst_ms`` (1 ms there) of the rate, at least 64 KiB)."""
-    burst = max(int(_rate_bytes_per_s(rate) * burst_ms / 1000), 65536)
+    1:, with a burst of 1 ms of the rate); the burst is ``burst_ms`` of the rate (``hosts.tbf_burst``)."""
+    import hosts
+
+    burst = hosts.tbf_burst(rate, burst_ms)
     for i in (0, 1):
         cmd = ["ip", "netns", "exec", hosts_.ns(i), "tc", "qdisc", "change", "dev", hosts_.ifname, "root",
                "handle", "1:", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
@@ -669,6 +663,15 @@ def main(argv=None) -> int:
         p.error(f"--delay-ms: {args.delay_ms!r} is not a comma list of milliseconds, e.g. 0,1")
     if any(d < 0 for d in delays):
         p.error(f"--delay-ms: {args.delay_ms!r} has a negative delay")
+    if not args.loopback:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import hosts
+
+        for rate in args.rates.split(","):
+            try:
+                hosts.tbf_burst(rate)
+            except ValueError as e:
+                p.error(f"--rates: {e}")
     args.link = args.link or ("tun" if any(delays) else "veth")
     if args.link == "veth" and len(set(delays)) > 1:
         p.error("--delay-ms: several delays need --link tun (a veth's netem delay is set once)")

@@ -154,6 +154,11 @@ def _rate_bytes(rate: str) -> float:
     return per_s / 8 if m.group(3) == "bit" else per_s
 
 
+def tbf_burst(rate: str, burst_ms: float = 1.0) -> int:
+    """The ``tbf`` burst in bytes for ``rate``: ``burst_ms`` of it, at least one 64 KiB GSO packet."""
+    return max(int(_rate_bytes(rate) * burst_ms / 1000), 65536)
+
+
 def _open_tun(name: str) -> int:
     """A new TUN device ``name`` in this namespace (IP packets, no packet-info header); its fd, non-blocking.
     The device lives as long as the fd (it is not persistent), wherever the device is moved."""
@@ -359,7 +364,7 @@ class TwoHosts:
         steps = []
         if self.rate is not None:
             # burst: 1 ms of the rate, at least one 64 KiB GSO packet; the queue holds 100 ms of it
-            burst = max(int(_rate_bytes(self.rate) / 1000), 65536)
+            burst = tbf_burst(self.rate)
             steps.append(tc + ["root", "handle", "1:", "tbf", "rate", self.rate, "burst", str(burst),
                                "latency", "100ms"])
             if delay_ms > 0:

@@ -106,3 +106,14 @@ def test_delay_phases_run_on_the_tun_wire(tmp_path):
         assert wire["bytes"] >= sent and wire["dropped"] == 0 and wire["write_errors"] == 0, wire
         assert wire["cpu_user_s"] + wire["cpu_sys_s"] > 0, wire
     assert "| 1gbit +1 ms |" in stdout and "The wire over this phase" in stdout
+
+
+def test_tbf_burst_rule_and_bad_rates():
+    """One burst rule for the harness's link and the benchmark's rate changes: ``burst_ms`` of the rate, at
+    least one 64 KiB packet; a rate tc would not read is refused when the command line is read."""
+    assert hosts.tbf_burst("1gbit") == 125_000 and hosts.tbf_burst("1gbit", 10) == 1_250_000
+    assert hosts.tbf_burst("100mbit") == 65_536
+    with pytest.raises(ValueError, match="write it as tc does"):
+        hosts.tbf_burst("1gbyte")
+    with pytest.raises(SystemExit):
+        bench_comm_hosts.main(["--rates", "1gbit,fast"])
