@@ -221,7 +221,12 @@ def predictions(shapes: list[tuple[int, int, int]], names) -> tuple[dict, str | 
                 continue
             gemm = sum(x.time_s for x in launches if x.kind == "gemm")
             total = roofline.predicted_s(launches)
+            try:  # memory is modelled for the traced layers only
+                mem = roofline.layer_memory(name, m, k, n) if name != "torchao-float8" else {}
+            except Exception:  # noqa: BLE001 - the time prediction stands without it
+                mem = {}
             row[name] = {"ms": _ms(total), "gemm_ms": _ms(gemm), "other_ms": _ms(total - gemm),
+                         "peak_mib": round(mem["peak_mb"] * 1e6 / 2 ** 20, 1) if mem else None,
                          "launches": roofline.count_launches(launches),
                          "launch_list": [{"name": x.name, "kind": x.kind, "phase": x.phase, "launches": x.launches,
                                           "us": round(x.time_s * 1e6, 2)} for x in launches]}
@@ -252,7 +257,8 @@ def print_layer(shape: str, name: str, r: dict, top: int) -> None:
         right = f"{want['us']:8.1f} us x{want['launches']:<2d} {want['kind']:6s} {want['name'][:50]}" if want else ""
         print(f"|   {left:<105s} || {right}", flush=True)
     if r.get("peak_mb") is not None:
-        print(f"|   peak memory of one call: {r['peak_mb']:.1f} MiB above what it started with", flush=True)
+        model = f" (model: {p['peak_mib']:.1f} MiB)" if p.get("peak_mib") is not None else ""
+        print(f"|   peak memory of one call: {r['peak_mb']:.1f} MiB above what it started with{model}", flush=True)
     for x in r["runtime"][:4]:
         print(f"|   host: {x['name']} x{x['per_call']:g} per call, {x['us_per_call']:.1f} us", flush=True)
 

@@ -56,6 +56,7 @@ import importlib
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -230,13 +231,54 @@ def _sync_result(name: str, args):
     raise NotImplementedError(f"roofline: the host-syncing op aten.{name} is not modelled")
 
 
+class _Memory:
+    """Device memory the traced ops allocate, live and at its peak: each buffer an op returns counts
+    from its allocation until the last tensor on it, views included, is freed (saved tensors too,
+    until the backward releases them). Buffers that existed before ``reset`` (the input, the
+    parameters) are not counted."""
+
+    def __init__(self):
+        self.live: dict[int, list] = {}  # storage -> [bytes, tensors on it]
+        self.now = self.peak = 0
+        self.peak_at = ""
+
+    def reset(self) -> None:
+        self.live.clear()
+        self.now = self.peak = 0
+        self.peak_at = ""
+
+    def allocated(self, t: torch.Tensor, where: str, view: bool = False) -> None:
+        """``t`` returned by an op: a new buffer, or (``view``) one more tensor on a buffer (a view may
+        outlive the tensor it was taken of)."""
+        key = t.untyped_storage()._cdata
+        entry = self.live.get(key)
+        if entry is None and view:
+            return  # a view of a buffer from before the step
+        if entry is None:
+            entry = self.live[key] = [t.untyped_storage().nbytes(), 0]
+            self.now += entry[0]
+            if self.now > self.peak:
+                self.peak, self.peak_at = self.now, where
+        entry[1] += 1
+        weakref.finalize(t, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.now -= self.live.pop(key)[0]
+
+
 class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every torch op of the trace as a ``Launch`` (or nothing, for views and allocations)."""
+    """Records every torch op of the trace as a ``Launch`` (or nothing, for views and allocations), and
+    the memory its outputs hold (``memory``)."""
 
     def __init__(self):
         super().__init__()
         self.launches: list[Launch] = []
         self.phase = "forward"
+        self.memory = _Memory()
 
     def add(self, **kw) -> None:
         self.launches.append(Launch(phase=self.phase, **kw))
@@ -251,6 +293,9 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
                      shapes=_describe(ins))
             return _sync_result(name, args)
         out = func(*args, **kwargs)
+        if not name.endswith("_"):  # an in-place op returns its argument
+            for t in _on_device(_tensors(out)):
+                self.memory.allocated(t, f"{self.phase}: aten.{name}", view=func.is_view)
         if func.namespace != "aten" or func.is_view or name in NO_KERNEL:
             return out
         outs = _tensors(out)
@@ -462,7 +507,17 @@ def _layer_step(rec: _Recorder, preset: str, tokens: int, in_features: int, out_
     else:
         layer = FP4Linear(in_features, out_features, bias=bias, device="meta", config=FP4Config.from_preset(preset))
     rec.launches.clear()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    rec.memory.reset()
+    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    kept: dict[int, int] = {}  # buffers from before the step that the backward keeps alive (the input)
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params and key not in rec.memory.live:
+            kept[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with rec:
             rec.phase = "forward"
             if preset == "bf16":  # autocast's casts, written out: autocast does not act on meta tensors
@@ -470,6 +525,7 @@ def _layer_step(rec: _Recorder, preset: str, tokens: int, in_features: int, out_
                                                layer.bias.to(torch.bfloat16) if bias else None)
             else:
                 y = layer(x)
+    rec.held_after_forward = rec.memory.now - y.untyped_storage().nbytes() + sum(kept.values())
     with rec:
         rec.phase = "backward"
         # the autograd engine itself: ``y.backward`` would run inside _CudaOnMeta's handler, where the
@@ -491,6 +547,24 @@ def trace_layer(preset: str, tokens: int = TOKENS, in_features: int = 4096, out_
         for _ in range(2):  # the second step is kept: per-shape caches (OCC's sample index) are warm
             _layer_step(rec, preset, tokens, in_features, out_features, bias)
     return list(rec.launches)
+
+
+def layer_memory(preset: str, tokens: int = TOKENS, in_features: int = 4096, out_features: int = 4096,
+                 bias: bool = True) -> dict:
+    """Device memory of the traced forward + backward (``trace_layer``'s layer), from the buffers its ops
+    allocate: ``held_mb``, what the forward leaves for the backward besides its output (what it saves,
+    the input included where it is saved, as ``nn.Linear`` saves it; for ``bf16`` autocast's bf16
+    weight among them; the fp32 parameters, which exist anyway, not counted); ``peak_mb``, the most the
+    step's own ops hold at once (the output and the gradients included; the input and the output
+    gradient not), and the op that reached it. No allocator is modelled (no caching, no fragmentation)."""
+    if preset == "torchao-float8":
+        raise ValueError("layer_memory: torchao-float8 is modelled from a kernel list, not traced; its memory "
+                         "is not modelled")
+    with modelled_h200() as rec:
+        for _ in range(2):
+            _layer_step(rec, preset, tokens, in_features, out_features, bias)
+        return {"held_mb": round(rec.held_after_forward / 1e6, 2), "peak_mb": round(rec.memory.peak / 1e6, 2),
+                "peak_at": rec.memory.peak_at}
 
 
 def count_launches(launches: list[Launch]) -> int:
@@ -544,6 +618,33 @@ def torchao_float8_rowwise(tokens: int, in_features: int, out_features: int, bia
     return out
 
 
+# --------------------------------------------------------------------------- the floor
+def w4a4_direct_floor(tokens: int, in_features: int, out_features: int, bias: bool = True) -> list[Launch]:
+    """The fewest launches and bytes that any implementation of ``w4a4-direct``'s numerics on the
+    vendor's FP8 GeMMs can have, in this model: a lower bound for the traced layer, not a design.
+
+    The numerics fix what must move. A (per-token absmax) and W (per-channel absmax) are each read once
+    and written as both E4M3 layouts the GeMMs take (the forward's operand and wgrad's / dgrad's
+    transposed one: Hopper's FP8 GeMMs read both operands K-major), in one launch for the two tensors.
+    dY is read twice: its dgrad operand (per-token scale, W's channel scale folded in) in one pass, and
+    its wgrad operand (per-output-channel scale of dY times A's token scale) in a second launch, because
+    each of that operand's values waits on the absmax of a whole column of dY, known only after every
+    row is read, and no grid-wide barrier exists inside one launch. The scales, the bias cast and the
+    bias gradient ride in those passes. The three GeMMs are the traced ones."""
+    m, k, n = tokens, in_features, out_features
+    bf16, fp8, f32 = 2, 1, 4
+    quantize = (m * k * (bf16 + 2 * fp8) + m * f32 + n * k * (f32 + 2 * fp8) + n * f32
+                + (n * (f32 + bf16) if bias else 0))
+    rows = m * n * (bf16 + fp8) + m * f32 + n * f32 * (3 if bias else 2)  # W's scale in; amax, dbias out
+    cols = m * n * (bf16 + fp8) + m * f32 + n * f32 * 2  # A's scale and the column amax in; scale out
+    gemms = [x for x in trace_layer("w4a4-direct", m, k, n, bias) if x.kind == "gemm"]
+    return ([Launch(name="floor: quantize A and W (both layouts each)", kind="memory", phase="forward",
+                    bytes=quantize), gemms[0],
+             Launch(name="floor: dY row pass (dgrad operand)", kind="memory", phase="backward", bytes=rows),
+             Launch(name="floor: dY column pass (wgrad operand)", kind="memory", phase="backward", bytes=cols)]
+            + gemms[1:])
+
+
 # --------------------------------------------------------------------------- report
 def summarize(launches: list[Launch]) -> dict:
     return {"launches": count_launches(launches), "pred_ms": round(predicted_s(launches) * 1e3, 4),
@@ -556,12 +657,27 @@ def model(tokens: int = TOKENS, shapes=SHAPES_7B, presets=PRESETS, bias: bool = 
     out = {}
     for k, n in shapes:
         row = {p: summarize(trace_layer(p, tokens, k, n, bias)) for p in presets}
+        for p in presets:
+            if p != "torchao-float8":
+                row[p].update(layer_memory(p, tokens, k, n, bias))
         base = row.get("bf16", {}).get("pred_ms")
         for entry in row.values():
             if base:
                 entry["x_bf16"] = round(entry["pred_ms"] / base, 3)
         out[f"{k}x{n}"] = row
     return {"shapes": out}
+
+
+def floor_table(tokens: int, shapes, bias: bool = True) -> str:
+    """``w4a4_direct_floor`` against the traced ``w4a4-direct``, both as multiples of bf16's time."""
+    lines = ["| shape (in x out) | launches | MB outside GeMMs | predicted ms | x bf16 | traced x bf16 |",
+             "|---|---|---|---|---|---|"]
+    for k, n in shapes:
+        floor, base = w4a4_direct_floor(tokens, k, n, bias), predicted_s(trace_layer("bf16", tokens, k, n, bias))
+        traced = predicted_s(trace_layer("w4a4-direct", tokens, k, n, bias))
+        lines.append(f"| {k}x{n} | {count_launches(floor)} | {non_gemm_bytes(floor) / 1e6:.0f} | "
+                     f"{predicted_s(floor) * 1e3:.3f} | {predicted_s(floor) / base:.3f} | {traced / base:.3f} |")
+    return "\n".join(lines)
 
 
 def launch_table(launches: list[Launch]) -> str:
@@ -575,13 +691,14 @@ def launch_table(launches: list[Launch]) -> str:
 
 
 def totals_table(result: dict) -> str:
-    lines = ["| shape (in x out) | preset | launches | host syncs | MB outside GeMMs | predicted ms | x bf16 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| shape (in x out) | preset | launches | host syncs | MB outside GeMMs | predicted ms | x bf16 | "
+             "MB held for the backward | peak MB |", "|---|---|---|---|---|---|---|---|---|"]
     for shape, row in result["shapes"].items():
         for preset, e in row.items():
             ratio = e.get("x_bf16", float("nan"))
+            held, peak = (f"{e[key]:.0f}" if key in e else "n/a" for key in ("held_mb", "peak_mb"))
             lines.append(f"| {shape} | {preset} | {e['launches']} | {e['host_syncs']} | "
-                         f"{e['bytes_outside_gemms'] / 1e6:.0f} | {e['pred_ms']:.3f} | {ratio:.2f} |")
+                         f"{e['bytes_outside_gemms'] / 1e6:.0f} | {e['pred_ms']:.3f} | {ratio:.2f} | {held} | {peak} |")
     return "\n".join(lines)
 
 
@@ -629,6 +746,10 @@ def main(argv=None) -> int:
             print(f"## {preset}, {args.tokens} x {k} -> {n}\n")
             print(launch_table(trace_layer(preset, args.tokens, k, n, not args.no_bias)) + "\n")
     print(totals_table(result))
+    if "w4a4-direct" in presets:
+        print("\nThe floor of `w4a4-direct` (the fewest launches and bytes its numerics allow on the vendor's FP8 "
+              "GeMMs; `w4a4_direct_floor`):\n")
+        print(floor_table(args.tokens, shapes, not args.no_bias))
     return 0
 
 

@@ -76,6 +76,7 @@ def test_the_gemms_seen_match_the_roofline_s_gemm_launches(record):
         pred = r["pred"]
         assert pred["ms"] > 0 and pred["gemm_ms"] + pred["other_ms"] == pytest.approx(pred["ms"], abs=2e-4)
         assert pred["launches"] == sum(x["launches"] for x in pred["launch_list"])
+        assert (pred["peak_mib"] is None) == (name == "torchao-float8") and (pred["peak_mib"] or 1) > 0, name
         pred_gemms = sum(x["launches"] for x in pred["launch_list"] if x["kind"] == "gemm")
         seen = {k["name"]: k["per_call"] for k in r["kernels"] if k["kind"] == "gemm"}
         # forward, dgrad, wgrad: nn.Linear's addmm + 2 mm; the FP4 layers' three _scaled_mm (on CPU,

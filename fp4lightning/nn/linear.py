@@ -211,6 +211,7 @@ class _FP4LinearFn(torch.autograd.Function):
                     inverse=True, div_inv=w_inv, column_amax_of=a_inv if wgrad and a_inv is not None else None)
                 col_amax = col[0] if col else None
                 grad_x = gemm.fp4_dgrad(g1, s_g1, w_codes, k, cd, g_scale_inv=inv_g1).reshape(*dy.shape[:-1], k)
+                del g1, s_g1, inv_g1  # one FP8 copy of dY at a time: freed before the wgrad operand is made
             if wgrad:
                 grad_w, grad_b = _weight_grad(ctx, dy2d, a_codes, a_scale, fold_scale, resid, weight, w_scale,
                                               a_inv, col_amax, fused_bias)
