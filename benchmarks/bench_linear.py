@@ -292,7 +292,9 @@ def layer_table(shapes: str, dev: torch.device, iters: int, json_path: str | Non
                   default_backend=gemm_dispatch.backend_for(dev), paths=paths,
                   triton_autotune=os.environ.get("FP4LIGHTNING_AUTOTUNE", "1") != "0",
                   fp8_fast_accum=os.environ.get("FP4LIGHTNING_FP8_FAST_ACCUM", "0") == "1",
-                  what=("median ms of forward + backward (bf16 autocast, fp32 master weights); '<preset>' on the "
+                  input_dtype="bfloat16",
+                  what=("median ms of forward + backward (bf16 autocast, fp32 master weights, bf16 input as the "
+                        "roofline models it); '<preset>' on the "
                         "first of `paths`, '<preset> <path>' on the others; `paper` on scaled_mm runs OCC folded "
                         "into the E4M3 operand, on triton with the dense compensation GeMMs"),
                   layers={})
@@ -307,7 +309,10 @@ def layer_table(shapes: str, dev: torch.device, iters: int, json_path: str | Non
         row = record["layers"][key] = {}
         lin = nn.Linear(k, n, device=dev)
         emulate_bf16_linears(lin, dev)
-        x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).requires_grad_(True)
+        # a bf16 input, as the o and down projections get it and the roofline models it (q, k, v, gate and
+        # up get fp32 under autocast: `roofline.py --input-dtype fp32`)
+        x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).to(torch.bfloat16)
+        x.requires_grad_(True)
         dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
 
         def fwd_bwd(mod, backend=None):

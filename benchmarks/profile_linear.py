@@ -83,7 +83,9 @@ def build_layers(m: int, k: int, n: int, dev: torch.device, names=tuple(name for
 
     lin = nn.Linear(k, n, device=dev)
     emulate_bf16_linears(lin, dev)  # on CPUs without native bf16 GeMMs, as training runs them
-    x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).requires_grad_(True)
+    # a bf16 input, as the roofline models it and the layer table feeds it
+    x = (torch.randn(m, k, device=dev) * (1 + 9 * (torch.rand(m, k, device=dev) < 0.01))).to(torch.bfloat16)
+    x.requires_grad_(True)
     dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
     layers = []
     for name, preset in (layer for layer in LAYERS if layer[0] in names):

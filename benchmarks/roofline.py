@@ -323,6 +323,9 @@ TRITON_BYTES = {
     "_refold_outliers_kernel": {"q_ptr": "sparse", "e_ptr": "sparse"},
     # OCC's quantiles: a gather of the n-element sample from x, the histogram counted and zeroed again
     "_occ_quantile_kernel": {"x_ptr": "sample", "hist_ptr": "rw"},
+    # an fp32 input's two-pass select: the sample gathered in each pass, the histograms read and zeroed
+    "_occ_quantile32_hi_kernel": {"x_ptr": "sample", "hist_ptr": "rw"},
+    "_occ_quantile32_lo_kernel": {"x_ptr": "sample", "hist_ptr": "rw"},
 }
 
 
@@ -495,12 +498,12 @@ def modelled_h200():
 
 # --------------------------------------------------------------------------- the trace
 def _layer_step(rec: _Recorder, preset: str, tokens: int, in_features: int, out_features: int,
-                bias: bool) -> None:
+                bias: bool, input_dtype: torch.dtype = torch.bfloat16) -> None:
     """One forward + backward of the layer in a bf16-autocast model, recorded by ``rec``."""
     from fp4lightning.config import FP4Config
     from fp4lightning.nn.linear import FP4Linear
 
-    x = torch.empty(tokens, in_features, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    x = torch.empty(tokens, in_features, dtype=input_dtype, device="meta", requires_grad=True)
     dy = torch.empty(tokens, out_features, dtype=torch.bfloat16, device="meta")
     if preset == "bf16":
         layer = torch.nn.Linear(in_features, out_features, bias=bias, device="meta")
@@ -521,7 +524,7 @@ def _layer_step(rec: _Recorder, preset: str, tokens: int, in_features: int, out_
         with rec:
             rec.phase = "forward"
             if preset == "bf16":  # autocast's casts, written out: autocast does not act on meta tensors
-                y = torch.nn.functional.linear(x, layer.weight.to(torch.bfloat16),
+                y = torch.nn.functional.linear(x.to(torch.bfloat16), layer.weight.to(torch.bfloat16),
                                                layer.bias.to(torch.bfloat16) if bias else None)
             else:
                 y = layer(x)
@@ -535,22 +538,26 @@ def _layer_step(rec: _Recorder, preset: str, tokens: int, in_features: int, out_
 
 
 def trace_layer(preset: str, tokens: int = TOKENS, in_features: int = 4096, out_features: int = 4096,
-                bias: bool = True) -> list[Launch]:
+                bias: bool = True, input_dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
     """The launches of one forward + backward of a linear layer (tokens x in_features -> out_features)
     inside a bf16-autocast model, on the modelled H200: ``preset`` is ``bf16`` (``nn.Linear``), an
     ``FP4Config`` preset (``FP4Linear`` on the CUDA path, weight quantized in the forward), or
-    ``torchao-float8`` (modelled, not traced: ``torchao_float8_rowwise``). Nothing runs on any device;
+    ``torchao-float8`` (modelled, not traced: ``torchao_float8_rowwise``). ``input_dtype``: bf16, as
+    the LLaMA models' o and down projections get it, or fp32, as q, k, v, gate and up get it under bf16
+    autocast (the residual stream and the RMSNorm before them are fp32). Nothing runs on any device;
     at any shape this takes well under a second."""
     if preset == "torchao-float8":
+        if input_dtype != torch.bfloat16:
+            raise ValueError("roofline: torchao-float8 is modelled for a bf16 input only")
         return torchao_float8_rowwise(tokens, in_features, out_features, bias)
     with modelled_h200() as rec:
         for _ in range(2):  # the second step is kept: per-shape caches (OCC's sample index) are warm
-            _layer_step(rec, preset, tokens, in_features, out_features, bias)
+            _layer_step(rec, preset, tokens, in_features, out_features, bias, input_dtype)
     return list(rec.launches)
 
 
 def layer_memory(preset: str, tokens: int = TOKENS, in_features: int = 4096, out_features: int = 4096,
-                 bias: bool = True) -> dict:
+                 bias: bool = True, input_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Device memory of the traced forward + backward (``trace_layer``'s layer), from the buffers its ops
     allocate: ``held_mb``, what the forward leaves for the backward besides its output (what it saves,
     the input included where it is saved, as ``nn.Linear`` saves it; for ``bf16`` autocast's bf16
@@ -562,7 +569,7 @@ def layer_memory(preset: str, tokens: int = TOKENS, in_features: int = 4096, out
                          "is not modelled")
     with modelled_h200() as rec:
         for _ in range(2):
-            _layer_step(rec, preset, tokens, in_features, out_features, bias)
+            _layer_step(rec, preset, tokens, in_features, out_features, bias, input_dtype)
         return {"held_mb": round(rec.held_after_forward / 1e6, 2), "peak_mb": round(rec.memory.peak / 1e6, 2),
                 "peak_at": rec.memory.peak_at}
 
@@ -652,14 +659,15 @@ def summarize(launches: list[Launch]) -> dict:
             "bytes_outside_gemms": non_gemm_bytes(launches), "gemms": sum(x.kind == "gemm" for x in launches)}
 
 
-def model(tokens: int = TOKENS, shapes=SHAPES_7B, presets=PRESETS, bias: bool = True) -> dict:
+def model(tokens: int = TOKENS, shapes=SHAPES_7B, presets=PRESETS, bias: bool = True,
+          input_dtype: torch.dtype = torch.bfloat16) -> dict:
     """``{"shapes": {"KxN": {preset: summary, ...}}}`` with each preset's predicted time against bf16's."""
     out = {}
     for k, n in shapes:
-        row = {p: summarize(trace_layer(p, tokens, k, n, bias)) for p in presets}
+        row = {p: summarize(trace_layer(p, tokens, k, n, bias, input_dtype)) for p in presets}
         for p in presets:
             if p != "torchao-float8":
-                row[p].update(layer_memory(p, tokens, k, n, bias))
+                row[p].update(layer_memory(p, tokens, k, n, bias, input_dtype))
         base = row.get("bf16", {}).get("pred_ms")
         for entry in row.values():
             if base:
@@ -727,26 +735,32 @@ def main(argv=None) -> int:
                    help="IN x OUT pairs, comma-separated (default: the three 7B shapes)")
     p.add_argument("--preset", action="append", choices=PRESETS, help="only these presets (repeatable)")
     p.add_argument("--no-bias", action="store_true", help="layers without a bias (the LLaMA models' linears)")
+    p.add_argument("--input-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="the layer's input: bf16 (default; the o and down projections) or fp32 (q, k, v, gate "
+                        "and up under bf16 autocast; torchao float8 is not modelled for it)")
     args = p.parse_args(argv)
+    input_dtype = torch.float32 if args.input_dtype == "fp32" else torch.bfloat16
     if args.tokens < 1:
         p.error(f"--tokens {args.tokens}: give a positive token count")
     shapes = _parse_shapes(p, args.shapes)
     presets = tuple(args.preset) if args.preset else PRESETS
+    if input_dtype != torch.bfloat16:
+        presets = tuple(x for x in presets if x != "torchao-float8")
     if "bf16" not in presets:
         presets = ("bf16",) + presets  # the ratios' reference
-    result = model(args.tokens, shapes, presets, bias=not args.no_bias)
+    result = model(args.tokens, shapes, presets, bias=not args.no_bias, input_dtype=input_dtype)
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"Predicted H200 (model, not a measurement): HBM {HBM_BW / 1e12:.1f} TB/s, bf16 GeMM "
           f"{BF16_RATE / 1e12:.0f} TFLOP/s, FP8 GeMM {FP8_RATE / 1e12:.0f} TFLOP/s, {LAUNCH_S * 1e6:.0f} us a launch; "
-          f"{args.tokens} tokens, bf16 autocast, {'no bias' if args.no_bias else 'with a bias'}\n")
+          f"{args.tokens} tokens, {args.input_dtype} input, bf16 autocast, {'no bias' if args.no_bias else 'with a bias'}\n")
     for k, n in shapes:
         for preset in presets:
             print(f"## {preset}, {args.tokens} x {k} -> {n}\n")
-            print(launch_table(trace_layer(preset, args.tokens, k, n, not args.no_bias)) + "\n")
+            print(launch_table(trace_layer(preset, args.tokens, k, n, not args.no_bias, input_dtype)) + "\n")
     print(totals_table(result))
-    if "w4a4-direct" in presets:
+    if "w4a4-direct" in presets and input_dtype == torch.bfloat16:  # the floor is counted for a bf16 input
         print("\nThe floor of `w4a4-direct` (the fewest launches and bytes its numerics allow on the vendor's FP8 "
               "GeMMs; `w4a4_direct_floor`):\n")
         print(floor_table(args.tokens, shapes, not args.no_bias))

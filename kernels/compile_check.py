@@ -258,6 +258,19 @@ def _fold_cases():
                       consts=dict(SAMPLED=True, INTERP0=True, INTERP1=True, CHUNK=quantile.CHUNK, SCAN=quantile.SCAN,
                                   BINS=quantile.BINS), num_warps=4, num_stages=1,
                       options=dict(enable_fp_fusion=False), elements_per_thread=quantile.CHUNK // 128))
+    # ... and of an fp32 activation (q, k, v, gate, up under bf16 autocast): a two-pass radix select
+    q32 = dict(x_ptr="*i32", hist_ptr="*i32", ctr_ptr="*i32", sel_ptr="*i32", N=_I, n=_I, STRIDE="i64")
+    cases.append(dict(name="occ quantiles of an fp32 sample, high 16 bits (first of two launches)", arch=90,
+                      kind="quantize", fn=quantile._occ_quantile32_hi_kernel,
+                      types=dict(q32, R0=_I, R1=_I, R2=_I, R3=_I),
+                      consts=dict(SAMPLED=True, CHUNK=quantile.CHUNK, SCAN=quantile.SCAN, BINS=quantile.BINS),
+                      num_warps=4, num_stages=1, options={}, elements_per_thread=quantile.CHUNK // 128))
+    cases.append(dict(name="occ quantiles of an fp32 sample, low 16 bits (second launch)", arch=90,
+                      kind="quantize", fn=quantile._occ_quantile32_lo_kernel,
+                      types=dict(q32, out_ptr="*fp32", F0=_I, F1=_I),
+                      consts=dict(SAMPLED=True, INTERP0=True, INTERP1=True, CHUNK=quantile.CHUNK, SCAN=quantile.SCAN,
+                                  BINS=quantile.BINS), num_warps=4, num_stages=1,
+                      options=dict(enable_fp_fusion=False), elements_per_thread=quantile.CHUNK // 128))
     return cases
 
 

@@ -1,4 +1,5 @@
-"""OCC's two quantiles of a bf16 activation in one launch (arXiv 2501.17116, section 3.3; issue 47).
+"""OCC's two quantiles of a bf16 activation in one launch, of an fp32 one in two (arXiv 2501.17116,
+section 3.3; issue 47).
 
 ``fp4lightning.numerics.occ.occ_bounds`` on CUDA gathers its sample, converts it to fp32, sorts it
 (``torch.sort``: cub's radix sort, seven launches) and interpolates two pairs of order statistics in
@@ -14,6 +15,14 @@ them. -0.0 and +0.0 share a bin (cub ranks them equal), read back as +0.0: the s
 statistic never reaches the result when it is interpolated with a non-zero fraction of at least 2^-16
 (zero plus or minus zero times it is +0.0, and a bf16 value times it does not underflow), which
 ``occ_quantiles_supported`` requires; other cases keep the sort.
+
+An fp32 activation (under bf16 autocast the LLaMA models' q, k, v, gate and up projections get one:
+the residual stream and the RMSNorm are fp32) has 32-bit keys: a two-pass radix select. The first
+launch counts the high 16 bits of each sample element's key; its last program finds the bin of each
+of the four order statistics and its rank inside that bin. The second launch gathers the sample
+again and counts the low 16 bits of the elements in those bins (one histogram per order statistic);
+its last program reads the four values, interpolates them and zeroes what it used. The key is the
+sort's (fp32 bits, negatives' magnitude bits flipped, -0.0 with +0.0), so the values are the sort's.
 """
 from __future__ import annotations
 
@@ -53,6 +62,19 @@ def _bin_value(bin):
     key = bin - 32768
     b = (key ^ ((key >> 15) & 0x7FFF)) & 0xFFFF
     return (b << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_key(b):
+    """fp32 bit patterns (int32) -> int32 keys in the bits' order (signed), -0.0 with +0.0."""
+    key = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return tl.where(key == -1, 0, key)
+
+
+@triton.jit
+def _f32_of_key(key):
+    """The fp32 value of a key (its bits, exactly; +0.0 for the zeros' key)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -102,18 +124,122 @@ def _occ_quantile_kernel(x_ptr, hist_ptr, ctr_ptr, out_ptr, N, n, STRIDE, R0, R1
         tl.atomic_xchg(ctr_ptr, 0)
 
 
-#: per (device, is_meta): the histogram and the arrival counter, zero between launches
-_WORKSPACE: dict[tuple[str, bool], torch.Tensor] = {}
+@triton.jit
+def _find_in(h, c, h_sum, acc, r, b0, ar, found, before):
+    """As ``_find``, with the count of elements below the bin (``before``) where this step holds ``r``."""
+    here = (acc <= r) & (r < acc + h_sum)
+    idx = tl.sum((c <= r).to(tl.int32), axis=0)
+    below = acc + tl.sum(tl.where(ar < idx, h, 0), axis=0)
+    return tl.where(here, b0 + idx, found), tl.where(here, below, before)
 
 
-def _workspace(like: torch.Tensor) -> torch.Tensor:
-    """BINS + 1 zeroed int32 (the histogram, then the counter); fresh while a CUDA graph is captured.
-    Launches on one device share it: they run one after another on its stream, as FP4Linear's do."""
+@triton.jit
+def _sample_keys(x_ptr, N, n, STRIDE, SAMPLED: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's chunk of the sample as fp32 keys, and which lanes hold one."""
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = i < n
+    src = (i.to(tl.int64) * STRIDE) % N if SAMPLED else i.to(tl.int64)
+    return _f32_key(tl.load(x_ptr + src, mask=ok, other=0)), ok
+
+
+@triton.jit
+def _occ_quantile32_hi_kernel(x_ptr, hist_ptr, ctr_ptr, sel_ptr, N, n, STRIDE, R0, R1, R2, R3,
+                              SAMPLED: tl.constexpr, CHUNK: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr):
+    # --- every program: the high 16 bits of its chunk's keys into the histogram
+    key, ok = _sample_keys(x_ptr, N, n, STRIDE, SAMPLED, CHUNK)
+    tl.atomic_add(hist_ptr + (key >> 16) + 32768, 1, mask=ok)
+    done = tl.atomic_add(ctr_ptr, 1)
+    # --- the last program: each order statistic's bin and its rank in it; the histogram zeroed again
+    if done == tl.num_programs(0) - 1:
+        acc = tl.full([], 0, tl.int32)
+        f0 = tl.full([], 0, tl.int32)
+        f1, f2, f3, p0, p1, p2, p3 = f0, f0, f0, f0, f0, f0, f0
+        ar = tl.arange(0, SCAN)
+        for b0 in range(0, BINS, SCAN):
+            h = tl.load(hist_ptr + b0 + ar, volatile=True)
+            c = tl.cumsum(h, axis=0) + acc
+            h_sum = tl.sum(h, axis=0)
+            f0, p0 = _find_in(h, c, h_sum, acc, R0, b0, ar, f0, p0)
+            f1, p1 = _find_in(h, c, h_sum, acc, R1, b0, ar, f1, p1)
+            f2, p2 = _find_in(h, c, h_sum, acc, R2, b0, ar, f2, p2)
+            f3, p3 = _find_in(h, c, h_sum, acc, R3, b0, ar, f3, p3)
+            acc += h_sum
+            tl.store(hist_ptr + b0 + ar, tl.zeros([SCAN], tl.int32))
+        tl.store(sel_ptr + 0, f0)
+        tl.store(sel_ptr + 1, R0 - p0)
+        tl.store(sel_ptr + 2, f1)
+        tl.store(sel_ptr + 3, R1 - p1)
+        tl.store(sel_ptr + 4, f2)
+        tl.store(sel_ptr + 5, R2 - p2)
+        tl.store(sel_ptr + 6, f3)
+        tl.store(sel_ptr + 7, R3 - p3)
+        tl.atomic_xchg(ctr_ptr, 0)
+
+
+@triton.jit
+def _low_select(hist_ptr, sel_ptr, J: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr):
+    """Order statistic ``J``'s value from its low-bits histogram (zeroed again as it is read)."""
+    hi = tl.load(sel_ptr + 2 * J)
+    r = tl.load(sel_ptr + 2 * J + 1)
+    acc = tl.full([], 0, tl.int32)
+    found = tl.full([], 0, tl.int32)
+    ar = tl.arange(0, SCAN)
+    for b0 in range(0, BINS, SCAN):
+        h = tl.load(hist_ptr + J * BINS + b0 + ar, volatile=True)
+        c = tl.cumsum(h, axis=0) + acc
+        h_sum = tl.sum(h, axis=0)
+        found = _find(c, h_sum, acc, r, b0, found)
+        acc += h_sum
+        tl.store(hist_ptr + J * BINS + b0 + ar, tl.zeros([SCAN], tl.int32))
+    return _f32_of_key(((hi - 32768) << 16) | found)
+
+
+@triton.jit
+def _occ_quantile32_lo_kernel(x_ptr, hist_ptr, ctr_ptr, sel_ptr, out_ptr, N, n, STRIDE, F0, F1,
+                              SAMPLED: tl.constexpr, INTERP0: tl.constexpr, INTERP1: tl.constexpr,
+                              CHUNK: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr):
+    # --- every program: the low 16 bits of its chunk's keys in each order statistic's bin
+    key, ok = _sample_keys(x_ptr, N, n, STRIDE, SAMPLED, CHUNK)
+    hi, lo = (key >> 16) + 32768, key & 0xFFFF
+    for j in tl.static_range(4):
+        tl.atomic_add(hist_ptr + j * BINS + lo, 1, mask=ok & (hi == tl.load(sel_ptr + 2 * j)))
+    done = tl.atomic_add(ctr_ptr, 1)
+    # --- the last program: the four values, the interpolation (fp32, no FMA contraction)
+    if done == tl.num_programs(0) - 1:
+        lo_v = _low_select(hist_ptr, sel_ptr, 0, SCAN, BINS)
+        if INTERP0:
+            lo_v = lo_v + (_low_select(hist_ptr, sel_ptr, 1, SCAN, BINS) - lo_v) * F0.to(tl.float32, bitcast=True)
+        else:
+            _low_select(hist_ptr, sel_ptr, 1, SCAN, BINS)  # zeroed all the same
+        hi_v = _low_select(hist_ptr, sel_ptr, 2, SCAN, BINS)
+        if INTERP1:
+            hi_v = hi_v + (_low_select(hist_ptr, sel_ptr, 3, SCAN, BINS) - hi_v) * F1.to(tl.float32, bitcast=True)
+        else:
+            _low_select(hist_ptr, sel_ptr, 3, SCAN, BINS)
+        tl.store(out_ptr, lo_v)
+        tl.store(out_ptr + 1, hi_v)
+        tl.atomic_xchg(ctr_ptr, 0)
+
+
+#: per (device, is_meta[, "fp32"]): the histograms and the arrival counters, zero between launches
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+#: the fp32 select's workspace: the high bits' histogram and counter, the four low bits' histograms and
+#: their counter, then each order statistic's (bin, rank in it), which the first launch writes
+WS32_LOW = BINS + 1
+WS32_SEL = WS32_LOW + 4 * BINS + 1
+WS32 = WS32_SEL + 8
+
+
+def _workspace(like: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """Zeroed int32: BINS + 1 (the histogram, then the counter), or ``WS32`` for an fp32 input; fresh
+    while a CUDA graph is captured. Launches on one device share it: they run one after another on its
+    stream, as FP4Linear's do."""
+    size = WS32 if fp32 else BINS + 1
     if like.is_cuda and not like.is_meta and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(BINS + 1, dtype=torch.int32, device=like.device)
-    key = (str(like.device), like.is_meta)
+        return torch.zeros(size, dtype=torch.int32, device=like.device)
+    key = (str(like.device), like.is_meta) + (("fp32",) if fp32 else ())
     if key not in _WORKSPACE:
-        _WORKSPACE[key] = torch.zeros(BINS + 1, dtype=torch.int32, device=like.device)
+        _WORKSPACE[key] = torch.zeros(size, dtype=torch.int32, device=like.device)
     return _WORKSPACE[key]
 
 
@@ -126,9 +252,9 @@ def _plan(numel: int, alpha: float, method: str, sample_size: int):
 
 def occ_quantiles_supported(x: torch.Tensor, alpha: float, method: str, sample_size: int) -> bool:
     """Whether ``triton_occ_quantiles`` gives ``occ_bounds``'s bits for these arguments: a contiguous bf16
-    ``x`` whose sample occ_bounds would sort with cub's radix sort on CUDA (more than 4096 elements, at
+    or fp32 ``x`` whose sample occ_bounds would sort with cub's radix sort on CUDA (more than 4096 elements, at
     most 2^22), each bound interpolated with a fraction of at least 2^-16."""
-    if x.dtype != torch.bfloat16 or not x.is_contiguous() or not 0.5 < alpha < 1.0:
+    if x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous() or not 0.5 < alpha < 1.0:
         return False
     n, _, pos = _plan(x.numel(), alpha, method, sample_size)
     return CUDA_SORT_MIN < n <= MAX_N and all(MIN_FRAC <= f and i + 1 < n for i, f in pos)
@@ -142,18 +268,34 @@ def _f32_bits(f: float) -> int:
 def triton_occ_quantiles(x: torch.Tensor, alpha: float = 0.99, method: str = "sample",
                          sample_size: int = 65536) -> torch.Tensor:
     """``fp4lightning.numerics.occ.occ_bounds(x, alpha, method, sample_size)`` as it runs on CUDA (the sample
-    sorted by torch.sort), bit for bit, in one launch: ``tensor([lo, hi])`` fp32. Only where
+    sorted by torch.sort), bit for bit, in one launch (two for fp32): ``tensor([lo, hi])`` fp32. Only where
     ``occ_quantiles_supported`` says so (a ValueError otherwise)."""
     check_device("x", x)
     if not occ_quantiles_supported(x, alpha, method, sample_size):
-        raise ValueError("triton_occ_quantiles: needs a contiguous bf16 tensor whose sample has 4097..2^22 "
+        raise ValueError("triton_occ_quantiles: needs a contiguous bf16 or fp32 tensor whose sample has 4097..2^22 "
                          f"elements and interpolated bounds (got {x.dtype}, {x.numel()} elements, "
                          f"alpha={alpha}, method={method!r}, sample_size={sample_size})")
     n, sampled, ((r0, f0), (r2, f1)) = _plan(x.numel(), alpha, method, sample_size)
-    ws = _workspace(x)
     out = torch.empty(2, dtype=torch.float32, device=x.device)
+    if x.dtype == torch.float32:
+        return _quantiles_fp32(x, out, n, sampled, r0, f0, r2, f1)
+    ws = _workspace(x)
     _occ_quantile_kernel[(triton.cdiv(n, CHUNK),)](
         x.view(torch.int16).reshape(-1), ws, ws[BINS:], out, x.numel(), n, lattice_stride(x.numel()),
         r0, r0 + 1, r2, r2 + 1, _f32_bits(f0), _f32_bits(f1), SAMPLED=sampled, INTERP0=f0 > 0, INTERP1=f1 > 0,
         CHUNK=CHUNK, SCAN=SCAN, BINS=BINS, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def _quantiles_fp32(x: torch.Tensor, out: torch.Tensor, n: int, sampled: bool, r0: int, f0: float, r2: int,
+                    f1: float) -> torch.Tensor:
+    """``triton_occ_quantiles`` of an fp32 ``x``: the two-pass select (module docstring)."""
+    ws = _workspace(x, fp32=True)
+    bits, grid, stride = x.view(torch.int32).reshape(-1), (triton.cdiv(n, CHUNK),), lattice_stride(x.numel())
+    sel = ws[WS32_SEL:]  # each order statistic's (high-bits bin, rank in it), from the first launch
+    _occ_quantile32_hi_kernel[grid](bits, ws[:BINS], ws[BINS:WS32_LOW], sel, x.numel(), n, stride, r0, r0 + 1, r2, r2 + 1,
+                                    SAMPLED=sampled, CHUNK=CHUNK, SCAN=SCAN, BINS=BINS, num_warps=4)
+    _occ_quantile32_lo_kernel[grid](bits, ws[WS32_LOW:WS32_SEL - 1], ws[WS32_SEL - 1:WS32_SEL], sel, out, x.numel(), n, stride,
+                                    _f32_bits(f0), _f32_bits(f1), SAMPLED=sampled, INTERP0=f0 > 0, INTERP1=f1 > 0,
+                                    CHUNK=CHUNK, SCAN=SCAN, BINS=BINS, num_warps=4, enable_fp_fusion=False)
     return out

@@ -160,6 +160,31 @@ def _quantile_inputs():
     yield "NaN of both signs and infinities", special.bfloat16(), False
 
 
+def _quantile_inputs_fp32():
+    """fp32 activations (q, k, v, gate and up under bf16 autocast): values sharing their keys' high 16
+    bits at the order statistics, signed zeros, subnormals, NaN payloads and infinities."""
+    g = torch.randn(300, 700, device=DEV)
+    yield "normal", g, True
+    yield "heavy tails", g * torch.exp(2 * torch.randn(300, 1, device=DEV)), True
+    near = 1.0 + torch.randint(0, 4, (200, 400), device=DEV) * 2.0 ** -20  # one high-bits bin, four low keys
+    near[torch.rand(200, 400, device=DEV) < 0.5] *= -1
+    yield "order statistics inside one high-bits bin", near, True
+    ties = torch.randint(-4, 5, (96, 512), device=DEV) / 2
+    ties[torch.rand(96, 512, device=DEV) < 0.5] = -0.0
+    yield "ties and signed zeros", ties, True
+    tiny = torch.randn(128, 256, device=DEV) * 1e-40  # subnormal
+    tiny[torch.rand(128, 256, device=DEV) < 0.3] = 0.0
+    yield "subnormals", tiny, True
+    special = torch.randn(256, 256, device=DEV)
+    hot = torch.rand(256, 256, device=DEV)
+    special[hot < 0.015] = float("nan")
+    special[hot > 0.99] = -torch.tensor(float("nan"))
+    special.view(torch.int32)[(hot > 0.3) & (hot < 0.305)] = 0x7FC00123  # another payload
+    special[(hot > 0.5) & (hot < 0.51)] = float("inf")
+    special[(hot > 0.6) & (hot < 0.601)] = -float("inf")
+    yield "NaN payloads of both signs and infinities", special, False
+
+
 @pytest.mark.parametrize("alpha", [0.99, 0.97, 0.9])
 @pytest.mark.parametrize("method,sample_size", [("sample", 65536), ("sample", 20000), ("exact", 65536)])
 def test_triton_quantiles_are_the_cuda_sorts(alpha, method, sample_size):
@@ -174,12 +199,28 @@ def test_triton_quantiles_are_the_cuda_sorts(alpha, method, sample_size):
         assert not kqt._WORKSPACE[(str(x.device), False)].any(), name  # zeroed again for the next launch
 
 
+@pytest.mark.parametrize("method,sample_size,alpha", [("sample", 65536, 0.99), ("sample", 20000, 0.9),
+                                                      ("exact", 65536, 0.97)])
+def test_triton_quantiles_of_fp32_are_the_cuda_sorts(method, sample_size, alpha):
+    from fp4lightning.kernels import quantile as kqt
+    for name, x, finite in _quantile_inputs_fp32():
+        assert kqt.occ_quantiles_supported(x, alpha, method, sample_size), name
+        got = kqt.triton_occ_quantiles(x, alpha, method, sample_size)
+        want = _cuda_sort_bounds(x, alpha, method, sample_size)
+        assert torch.equal(_bits(got), _bits(want)), (name, got, want)
+        if finite:
+            assert torch.equal(_bits(got), _bits(occ_bounds(x, alpha, method, sample_size))), name
+        ws = kqt._WORKSPACE[(str(x.device), False, "fp32")]
+        assert not ws[:kqt.WS32_SEL].any(), name  # histograms and counters zeroed again for the next launch
+
+
 def test_triton_quantiles_refuse_what_they_cannot_match():
     from fp4lightning.kernels import quantile as kqt
     x = torch.randn(64, 64, device=DEV).bfloat16()  # 4096 elements: CUDA sorts them by comparison
     assert not kqt.occ_quantiles_supported(x, 0.99, "sample", 65536)
-    assert not kqt.occ_quantiles_supported(x.float().repeat(2, 1), 0.99, "sample", 65536)  # fp32: 32-bit keys
+    assert kqt.occ_quantiles_supported(x.float().repeat(2, 1), 0.99, "sample", 65536)  # fp32: two launches
+    assert not kqt.occ_quantiles_supported(x.half().repeat(2, 1), 0.99, "sample", 65536)
     assert not kqt.occ_quantiles_supported(x.repeat(2, 1).t(), 0.99, "sample", 65536)  # not contiguous
     assert kqt.occ_quantiles_supported(x.repeat(2, 1), 0.99, "sample", 65536)
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="bf16 or fp32"):
         kqt.triton_occ_quantiles(x, 0.99)

@@ -222,3 +222,31 @@ def test_layer_memory_fp4_backward_peak(preset):
     assert mem["held_mb"] < bf16["held_mb"] / 3
     peak = 2 * M * N + 2 * M * K + 4 * N * K + M * N + M * K
     assert mem["peak_mb"] <= peak / 1e6 + mem["held_mb"] + 1.0, mem
+
+
+@pytest.mark.parametrize("preset", ["w4a4-direct", "paper"])
+def test_launch_budget_fp32_input(preset):
+    """Under bf16 autocast the LLaMA models' q, k, v, gate and up projections get an fp32 input (the
+    residual stream and the RMSNorm are fp32): the launch budget holds for it too (`paper`: OCC's
+    quantiles in two launches, not a sort and a dozen small ops)."""
+    launches = roofline.trace_layer(preset, M, K, N, input_dtype=torch.float32)
+    assert roofline.count_host_syncs(launches) == 0
+    assert roofline.count_launches(launches) <= LAUNCH_BUDGET[preset], roofline.launch_table(launches)
+    assert not any(x.name == "aten.sort" for x in launches), roofline.launch_table(launches)
+    # the bf16 input's launches, and for fp32 the cast of dx back to the input's dtype (as nn.Linear's)
+    assert roofline.count_launches(launches) == CURRENT[preset][0] + (2 if preset == "paper" else 1)
+
+
+def test_llama_linears_get_fp32_and_bf16_inputs_under_autocast():
+    from fp4lightning.models.config import LLAMA_CONFIGS
+    from fp4lightning.models.llama import Llama
+
+    model, seen = Llama(LLAMA_CONFIGS["tiny"]), {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith("layers.0."):
+            mod.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name.split(".")[-1], args[0].dtype)
+                                          and None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 100, (1, 16)))
+    assert {k for k, v in seen.items() if v == torch.float32} == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert {k for k, v in seen.items() if v == torch.bfloat16} == {"o_proj", "down_proj"}
