@@ -185,33 +185,31 @@ def _quantile_inputs_fp32():
     yield "NaN payloads of both signs and infinities", special, False
 
 
-@pytest.mark.parametrize("alpha", [0.99, 0.97, 0.9])
-@pytest.mark.parametrize("method,sample_size", [("sample", 65536), ("sample", 20000), ("exact", 65536)])
-def test_triton_quantiles_are_the_cuda_sorts(alpha, method, sample_size):
+def _check_quantiles(inputs, alpha, method, sample_size, fp32=False):
+    """The kernel's bounds are the CUDA sort's bits (and, for finite inputs, occ_bounds' on this device:
+    CPU's partial sorts give the same order statistics); its histograms and counters are zero again."""
     from fp4lightning.kernels import quantile as kqt
-    for name, x, finite in _quantile_inputs():
-        assert kqt.occ_quantiles_supported(x, alpha, method, sample_size), name
-        got = kqt.triton_occ_quantiles(x, alpha, method, sample_size)
-        want = _cuda_sort_bounds(x, alpha, method, sample_size)
-        assert torch.equal(_bits(got), _bits(want)), (name, got, want)
-        if finite:  # occ_bounds on this device (CPU: partial sorts), the same order statistics
-            assert torch.equal(_bits(got), _bits(occ_bounds(x, alpha, method, sample_size))), name
-        assert not kqt._WORKSPACE[(str(x.device), False)].any(), name  # zeroed again for the next launch
-
-
-@pytest.mark.parametrize("method,sample_size,alpha", [("sample", 65536, 0.99), ("sample", 20000, 0.9),
-                                                      ("exact", 65536, 0.97)])
-def test_triton_quantiles_of_fp32_are_the_cuda_sorts(method, sample_size, alpha):
-    from fp4lightning.kernels import quantile as kqt
-    for name, x, finite in _quantile_inputs_fp32():
+    for name, x, finite in inputs:
         assert kqt.occ_quantiles_supported(x, alpha, method, sample_size), name
         got = kqt.triton_occ_quantiles(x, alpha, method, sample_size)
         want = _cuda_sort_bounds(x, alpha, method, sample_size)
         assert torch.equal(_bits(got), _bits(want)), (name, got, want)
         if finite:
             assert torch.equal(_bits(got), _bits(occ_bounds(x, alpha, method, sample_size))), name
-        ws = kqt._WORKSPACE[(str(x.device), False, "fp32")]
-        assert not ws[:kqt.WS32_SEL].any(), name  # histograms and counters zeroed again for the next launch
+        ws = kqt._WORKSPACE[(str(x.device), False) + (("fp32",) if fp32 else ())]
+        assert not ws[:kqt.WS32_SEL if fp32 else None].any(), name  # zeroed again for the next launch
+
+
+@pytest.mark.parametrize("alpha", [0.99, 0.97, 0.9])
+@pytest.mark.parametrize("method,sample_size", [("sample", 65536), ("sample", 20000), ("exact", 65536)])
+def test_triton_quantiles_are_the_cuda_sorts(alpha, method, sample_size):
+    _check_quantiles(_quantile_inputs(), alpha, method, sample_size)
+
+
+@pytest.mark.parametrize("method,sample_size,alpha", [("sample", 65536, 0.99), ("sample", 20000, 0.9),
+                                                      ("exact", 65536, 0.97)])
+def test_triton_quantiles_of_fp32_are_the_cuda_sorts(method, sample_size, alpha):
+    _check_quantiles(_quantile_inputs_fp32(), alpha, method, sample_size, fp32=True)
 
 
 def test_triton_quantiles_refuse_what_they_cannot_match():
