@@ -25,6 +25,8 @@
 #   extras        the eager 1.3B step's time split, the weight quantized once per step, the optimizer
 #   kernels       the kernel tests compiled (GPU tests at realistic sizes, then the small shapes)
 #   kernel-bench  the kernel benchmark's timing rows, autotuning on
+#   memory        what one llama2-1.3b block saves for its backward, eager and compiled, bf16 against
+#                 the FP4 layers (benchmarks/bench_block_memory.py: the 1.3B step's extra memory)
 #
 # What the GPU machine lacks travels in the device tool's `carry`: scripts/gpu_pack.sh (here, with
 # network) downloads the wheels (omegaconf, torchao) into .whl/, checks data/builtin and the size,
@@ -39,7 +41,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OF
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 MAIN_STAGES=(profile layers checks step train)
-ALL_STAGES=" profile layers checks step train step-torchao extras kernels kernel-bench "
+ALL_STAGES=" profile layers checks step train step-torchao extras kernels kernel-bench memory "
 if [ $# -eq 0 ]; then
   echo "usage: bash scripts/gpu_check.sh STAGE [STAGE ...]; STAGE:${ALL_STAGES}or all" >&2
   exit 2

@@ -52,7 +52,7 @@ ROOFLINE_JSON = ROOT / ".whl" / "roofline.json"  # written by scripts/gpu_pack.s
 #: each stage ends within its budget (s); the main stages (``CALLS``) add up to 715 s, which with a lent
 #: machine's start-up (about a minute) stays under 13 of the task's 15 minutes of GPU time
 STAGE_BUDGET_S = {"profile": 150, "layers": 120, "checks": 190, "step": 125, "train": 130,
-                  "step-torchao": 280, "extras": 230, "kernels": 230, "kernel-bench": 230}
+                  "step-torchao": 280, "extras": 230, "kernels": 230, "kernel-bench": 230, "memory": 230}
 #: each step's time limit (s) inside its stage (cut to what is left of the stage's budget); a stage's
 #: limits add up to at most its budget
 STEP_LIMIT_S = {
@@ -65,6 +65,7 @@ STEP_LIMIT_S = {
     "extras": {"step_1.3b_eager": 110, "weight_reuse": 60, "optimizer": 45},
     "kernels": {"gpu_tests": 110, "small_tests": 110},
     "kernel-bench": {"timings": 220},
+    "memory": {"block_memory": 220},
 }
 #: the plan for a lent machine: one ``gpu_check.sh`` call per entry, in this order (each under 600 s):
 #: first what guides the optimisation (where the layers' time goes, the layer table), then correctness,
@@ -85,7 +86,7 @@ TRAIN_OVERRIDES = ["data.source=builtin", f"data.dir={DATA}", "trainer.devices=1
 #: the record's key of each stage
 KEYS = {"profile": "profile", "layers": "layers", "checks": "checks", "step": "step_1.3b", "train": "train_1.3b",
         "step-torchao": "step_1.3b_torchao", "extras": "extras", "kernels": "kernel_tests",
-        "kernel-bench": "kernel_bench"}
+        "kernel-bench": "kernel_bench", "memory": "block_memory"}
 #: what each stage imports: modules, benchmark scripts (imported, not run), optional modules
 #: (a row reads n/a without them), a recipe with overrides to resolve, a prepared data folder
 COMMON = ["torch", "triton", "fp4lightning", "fp4lightning.ops.gemm", "fp4lightning.kernels.fp4_triton",
@@ -105,6 +106,7 @@ NEEDS = {
                                                    "benchmarks/bench_optim.py"], recipe=[]),
     "kernels": dict(modules=["pytest", "tests.test_kernels", "tests.test_block_kernels"]),
     "kernel-bench": dict(scripts=["benchmarks/bench_kernels.py"]),
+    "memory": dict(scripts=["benchmarks/bench_block_memory.py"]),
 }
 
 
@@ -498,9 +500,18 @@ def stage_kernel_bench(st: Stage) -> None:
     st.run("timings", [PY, "benchmarks/bench_kernels.py", "--skip-checks"])
 
 
+def stage_memory(st: Stage) -> None:
+    """What one llama2-1.3b block saves for its backward, eager and compiled, bf16 against the FP4 layers
+    (benchmarks/bench_block_memory.py: the compiled blocks' graph breaks, docs/perf.md)."""
+    out = st.tmp / "block_memory.json"
+    out.unlink(missing_ok=True)
+    st.run("block_memory", [PY, "benchmarks/bench_block_memory.py", "--device", "cuda", "--json", out],
+           env=NO_AUTOTUNE, poll=lambda: None if _read_json(out) is None else (st.key, _read_json(out)))
+
+
 STAGES = {"profile": stage_profile, "layers": stage_layers, "checks": stage_checks, "step": stage_step,
           "train": stage_train, "step-torchao": stage_step, "extras": stage_extras, "kernels": stage_kernels,
-          "kernel-bench": stage_kernel_bench}
+          "kernel-bench": stage_kernel_bench, "memory": stage_memory}
 
 
 def probe_device() -> int:
