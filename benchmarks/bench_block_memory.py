@@ -16,10 +16,12 @@ path's but for ``paper``'s residual (CSR on CPU, a fixed-capacity compact list o
 
     python benchmarks/bench_block_memory.py                                   # llama2-1.3b block, CPU
     python benchmarks/bench_block_memory.py --model tiny --modes eager --json /tmp/mem.json
+    python benchmarks/bench_block_memory.py --modes compiled --memory-budget 0.5  # the partitioner recomputes more
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -48,8 +50,9 @@ def _build(model: str, layer: str, mode: str, device: torch.device):
     return cfg, (torch.compile(block) if mode == "compiled" else block)
 
 
-def saved_bytes(block, cfg, tokens: int, device: torch.device) -> tuple[int, int]:
-    """(bytes, buffers) autograd saves in one forward of ``block`` at ``tokens`` tokens (second call)."""
+def saved_bytes(block, cfg, tokens: int, device: torch.device, budget: float | None = None) -> tuple[int, int]:
+    """(bytes, buffers) autograd saves in one forward of ``block`` at ``tokens`` tokens (second call);
+    ``budget``: the compiler partitioner's ``activation_memory_budget`` while it compiles (None: torch's)."""
     from fp4lightning.models.llama import rope_cos_sin
 
     x = torch.randn(1, tokens, cfg.dim, device=device, requires_grad=True)
@@ -66,22 +69,26 @@ def saved_bytes(block, cfg, tokens: int, device: torch.device) -> tuple[int, int
                     saved[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
             return t
 
+        patch = (torch._functorch.config.patch(activation_memory_budget=budget) if budget is not None
+                 else contextlib.nullcontext())
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast(device.type, dtype=torch.bfloat16):
+                torch.autocast(device.type, dtype=torch.bfloat16), patch:
             y = block(x, cos, sin)
         y.float().sum().backward()
         out = (sum(saved.values()), len(saved))
     return out
 
 
-def measure(model: str, layers, modes, tokens: tuple[int, int], device: torch.device) -> dict:
+def measure(model: str, layers, modes, tokens: tuple[int, int], device: torch.device,
+            budget: float | None = None) -> dict:
     """``{mode: {layer: {"per_token_kb", "fixed_mb", "saved_mb": [at tokens[0], at tokens[1]]}}}``."""
     out: dict = {}
     for mode in modes:
         for layer in layers:
             torch._dynamo.reset()
             cfg, block = _build(model, layer, mode, device)
-            (b0, _), (b1, _) = (saved_bytes(block, cfg, t, device) for t in tokens)
+            (b0, _), (b1, _) = (saved_bytes(block, cfg, t, device, budget if mode == "compiled" else None)
+                                for t in tokens)
             per_token = (b1 - b0) / (tokens[1] - tokens[0])
             out.setdefault(mode, {})[layer] = {"per_token_kb": round(per_token / 1e3, 2),
                                                "fixed_mb": round((b0 - per_token * tokens[0]) / 1e6, 2),
@@ -117,6 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--step-tokens", type=int, default=32768,
                    help="tokens of the projected training step (default 32768: the H200 1.3B step's 16 x 2048)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help="compiled rows: the partitioner's activation_memory_budget (0-1; lower saves less and "
+                        "recomputes more; default: torch's, 1.0)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     layers, modes = args.layers.split(","), args.modes.split(",")
@@ -129,10 +139,12 @@ def main(argv=None) -> int:
         tokens = ()
     if len(tokens) != 2 or not 0 < tokens[0] < tokens[1]:
         p.error(f"--tokens {args.tokens!r}: give two increasing token counts, such as 256,512")
+    if args.memory_budget is not None and not 0.0 <= args.memory_budget <= 1.0:
+        p.error(f"--memory-budget {args.memory_budget}: give a fraction from 0 to 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"# one {args.model} block, bf16 autocast, {device.type}: what autograd saves\n"
           "| mode | layer | kB per token | fixed MB |\n|---|---|---|---|", flush=True)
-    result = measure(args.model, layers, modes, tokens, device)
+    result = measure(args.model, layers, modes, tokens, device, args.memory_budget)
     blocks = LLAMA_CONFIGS[args.model].n_layers
     proj = project(result, blocks, args.step_tokens)
     for mode, row in proj.items():
@@ -142,7 +154,7 @@ def main(argv=None) -> int:
         record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "model": args.model, "device": device.type, "torch": torch.__version__, "tokens": list(tokens),
                   "threads": torch.get_num_threads(), "blocks": blocks, "step_tokens": args.step_tokens,
-                  "saved": result, "step_difference_gb": proj}
+                  "memory_budget": args.memory_budget, "saved": result, "step_difference_gb": proj}
         Path(args.json).write_text(json.dumps(record, indent=1))
     return 0
 

@@ -50,3 +50,6 @@ def test_command_line(tmp_path):
     assert "eager: w4a4-direct saves" in proc.stdout
     bad = subprocess.run(cmd[:2] + ["--modes", "jit"], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "unknown layer or mode ['jit']" in bad.stderr
+    bad = subprocess.run(cmd[:2] + ["--memory-budget", "1.5"], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=ROOT)
+    assert bad.returncode == 2 and "--memory-budget 1.5: give a fraction from 0 to 1" in bad.stderr
