@@ -31,7 +31,8 @@ FP4Linear is one graph break), the baselines included so that the rows stay comp
 row with ``--compile-torchao`` keeps its whole-model compile. The two warm-up steps include the
 compile. A compiled row has no time split and no attention-kernel probe (their hooks would break its
 graphs). The recipe's own ``trainer.compile`` is not read here: without ``--compile`` every row runs
-eagerly.
+eagerly; with it, every row's blocks compile under the recipe's ``trainer.compile_memory_budget``
+(``trainer.compile_memory_budget=0.5`` on the command line).
 
 Each row starts from the same initial weights (the recipe's seed) and batch: random tokens, or the
 first windows of the recipe's prepared data folder when there is one. On CPU the rows' timed steps
@@ -175,7 +176,8 @@ class Row:
             self.preset = None
         self.compiled = "model" if name == "torchao-float8" and compile_torchao else None
         if compile_backend is not None and self.compiled is None:
-            compile_blocks(model, backend=compile_backend)  # as LlamaLightningModule.configure_model (trainer.compile)
+            # as LlamaLightningModule.configure_model (trainer.compile, trainer.compile_memory_budget)
+            compile_blocks(model, backend=compile_backend, memory_budget=cfg.trainer.compile_memory_budget)
             self.compiled = "blocks"
         # the LightningModule's optimizer (AdamW groups, optimizer.states) and schedule, outside Lightning
         module = make_module(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision="bf16-mixed")))

@@ -242,3 +242,35 @@ def test_a_short_training_run_compiles_the_blocks(tmp_path_factory, tmp_path, mo
     assert losses[1] == ref_losses[1]  # the same forward on the same weights
     # step 2 and validation follow weights one AdamW step apart by the gradients' last bits (GRAD_RTOL)
     assert losses[2] == pytest.approx(ref_losses[2], rel=1e-5) and val_loss == pytest.approx(ref_val_loss, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- the memory budget
+def test_compile_memory_budget_reaches_the_partitioner_and_keeps_the_numbers(monkeypatch):
+    """trainer.compile_memory_budget: torch's activation_memory_budget is the recipe's while each block
+    compiles (the backend sees it), and only then; the step computes what the eager model computes."""
+    import torch._functorch.config as functorch_config
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(functorch_config.activation_memory_budget)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    default = functorch_config.activation_memory_budget
+    eager = _fp4_model()
+    compiled = compile_blocks(copy.deepcopy(eager), backend=backend, memory_budget=0.5)
+    batch = _batches(1)[0]
+    _assert_matches_eager(_step(compiled, batch), _step(eager, batch))
+    assert seen and set(seen) == {0.5} and functorch_config.activation_memory_budget == default
+    # the recipe key: checked, carried to compile_blocks by the Lightning module
+    with pytest.raises(RecipeError, match=r"`trainer\.compile_memory_budget` must be in \[0, 1\]"):
+        load_recipe(None, ["trainer.compile_memory_budget=1.5"])
+    assert load_recipe().trainer.compile_memory_budget is None
+    got = {}
+    monkeypatch.setattr("fp4lightning.train.module.compile_blocks",
+                        lambda model, backend, memory_budget: got.setdefault("budget", memory_budget))
+    model_keys = [f"model.{k}={getattr(CFG, k)}" for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim")]
+    cfg = load_recipe(None, ["trainer.compile=true", "trainer.compile_memory_budget=0.25", "trainer.accelerator=cpu",
+                             *model_keys])
+    make_module(cfg, precision_setup(cfg)).configure_model()
+    assert got == {"budget": 0.25}

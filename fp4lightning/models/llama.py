@@ -186,7 +186,8 @@ class Llama(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
 
-def compile_blocks(model: Llama, backend: str | Callable[..., Any] = "inductor") -> Llama:
+def compile_blocks(model: Llama, backend: str | Callable[..., Any] = "inductor",
+                   memory_budget: float | None = None) -> Llama:
     """``torch.compile`` each decoder block of ``model`` in place, as torchtitan compiles each TransformerBlock.
 
     RMSNorm, RoPE, the code around ``scaled_dot_product_attention``, SwiGLU's activation and product and
@@ -203,6 +204,10 @@ def compile_blocks(model: Llama, backend: str | Callable[..., Any] = "inductor")
     refused for that reason.
 
     ``backend``: ``torch.compile``'s (tests pass ``"aot_eager"``: same graphs, no C++ or Triton build).
+    ``memory_budget``: torch's ``activation_memory_budget`` (0-1) while each block compiles (recipe key
+    ``trainer.compile_memory_budget``): below 1 the partitioner saves fewer activations and recomputes
+    more in the backward. The graphs between the FP4 layers' breaks are planned apart and save more than
+    one graph of the bf16 block would (docs/perf.md, "Memory of a compiled block"). None: torch's.
     Returns ``model``.
     """
     for i, block in enumerate(model.layers):
@@ -211,5 +216,19 @@ def compile_blocks(model: Llama, backend: str | Callable[..., Any] = "inductor")
             by = getattr(getattr(wrapper, "func", wrapper), "__qualname__", type(wrapper).__name__)
             raise ValueError(f"compile_blocks: layers.{i} already wraps its forward (in {by}), e.g. fully_shard_fp4's "
                              "activation checkpointing or an earlier compile_blocks; compile the blocks before sharding")
-        block.forward = torch.compile(block.forward, backend=backend)
+        compiled = torch.compile(block.forward, backend=backend)
+        block.forward = compiled if memory_budget is None else _with_memory_budget(compiled, memory_budget)
     return model
+
+
+def _with_memory_budget(compiled: Callable[..., Any], budget: float) -> Callable[..., Any]:
+    """``compiled`` called with torch's ``activation_memory_budget`` at ``budget`` (read when it compiles)."""
+    import functools
+
+    import torch._functorch.config as functorch_config
+
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compiled(*args, **kwargs)
+    return forward

@@ -131,7 +131,8 @@ class LlamaLightningModule(L.LightningModule):
         if self.compiles_blocks:
             # lazily, at the first forward: the FP4Precision plugin's conversion (after this hook) is
             # compiled too; before fully_shard_fp4, whose activation checkpointing wraps the compiled forward
-            compile_blocks(model, backend=self.compile_backend)
+            budget = ((self.hparams.get("recipe") or {}).get("trainer") or {}).get("compile_memory_budget")
+            compile_blocks(model, backend=self.compile_backend, memory_budget=budget)
             rank_zero_info(f"trainer.compile: {len(model.layers)} decoder blocks under torch.compile; the first "
                            "training step and the first validation compile them")
         if getattr(self, "_device_mesh", None) is not None:  # ModelParallelStrategy: FSDP2 (docs/distributed.md)

@@ -148,6 +148,9 @@ class TrainerSection:
     #: graph break each); with fsdp the blocks are compiled before they are sharded. On CPU it costs a
     #: minute or more of compiling at the first step (and again at the first validation, no_grad)
     compile: bool = False
+    #: with compile: torch's activation_memory_budget (0-1) while the blocks compile; lower saves fewer
+    #: activations and recomputes more of the work between the FP4 layers' graph breaks (docs/perf.md)
+    compile_memory_budget: Optional[float] = None
 
 
 def _overrides_schema() -> type:
@@ -363,6 +366,8 @@ def _validate_ranges(cfg: RecipeConfig) -> None:
     _in_range("optimizer.beta1", cfg.optimizer.beta1, 0.0, 1.0)
     _in_range("optimizer.beta2", cfg.optimizer.beta2, 0.0, 1.0)
     _in_range("seed", cfg.seed, 0, 2**32 - 1, hi_open=False)  # numpy / Lightning seeds are 32-bit
+    if cfg.trainer.compile_memory_budget is not None:
+        _in_range("trainer.compile_memory_budget", cfg.trainer.compile_memory_budget, 0.0, 1.0, hi_open=False)
     for name in ("rope_theta", "norm_eps", "init_std"):
         _positive(f"model.{name}", getattr(cfg.model, name))
     for key in ("data.val_fraction", "schedule.warmup_fraction", "schedule.min_lr_ratio"):
