@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests._spawned import leave
 
 WORLDS = (2, 3, 4)
 SHAPES = ((6, 5), (13,), (4, 4), (3,))
@@ -82,6 +83,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
+    leave()  # the result is on disk: no interpreter teardown (tests/_spawned.py)
 
 
 def _free_port() -> int:

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests._numerics import sqnr
+from tests._spawned import leave
 
 W = 2  # world size of every test here
 
@@ -73,6 +74,7 @@ def _worker(rank: int, fn, port: int, out_dir: str, seed: int) -> None:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
+    leave()  # the result is on disk: no interpreter teardown (tests/_spawned.py)
 
 
 def _digest(tensors) -> str:

@@ -18,6 +18,7 @@ from fp4lightning.nn.linear import FP4Linear
 from fp4lightning.lightning.optim import LowPrecisionAdamW, to_torch_adamw_state_dict
 from fp4lightning.lightning.loss_scaler import DynamicLossScaler
 from fp4lightning.lightning.precision import FP4Precision
+from tests._spawned import leave
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, logger=False, enable_checkpointing=False,
              enable_model_summary=False)
@@ -424,6 +425,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str, seed: int) -> None:
                        "params": params.tolist(), "skipped": trainer.precision_plugin.scaler.skipped_steps}, f)
     finally:
         dist.destroy_process_group()
+    leave()  # the result is on disk: no interpreter teardown (tests/_spawned.py)
 
 
 @pytest.mark.slow

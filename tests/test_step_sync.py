@@ -30,6 +30,7 @@ from fp4lightning.lightning.nonfinite import NonFiniteGuard
 from fp4lightning.lightning.precision import FP4Precision
 
 from ._numerics import needs_cpu_scaled_mm
+from ._spawned import leave
 
 READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique",
          "aten::_unique2", "aten::unique_consecutive", "aten::equal")
@@ -154,6 +155,7 @@ def _detect_worker(rank: int, port: int, out: str) -> None:
             json.dump(results, f)
     finally:
         dist.destroy_process_group()
+    leave()  # the result is on disk: no interpreter teardown (tests/_spawned.py)
 
 
 @needs_cpu_scaled_mm()
