@@ -145,6 +145,24 @@ def test_a_lost_host_is_named_by_its_ranks():
     assert timed_out(RuntimeError(TIMEOUT)) and not timed_out(err) and not timed_out(ValueError(TIMEOUT))
 
 
+def test_a_survivor_that_saw_only_its_neighbour_leave_hears_the_lost_host(tmp_path):
+    """The first survivor to name the lost host leaves its words in the process group's store; a
+    survivor on its host may see only that rank's socket close (its own host's address, no one named)
+    and takes them from there. Nothing left: None after the wait; no process group: None at once."""
+    import torch.distributed as dist
+
+    from fp4lightning.train.peers import heard_lost_host, tell_lost_host
+
+    assert heard_lost_host(0.1) is None and tell_lost_host("x") is None  # no group
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert heard_lost_host(0.2) is None
+        tell_lost_host("ranks 2, 3 (host 10.47.0.2)")
+        assert heard_lost_host(0.2) == "ranks 2, 3 (host 10.47.0.2)"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_process_group_timeout_from_the_environment(monkeypatch):
     from datetime import timedelta
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from fp4lightning.errors import UsageError
 
-__all__ = ["TIMEOUT_ENV", "process_group_timeout", "local_address", "PeerTable", "lost_host", "timed_out"]
+__all__ = ["TIMEOUT_ENV", "process_group_timeout", "local_address", "PeerTable", "lost_host", "timed_out",
+           "tell_lost_host", "heard_lost_host"]
 
 #: seconds a collective may wait before it fails on every rank (unset: Lightning's 30 minutes)
 TIMEOUT_ENV = "FP4LIGHTNING_DIST_TIMEOUT"
@@ -100,6 +101,42 @@ def lost_host(exc: BaseException, peers: list[tuple[str, str]], rank: int) -> Op
             what = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
             return f"{what} (host {name})"
     return None
+
+
+#: the process group's store key under which the first survivor that names a lost host leaves its words
+_LOST_KEY = "fp4lightning/lost_host"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no group, or a torch without it: nothing to share
+        return None
+
+
+def tell_lost_host(description: str) -> None:
+    """Leave ``lost_host``'s words in the process group's store for the other survivors: one on the same
+    host may see only this rank's socket close when this rank exits (an address of its own host, which
+    names no one). Best effort: a store that is gone (its host was the one lost) is skipped."""
+    store = _store()
+    if store is not None:
+        try:
+            store.set(_LOST_KEY, description)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def heard_lost_host(wait_s: float = 2.0) -> Optional[str]:
+    """The lost host another survivor named (``tell_lost_host``), waiting at most ``wait_s``; else None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        store.wait([_LOST_KEY], timedelta(seconds=wait_s))
+        value = store.get(_LOST_KEY)
+    except Exception:  # noqa: BLE001 - not set in time, or the store is gone
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def timed_out(exc: BaseException) -> bool:

@@ -46,7 +46,8 @@ from fp4lightning.train.checkpoint import AtomicCheckpointIO
 from fp4lightning.train.fingerprint import record_fingerprint
 from fp4lightning.train.loss_log import make_loggers, plot_losses, run_title
 from fp4lightning.train.module import LlamaLightningModule
-from fp4lightning.train.peers import TIMEOUT_ENV, PeerTable, lost_host, process_group_timeout, timed_out
+from fp4lightning.train.peers import (TIMEOUT_ENV, PeerTable, heard_lost_host, lost_host, process_group_timeout,
+                                      tell_lost_host, timed_out)
 from fp4lightning.train.recipe import WIRE_FORMAT, RecipeConfig, RecipeError, recipe_to_dict, recipe_to_yaml
 from fp4lightning.train.resume import clear_for_start, describe_resume, latest_checkpoint, plan_start, resume_command
 from fp4lightning.train.run_lock import run_lock
@@ -331,7 +332,13 @@ def _peer_lost_error(exc: RuntimeError, trainer, out: Path):
     ``fp4lightning.distributed.comm.lost_peer``) and the last checkpoint; a collective past the process-group
     timeout as one line saying so; None for any other error."""
     table = next((c.peers for c in trainer.callbacks if isinstance(c, PeerTable)), [])
-    peer = lost_host(exc, table, trainer.global_rank) or lost_peer(exc, trainer.global_rank, trainer.world_size)
+    peer = lost_host(exc, table, trainer.global_rank)
+    if peer is not None:
+        tell_lost_host(peer)  # for a survivor that sees only this rank leave
+    else:
+        peer = lost_peer(exc, trainer.global_rank, trainer.world_size)
+        if peer == "another rank" and table:
+            peer = heard_lost_host() or peer
     if peer is None and not timed_out(exc):
         return None
     ckpt = latest_checkpoint(out)
