@@ -268,9 +268,9 @@ def _fold_cases():
     cases.append(dict(name="occ quantiles of an fp32 sample, low 16 bits (second launch)", arch=90,
                       kind="quantize", fn=quantile._occ_quantile32_lo_kernel,
                       types=dict(q32, out_ptr="*fp32", F0=_I, F1=_I),
-                      consts=dict(SAMPLED=True, INTERP0=True, INTERP1=True, CHUNK=quantile.CHUNK, SCAN=quantile.SCAN,
-                                  BINS=quantile.BINS), num_warps=4, num_stages=1,
-                      options=dict(enable_fp_fusion=False), elements_per_thread=quantile.CHUNK // 128))
+                      consts=dict(SAMPLED=True, CHUNK=quantile.CHUNK, SCAN=quantile.SCAN, BINS=quantile.BINS),
+                      num_warps=4, num_stages=1, options=dict(enable_fp_fusion=False),
+                      elements_per_thread=quantile.CHUNK // 128))
     return cases
 
 

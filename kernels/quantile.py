@@ -85,13 +85,20 @@ def _find(c, h_sum, acc, r, b0, found):
 
 
 @triton.jit
+def _sample_src(N, n, STRIDE, SAMPLED: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's chunk of the sample: element offsets into x (the lattice ``i * STRIDE mod N``), and
+    which lanes hold one."""
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    src = (i.to(tl.int64) * STRIDE) % N if SAMPLED else i.to(tl.int64)
+    return src, i < n
+
+
+@triton.jit
 def _occ_quantile_kernel(x_ptr, hist_ptr, ctr_ptr, out_ptr, N, n, STRIDE, R0, R1, R2, R3, F0, F1,
                          SAMPLED: tl.constexpr, INTERP0: tl.constexpr, INTERP1: tl.constexpr,
                          CHUNK: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr):
     # --- every program: its chunk of the sample into the histogram
-    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ok = i < n
-    src = (i.to(tl.int64) * STRIDE) % N if SAMPLED else i.to(tl.int64)
+    src, ok = _sample_src(N, n, STRIDE, SAMPLED, CHUNK)
     b = tl.load(x_ptr + src, mask=ok, other=0).to(tl.int32) & 0xFFFF
     tl.atomic_add(hist_ptr + _bf16_key(b), 1, mask=ok)
     done = tl.atomic_add(ctr_ptr, 1)
@@ -136,9 +143,7 @@ def _find_in(h, c, h_sum, acc, r, b0, ar, found, before):
 @triton.jit
 def _sample_keys(x_ptr, N, n, STRIDE, SAMPLED: tl.constexpr, CHUNK: tl.constexpr):
     """This program's chunk of the sample as fp32 keys, and which lanes hold one."""
-    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ok = i < n
-    src = (i.to(tl.int64) * STRIDE) % N if SAMPLED else i.to(tl.int64)
+    src, ok = _sample_src(N, n, STRIDE, SAMPLED, CHUNK)
     return _f32_key(tl.load(x_ptr + src, mask=ok, other=0)), ok
 
 
@@ -196,26 +201,20 @@ def _low_select(hist_ptr, sel_ptr, J: tl.constexpr, SCAN: tl.constexpr, BINS: tl
 
 @triton.jit
 def _occ_quantile32_lo_kernel(x_ptr, hist_ptr, ctr_ptr, sel_ptr, out_ptr, N, n, STRIDE, F0, F1,
-                              SAMPLED: tl.constexpr, INTERP0: tl.constexpr, INTERP1: tl.constexpr,
-                              CHUNK: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr):
+                              SAMPLED: tl.constexpr, CHUNK: tl.constexpr, SCAN: tl.constexpr, BINS: tl.constexpr):
     # --- every program: the low 16 bits of its chunk's keys in each order statistic's bin
     key, ok = _sample_keys(x_ptr, N, n, STRIDE, SAMPLED, CHUNK)
     hi, lo = (key >> 16) + 32768, key & 0xFFFF
     for j in tl.static_range(4):
         tl.atomic_add(hist_ptr + j * BINS + lo, 1, mask=ok & (hi == tl.load(sel_ptr + 2 * j)))
     done = tl.atomic_add(ctr_ptr, 1)
-    # --- the last program: the four values, the interpolation (fp32, no FMA contraction)
+    # --- the last program: the four values, the interpolation (fp32, no FMA contraction; both bounds
+    # interpolate: occ_quantiles_supported asks a fraction of at least 2^-16)
     if done == tl.num_programs(0) - 1:
         lo_v = _low_select(hist_ptr, sel_ptr, 0, SCAN, BINS)
-        if INTERP0:
-            lo_v = lo_v + (_low_select(hist_ptr, sel_ptr, 1, SCAN, BINS) - lo_v) * F0.to(tl.float32, bitcast=True)
-        else:
-            _low_select(hist_ptr, sel_ptr, 1, SCAN, BINS)  # zeroed all the same
+        lo_v = lo_v + (_low_select(hist_ptr, sel_ptr, 1, SCAN, BINS) - lo_v) * F0.to(tl.float32, bitcast=True)
         hi_v = _low_select(hist_ptr, sel_ptr, 2, SCAN, BINS)
-        if INTERP1:
-            hi_v = hi_v + (_low_select(hist_ptr, sel_ptr, 3, SCAN, BINS) - hi_v) * F1.to(tl.float32, bitcast=True)
-        else:
-            _low_select(hist_ptr, sel_ptr, 3, SCAN, BINS)
+        hi_v = hi_v + (_low_select(hist_ptr, sel_ptr, 3, SCAN, BINS) - hi_v) * F1.to(tl.float32, bitcast=True)
         tl.store(out_ptr, lo_v)
         tl.store(out_ptr + 1, hi_v)
         tl.atomic_xchg(ctr_ptr, 0)
@@ -293,9 +292,10 @@ def _quantiles_fp32(x: torch.Tensor, out: torch.Tensor, n: int, sampled: bool, r
     ws = _workspace(x, fp32=True)
     bits, grid, stride = x.view(torch.int32).reshape(-1), (triton.cdiv(n, CHUNK),), lattice_stride(x.numel())
     sel = ws[WS32_SEL:]  # each order statistic's (high-bits bin, rank in it), from the first launch
-    _occ_quantile32_hi_kernel[grid](bits, ws[:BINS], ws[BINS:WS32_LOW], sel, x.numel(), n, stride, r0, r0 + 1, r2, r2 + 1,
-                                    SAMPLED=sampled, CHUNK=CHUNK, SCAN=SCAN, BINS=BINS, num_warps=4)
-    _occ_quantile32_lo_kernel[grid](bits, ws[WS32_LOW:WS32_SEL - 1], ws[WS32_SEL - 1:WS32_SEL], sel, out, x.numel(), n, stride,
-                                    _f32_bits(f0), _f32_bits(f1), SAMPLED=sampled, INTERP0=f0 > 0, INTERP1=f1 > 0,
+    _occ_quantile32_hi_kernel[grid](bits, ws[:BINS], ws[BINS:WS32_LOW], sel, x.numel(), n, stride,
+                                    r0, r0 + 1, r2, r2 + 1, SAMPLED=sampled, CHUNK=CHUNK, SCAN=SCAN, BINS=BINS,
+                                    num_warps=4)
+    _occ_quantile32_lo_kernel[grid](bits, ws[WS32_LOW:WS32_SEL - 1], ws[WS32_SEL - 1:WS32_SEL], sel, out,
+                                    x.numel(), n, stride, _f32_bits(f0), _f32_bits(f1), SAMPLED=sampled,
                                     CHUNK=CHUNK, SCAN=SCAN, BINS=BINS, num_warps=4, enable_fp_fusion=False)
     return out

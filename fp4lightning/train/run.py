@@ -337,7 +337,7 @@ def _peer_lost_error(exc: RuntimeError, trainer, out: Path):
         tell_lost_host(peer)  # for a survivor that sees only this rank leave
     else:
         peer = lost_peer(exc, trainer.global_rank, trainer.world_size)
-        if peer == "another rank" and table:
+        if peer == "another rank" and len({address for address, _ in table}) > 1:  # only hosts can be named
             peer = heard_lost_host() or peer
     if peer is None and not timed_out(exc):
         return None
